@@ -1,0 +1,59 @@
+// The nanobind module jax_ep._jax_ep: registrations() returns {platform: {target: capsule}}
+// with the CPU handlers always and the CUDA handlers when the build found nvcc.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+// Each XLA_FFI_DEFINE_HANDLER_SYMBOL defines an extern "C" symbol.
+#define JAX_EP_TARGETS(X)                        \
+  X("jax_ep_dispatch_layout", JaxEpDispatchLayout) \
+  X("jax_ep_send_layout", JaxEpSendLayout)         \
+  X("jax_ep_indices_to_multihot", JaxEpIndicesToMultihot) \
+  X("jax_ep_permute", JaxEpPermute)                \
+  X("jax_ep_gather_rows", JaxEpGatherRows)         \
+  X("jax_ep_unpermute", JaxEpUnpermute)            \
+  X("jax_ep_cast_to_fp8", JaxEpCastToFp8)          \
+  X("jax_ep_cast_back", JaxEpCastBack)
+
+#define JAX_EP_DECLARE(name, symbol) extern "C" XLA_FFI_Error* symbol##Cpu(XLA_FFI_CallFrame*);
+JAX_EP_TARGETS(JAX_EP_DECLARE)
+#ifdef JAX_EP_WITH_CUDA
+#define JAX_EP_DECLARE_CUDA(name, symbol) \
+  extern "C" XLA_FFI_Error* symbol##Cuda(XLA_FFI_CallFrame*);
+JAX_EP_TARGETS(JAX_EP_DECLARE_CUDA)
+#endif
+
+namespace {
+
+template <typename Fn>
+nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict Registrations() {
+  nb::dict cpu, cuda, out;
+#define JAX_EP_ADD_CPU(name, symbol) cpu[name] = Capsule(symbol##Cpu);
+  JAX_EP_TARGETS(JAX_EP_ADD_CPU)
+#ifdef JAX_EP_WITH_CUDA
+#define JAX_EP_ADD_CUDA(name, symbol) cuda[name] = Capsule(symbol##Cuda);
+  JAX_EP_TARGETS(JAX_EP_ADD_CUDA)
+#endif
+  out["cpu"] = cpu;
+  out["CUDA"] = cuda;
+  return out;
+}
+
+}  // namespace
+
+NB_MODULE(_jax_ep, m) {
+  m.doc() = "jax_ep XLA FFI handlers (CPU and, when built, CUDA)";
+  m.def("registrations", &Registrations,
+        "{platform: {target name: FFI handler capsule}} for jax.ffi.register_ffi_target");
+#ifdef JAX_EP_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -1,0 +1,174 @@
+// Shared by every jax_ep FFI handler, CPU (.cc) and CUDA (.cu) alike: buffer aliases, the
+// bit-exact number formats (bf16, float8_e4m3fn, UE8M0) and the checks every handler makes.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__CUDACC__)
+#define JAX_EP_HD __host__ __device__ __forceinline__
+#else
+#define JAX_EP_HD inline
+#endif
+
+namespace jax_ep {
+
+namespace ffi = xla::ffi;
+
+using I32 = ffi::Buffer<ffi::S32>;
+using F32 = ffi::Buffer<ffi::F32>;
+using Pred = ffi::Buffer<ffi::PRED>;
+using I32Out = ffi::ResultBuffer<ffi::S32>;
+using F32Out = ffi::ResultBuffer<ffi::F32>;
+using PredOut = ffi::ResultBuffer<ffi::PRED>;
+using Any = ffi::AnyBuffer;
+using AnyOut = ffi::Result<ffi::AnyBuffer>;
+
+// FP8 per-token cast: one scale per kFp8Block channels, max finite e4m3fn value.
+constexpr int64_t kFp8Block = 128;
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8MinAmax = 1e-4f;
+
+JAX_EP_HD uint32_t FloatBits(float f) {
+  uint32_t b;
+  memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+JAX_EP_HD float BitsFloat(uint32_t b) {
+  float f;
+  memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+JAX_EP_HD float Bf16ToFloat(uint16_t v) { return BitsFloat(uint32_t(v) << 16); }
+
+// Round to nearest even, NaN kept quiet: the same result as XLA's f32 -> bf16 convert.
+JAX_EP_HD uint16_t FloatToBf16(float f) {
+  uint32_t b = FloatBits(f);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return uint16_t((b >> 16) | 0x40u);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return uint16_t(b >> 16);
+}
+
+// float8_e4m3fn (bias 7, no infinities, 0x7f/0xff are NaN, max 448), round to nearest even;
+// magnitudes that round past 448 become NaN, as XLA's non-saturating convert does.
+JAX_EP_HD uint8_t FloatToE4m3(float f) {
+  uint32_t b = FloatBits(f);
+  uint8_t sign = uint8_t((b >> 24) & 0x80u);
+  uint32_t mag = b & 0x7fffffffu;
+  if (mag > 0x7f800000u) return uint8_t(sign | 0x7fu);
+  float a = BitsFloat(mag);
+  if (a < 0.015625f) {  // below 2^-6: subnormal grid of 2^-9, m == 8 is the smallest normal
+    float q = a * 512.0f;
+    uint32_t m = uint32_t(q);
+    float frac = q - float(m);
+    if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++m;
+    return uint8_t(sign | m);
+  }
+  uint32_t rounded = (mag + 0x7ffffu + ((mag >> 20) & 1u)) & 0xfff00000u;
+  int32_t exp = int32_t(rounded >> 23) - 127;
+  if (exp > 8) return uint8_t(sign | 0x7fu);
+  uint32_t code = (uint32_t(exp + 7) << 3) | ((rounded >> 20) & 7u);
+  if (code > 0x7eu) return uint8_t(sign | 0x7fu);
+  return uint8_t(sign | code);
+}
+
+JAX_EP_HD float E4m3ToFloat(uint8_t v) {
+  uint32_t sign = uint32_t(v & 0x80u) << 24;
+  uint32_t exp = (v >> 3) & 0xfu;
+  uint32_t man = v & 7u;
+  if ((v & 0x7fu) == 0x7fu) return BitsFloat(sign | 0x7fc00000u);
+  if (exp == 0) {
+    float a = float(man) * 0.001953125f;  // man * 2^-9
+    return sign ? -a : a;
+  }
+  return BitsFloat(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// The smallest power of two >= v (v > 0, finite): DeepEP's ceil_to_ue8m0, computed on bits.
+JAX_EP_HD float CeilPow2(float v) {
+  uint32_t b = FloatBits(v);
+  if (b & 0x007fffffu) b = (b & 0x7f800000u) + 0x00800000u;
+  return BitsFloat(b & 0x7f800000u);
+}
+
+// UE8M0 byte of a power-of-two scale: its biased fp32 exponent.
+JAX_EP_HD uint8_t Ue8m0Byte(float scale) { return uint8_t((FloatBits(scale) >> 23) & 0xffu); }
+JAX_EP_HD float Ue8m0Scale(uint8_t byte) { return BitsFloat(uint32_t(byte) << 23); }
+
+// Dimensions of a buffer as a string, for error messages: "[4096, 8]".
+template <typename Dims>
+std::string ShapeString(const Dims& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+// Checks that a buffer has `rank` dimensions; names the argument and the shape it got.
+template <typename Buf>
+ffi::Error CheckRank(const Buf& buf, size_t rank, const char* name) {
+  auto dims = buf.dimensions();
+  if (dims.size() != rank) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": expected rank " +
+                                       std::to_string(rank) + ", got shape " +
+                                       ShapeString(dims));
+  }
+  return ffi::Error::Success();
+}
+
+// Rows and row width (product of trailing dims) of a [rows, ...] buffer.
+template <typename Buf>
+void RowsAndWidth(const Buf& buf, int64_t* rows, int64_t* width) {
+  auto dims = buf.dimensions();
+  *rows = dims.size() ? dims[0] : 1;
+  *width = 1;
+  for (size_t i = 1; i < dims.size(); ++i) *width *= dims[i];
+}
+
+inline bool IsFloatType(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+inline ffi::Error UnsupportedDtype(const char* name, ffi::DataType t) {
+  return ffi::Error::InvalidArgument(std::string(name) +
+                                     ": expected float32, bfloat16 or float16, got dtype code " +
+                                     std::to_string(static_cast<int>(t)));
+}
+
+// Exclusive prefix sums of counts[0..n) into offsets[0..n], offsets[n] = total.
+inline void ExclusiveScan(const int32_t* counts, int64_t n, int64_t* offsets) {
+  offsets[0] = 0;
+  for (int64_t i = 0; i < n; ++i) offsets[i + 1] = offsets[i] + counts[i];
+}
+
+// CPU only: expert ids must lie in [-1, num_experts); GPU handlers count them as unrouted.
+inline ffi::Error CheckExpertIds(const int32_t* idx, int64_t n, int64_t num_experts, const char* name) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (idx[i] < -1 || idx[i] >= num_experts) {
+      return ffi::Error::InvalidArgument(std::string(name) + ": expert id " +
+                                         std::to_string(idx[i]) + " at flat position " +
+                                         std::to_string(i) + " is outside [-1, " +
+                                         std::to_string(num_experts) + ")");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckRouting(const I32& topk_idx, int64_t num_experts, int64_t num_ranks) {
+  if (auto err = CheckRank(topk_idx, 2, "topk_idx"); err.failure()) return err;
+  if (num_ranks <= 0 || num_experts <= 0 || num_experts % num_ranks != 0) {
+    return ffi::Error::InvalidArgument("num_experts (" + std::to_string(num_experts) +
+                                       ") must be a positive multiple of num_ranks (" +
+                                       std::to_string(num_ranks) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_ep

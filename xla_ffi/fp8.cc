@@ -1,0 +1,114 @@
+// Per-token FP8 cast (DeepEP's per_token_cast_to_fp8) and its inverse, CPU handlers.
+//
+// per_token_cast_to_fp8: x [T,H] f32/bf16/f16 -> x_fp8 float8_e4m3fn [T,H] and scales: for each
+//   token and each 128 channels, amax = max(1e-4, max|x|), scale_inv = amax / 448 (rounded up
+//   to a power of two with round_scale), x_fp8 = x * (1 / scale_inv). scales are f32[T,H/128],
+//   or with use_ue8m0 the exponent bytes of scale_inv packed four per int32 little-endian,
+//   i32[T, ceil(H/512)] (unused bytes zero).
+// per_token_cast_back: x_fp8 [T,H], scales -> out [T,H] = x_fp8 * scale_inv in the out dtype.
+#include <algorithm>
+#include <cmath>
+
+#include "cpu_float.h"
+
+namespace jax_ep {
+namespace {
+
+ffi::Error CheckFp8Shapes(int64_t H, bool use_ue8m0, bool round_scale) {
+  if (H % kFp8Block != 0) {
+    return ffi::Error::InvalidArgument("x: hidden size " + std::to_string(H) +
+                                       " must be a multiple of 128 for the FP8 cast");
+  }
+  if (use_ue8m0 && !round_scale) {
+    return ffi::Error::InvalidArgument("use_ue8m0 requires round_scale");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CastToFp8Cpu(Any x, bool round_scale, bool use_ue8m0, AnyOut x_fp8, AnyOut scales) {
+  int64_t T, H;
+  RowsAndWidth(x, &T, &H);
+  if (auto err = CheckFp8Shapes(H, use_ue8m0, round_scale); err.failure()) return err;
+  const int64_t G = H / kFp8Block;
+  uint8_t* q = static_cast<uint8_t*>(x_fp8->untyped_data());
+  float* f32_scales = static_cast<float*>(scales->untyped_data());
+  uint8_t* ue8m0 = static_cast<uint8_t*>(scales->untyped_data());
+  const int64_t ue8m0_row_bytes = 4 * ((G + 3) / 4);
+  if (use_ue8m0) std::memset(ue8m0, 0, T * ue8m0_row_bytes);
+  return DispatchFloat(x.element_type(), "x", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* src = static_cast<const T_*>(x.untyped_data());
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        const T_* block = src + t * H + g * kFp8Block;
+        float amax = kFp8MinAmax;
+        for (int64_t i = 0; i < kFp8Block; ++i)
+          amax = std::max(amax, std::fabs(Fp32Io<T_>::Load(block[i])));
+        float scale_inv = amax / kFp8Max;
+        if (round_scale) scale_inv = CeilPow2(scale_inv);
+        const float inv = 1.0f / scale_inv;
+        uint8_t* out = q + t * H + g * kFp8Block;
+        for (int64_t i = 0; i < kFp8Block; ++i)
+          out[i] = FloatToE4m3(Fp32Io<T_>::Load(block[i]) * inv);
+        if (use_ue8m0) {
+          ue8m0[t * ue8m0_row_bytes + g] = Ue8m0Byte(scale_inv);
+        } else {
+          f32_scales[t * G + g] = scale_inv;
+        }
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error CastBackCpu(Any x_fp8, Any scales, bool use_ue8m0, AnyOut out) {
+  int64_t T, H;
+  RowsAndWidth(x_fp8, &T, &H);
+  if (x_fp8.element_type() != ffi::DataType::F8E4M3FN) {
+    return ffi::Error::InvalidArgument("x_fp8: expected float8_e4m3fn");
+  }
+  if (auto err = CheckFp8Shapes(H, false, false); err.failure()) return err;
+  const int64_t G = H / kFp8Block;
+  const int64_t ue8m0_row_bytes = 4 * ((G + 3) / 4);
+  const size_t want = use_ue8m0 ? T * ue8m0_row_bytes : T * G * 4;
+  if (scales.size_bytes() != want) {
+    return ffi::Error::InvalidArgument("scales: got shape " + ShapeString(scales.dimensions()) +
+                                       ", which does not match x_fp8 " +
+                                       ShapeString(x_fp8.dimensions()));
+  }
+  const uint8_t* q = static_cast<const uint8_t*>(x_fp8.untyped_data());
+  const float* f32_scales = static_cast<const float*>(scales.untyped_data());
+  const uint8_t* ue8m0 = static_cast<const uint8_t*>(scales.untyped_data());
+  return DispatchFloat(out->element_type(), "out", [&](auto tag) {
+    using T_ = decltype(tag);
+    T_* dst = static_cast<T_*>(out->untyped_data());
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = use_ue8m0 ? Ue8m0Scale(ue8m0[t * ue8m0_row_bytes + g])
+                                  : f32_scales[t * G + g];
+        const int64_t base = t * H + g * kFp8Block;
+        for (int64_t i = 0; i < kFp8Block; ++i)
+          dst[base + i] = Fp32Io<T_>::Store(E4m3ToFloat(q[base + i]) * s);
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCastToFp8Cpu, jax_ep::CastToFp8Cpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<jax_ep::Any>()        // x [T, H]
+                                  .Attr<bool>("round_scale")
+                                  .Attr<bool>("use_ue8m0")
+                                  .Ret<jax_ep::Any>()        // x_fp8 [T, H] float8_e4m3fn
+                                  .Ret<jax_ep::Any>());      // scales f32[T, H/128] | i32[T, H/512]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCastBackCpu, jax_ep::CastBackCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<jax_ep::Any>()        // x_fp8 [T, H]
+                                  .Arg<jax_ep::Any>()        // scales
+                                  .Attr<bool>("use_ue8m0")
+                                  .Ret<jax_ep::Any>());      // out [T, H]

@@ -1,0 +1,245 @@
+// Multihot routing, expert-major permutation, row gather and the deterministic unpermute
+// reduction, CPU handlers.
+//
+// indices_to_multihot: topk_idx i32[T,K], topk_probs f32[T,K] -> routing_map bool[T,E],
+//   probs f32[T,E] (a repeated expert id in one row adds its probs).
+// permute: tokens [T,H], routing_map bool[T,E], probs f32[T,E] or f32[0] -> permuted [N,H],
+//   permuted_probs f32[N], sorted_indices i32[N], tokens_per_expert i32[E], num_dropped i32[].
+//   Expert-major, token-ascending; blocks padded to pad_multiple; drop_and_pad gives every
+//   expert exactly N // E rows. Rows that fit nowhere are dropped (counted), padding rows are
+//   zero / -1 / 0.
+// gather_rows: x [S,H], row_idx i32[N] -> out [N,H], out[r] = x[row_idx[r]], zero when the
+//   index is outside [0, S). Used for send packing and every "replay a layout" step.
+// unpermute: permuted [N,H], sorted_indices i32[N], probs f32[N] or f32[0] -> out [T,H],
+//   out[t] = sum over rows r with sorted_indices[r] == t, ascending r, of permuted[r]*probs[r]
+//   in fp32. A counting pass builds the inverse map token -> rows, so every output row is
+//   reduced in a fixed order (bitwise reproducible, no scatter-add).
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+#include "cpu_float.h"
+#include "permute.h"
+
+namespace jax_ep {
+
+void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64_t pad_multiple,
+                 bool drop_and_pad, int32_t* sorted_indices, int32_t* tokens_per_expert,
+                 int32_t* num_dropped, std::vector<int64_t>* row_of_pair) {
+  std::vector<int64_t> routed(E, 0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) routed[e] += routing_map[t * E + e];
+
+  // Block start and row capacity of each expert.
+  std::vector<int64_t> start(E), capacity(E);
+  const int64_t m = std::max<int64_t>(pad_multiple, 1);
+  if (drop_and_pad) {
+    const int64_t c = (E ? N / E : 0) / m * m;
+    for (int64_t e = 0; e < E; ++e) {
+      start[e] = e * c;
+      capacity[e] = c;
+    }
+  } else {
+    int64_t offset = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t block = (routed[e] + m - 1) / m * m;
+      start[e] = offset;
+      capacity[e] = std::clamp<int64_t>(N - offset, 0, block);
+      offset += block;
+    }
+  }
+  std::fill(sorted_indices, sorted_indices + N, -1);
+  int64_t kept = 0, total = 0;
+  std::vector<int64_t> cursor(E, 0);
+  row_of_pair->assign(T * E, -1);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) {
+      if (!routing_map[t * E + e]) continue;
+      ++total;
+      const int64_t j = cursor[e]++;
+      if (j >= capacity[e]) continue;
+      const int64_t row = start[e] + j;
+      sorted_indices[row] = int32_t(t);
+      (*row_of_pair)[t * E + e] = row;
+      ++kept;
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) tokens_per_expert[e] = int32_t(capacity[e]);
+  *num_dropped = int32_t(total - kept);
+}
+
+void GatherRowsBytes(const uint8_t* x, int64_t num_src, int64_t row_bytes, const int32_t* idx,
+                     int64_t num_rows, uint8_t* out) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t s = idx[r];
+    uint8_t* dst = out + r * row_bytes;
+    if (s >= 0 && s < num_src) {
+      std::memcpy(dst, x + s * row_bytes, row_bytes);
+    } else {
+      std::memset(dst, 0, row_bytes);
+    }
+  }
+}
+
+namespace {
+
+ffi::Error MultihotCpu(I32 topk_idx, F32 topk_probs, int64_t num_experts, PredOut routing_map,
+                       F32Out probs) {
+  if (auto err = CheckRank(topk_idx, 2, "topk_idx"); err.failure()) return err;
+  const int64_t T = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
+  const int64_t E = num_experts;
+  const int32_t* idx = topk_idx.typed_data();
+  if (auto err = CheckExpertIds(idx, T * K, E, "topk_idx"); err.failure()) return err;
+  const float* p = topk_probs.typed_data();
+  bool* map = routing_map->typed_data();
+  float* dense = probs->typed_data();
+  std::fill(map, map + T * E, false);
+  std::fill(dense, dense + T * E, 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = idx[t * K + k];
+      if (e < 0) continue;
+      map[t * E + e] = true;
+      dense[t * E + e] += p[t * K + k];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PermuteCpu(Any tokens, Pred routing_map, F32 probs, int64_t pad_multiple,
+                      bool drop_and_pad, AnyOut permuted, F32Out permuted_probs,
+                      I32Out sorted_indices, I32Out tokens_per_expert, I32Out num_dropped) {
+  if (auto err = CheckRank(routing_map, 2, "routing_map"); err.failure()) return err;
+  const int64_t T = routing_map.dimensions()[0], E = routing_map.dimensions()[1];
+  int64_t rows, width;
+  RowsAndWidth(tokens, &rows, &width);
+  if (rows != T) {
+    return ffi::Error::InvalidArgument("tokens: expected " + std::to_string(T) +
+                                       " rows to match routing_map, got shape " +
+                                       ShapeString(tokens.dimensions()));
+  }
+  const bool has_probs = probs.element_count() != 0;
+  if (has_probs && probs.element_count() != size_t(T * E)) {
+    return ffi::Error::InvalidArgument("probs: expected shape of routing_map, got " +
+                                       ShapeString(probs.dimensions()));
+  }
+  const int64_t N = sorted_indices->element_count();
+  std::vector<int64_t> row_of_pair;
+  int32_t* order = sorted_indices->typed_data();
+  PlanPermute(routing_map.typed_data(), T, E, N, pad_multiple, drop_and_pad, order,
+              tokens_per_expert->typed_data(), num_dropped->typed_data(), &row_of_pair);
+
+  float* out_probs = permuted_probs->typed_data();
+  std::fill(out_probs, out_probs + N, 0.0f);
+  if (has_probs) {
+    const float* p = probs.typed_data();
+    for (int64_t i = 0; i < T * E; ++i)
+      if (row_of_pair[i] >= 0) out_probs[row_of_pair[i]] = p[i];
+  }
+  const int64_t row_bytes = width * ffi::ByteWidth(tokens.element_type());
+  GatherRowsBytes(static_cast<const uint8_t*>(tokens.untyped_data()), T, row_bytes, order, N,
+                  static_cast<uint8_t*>(permuted->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error GatherRowsCpu(Any x, I32 row_idx, AnyOut out) {
+  int64_t rows, width;
+  RowsAndWidth(x, &rows, &width);
+  const int64_t row_bytes = width * ffi::ByteWidth(x.element_type());
+  GatherRowsBytes(static_cast<const uint8_t*>(x.untyped_data()), rows, row_bytes,
+                  row_idx.typed_data(), row_idx.element_count(),
+                  static_cast<uint8_t*>(out->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error UnpermuteCpu(Any permuted, I32 sorted_indices, F32 probs, AnyOut out) {
+  int64_t N, H;
+  RowsAndWidth(permuted, &N, &H);
+  int64_t T, out_width;
+  RowsAndWidth(*out, &T, &out_width);
+  if (int64_t(sorted_indices.element_count()) != N) {
+    return ffi::Error::InvalidArgument("sorted_indices: expected " + std::to_string(N) +
+                                       " entries (rows of permuted), got shape " +
+                                       ShapeString(sorted_indices.dimensions()));
+  }
+  const bool has_probs = probs.element_count() != 0;
+  if (has_probs && int64_t(probs.element_count()) != N) {
+    return ffi::Error::InvalidArgument("probs: expected [" + std::to_string(N) + "], got " +
+                                       ShapeString(probs.dimensions()));
+  }
+  const int32_t* idx = sorted_indices.typed_data();
+  for (int64_t r = 0; r < N; ++r) {
+    if (idx[r] < -1 || idx[r] >= T) {
+      return ffi::Error::InvalidArgument("sorted_indices: entry " + std::to_string(idx[r]) +
+                                         " at row " + std::to_string(r) + " is outside [-1, " +
+                                         std::to_string(T) + ")");
+    }
+  }
+  // Inverse map token -> rows, rows ascending inside each token (a stable counting sort).
+  std::vector<int32_t> count(T, 0);
+  for (int64_t r = 0; r < N; ++r)
+    if (idx[r] >= 0) ++count[idx[r]];
+  std::vector<int64_t> offset(T + 1);
+  ExclusiveScan(count.data(), T, offset.data());
+  std::vector<int64_t> rows_of_token(offset[T]);
+  std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+  for (int64_t r = 0; r < N; ++r)
+    if (idx[r] >= 0) rows_of_token[fill[idx[r]]++] = r;
+
+  const float* p = has_probs ? probs.typed_data() : nullptr;
+  return DispatchFloat(permuted.element_type(), "permuted", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* src = static_cast<const T_*>(permuted.untyped_data());
+    T_* dst = static_cast<T_*>(out->untyped_data());
+    std::vector<float> acc(H);
+    for (int64_t t = 0; t < T; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t i = offset[t]; i < offset[t + 1]; ++i) {
+        const int64_t r = rows_of_token[i];
+        const float w = p ? p[r] : 1.0f;
+        const T_* row = src + r * H;
+        for (int64_t h = 0; h < H; ++h) acc[h] += Fp32Io<T_>::Load(row[h]) * w;
+      }
+      T_* dst_row = dst + t * H;
+      for (int64_t h = 0; h < H; ++h) dst_row[h] = Fp32Io<T_>::Store(acc[h]);
+    }
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpIndicesToMultihotCpu, jax_ep::MultihotCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<jax_ep::I32>()        // topk_idx [T, K]
+                                  .Arg<jax_ep::F32>()        // topk_probs [T, K]
+                                  .Attr<int64_t>("num_experts")
+                                  .Ret<jax_ep::Pred>()       // routing_map [T, E]
+                                  .Ret<jax_ep::F32>());      // probs [T, E]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPermuteCpu, jax_ep::PermuteCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<jax_ep::Any>()        // tokens [T, H]
+                                  .Arg<jax_ep::Pred>()       // routing_map [T, E]
+                                  .Arg<jax_ep::F32>()        // probs [T, E] or [0]
+                                  .Attr<int64_t>("pad_multiple")
+                                  .Attr<bool>("drop_and_pad")
+                                  .Ret<jax_ep::Any>()        // permuted [N, H]
+                                  .Ret<jax_ep::F32>()        // permuted_probs [N]
+                                  .Ret<jax_ep::I32>()        // sorted_indices [N]
+                                  .Ret<jax_ep::I32>()        // tokens_per_expert [E]
+                                  .Ret<jax_ep::I32>());      // num_dropped []
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGatherRowsCpu, jax_ep::GatherRowsCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<jax_ep::Any>()        // x [S, ...]
+                                  .Arg<jax_ep::I32>()        // row_idx [N]
+                                  .Ret<jax_ep::Any>());      // out [N, ...]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpUnpermuteCpu, jax_ep::UnpermuteCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<jax_ep::Any>()        // permuted [N, H]
+                                  .Arg<jax_ep::I32>()        // sorted_indices [N]
+                                  .Arg<jax_ep::F32>()        // probs [N] or [0]
+                                  .Ret<jax_ep::Any>());      // out [T, H]

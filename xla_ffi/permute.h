@@ -1,0 +1,20 @@
+// CPU building blocks shared by the permutation, HybridEP and low-latency handlers.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace jax_ep {
+
+// Expert-major, token-ascending row plan of a [T, E] routing map into N rows (see permute.cc):
+// fills sorted_indices[N] (-1 on padding), tokens_per_expert[E], num_dropped[1], and
+// row_of_pair[T*E] (the row holding each routed (token, expert) pair, -1 if dropped or unrouted).
+void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64_t pad_multiple,
+                 bool drop_and_pad, int32_t* sorted_indices, int32_t* tokens_per_expert,
+                 int32_t* num_dropped, std::vector<int64_t>* row_of_pair);
+
+// out[r] = x[idx[r]] for idx[r] in [0, num_src), else a zero row; rows are row_bytes wide.
+void GatherRowsBytes(const uint8_t* x, int64_t num_src, int64_t row_bytes, const int32_t* idx,
+                     int64_t num_rows, uint8_t* out);
+
+}  // namespace jax_ep
