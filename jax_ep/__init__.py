@@ -1,1 +1,29 @@
-"""jax_ep."""
+"""jax_ep: expert-parallel MoE token dispatch and combine for JAX/Flax.
+
+DeepEP, HybridEP, UCCL-EP and plain all-to-all dispatch modes as XLA FFI custom calls (CPU and
+CUDA handlers), differentiable with `custom_vjp`, run inside `jax.shard_map` over an expert
+mesh axis. Layers: `jax_ep.ops` (local kernels) -> `jax_ep.transport` -> the modes
+(`jax_ep.deepep`, ...) -> `jax_ep.flax`. See SPEC.md for the contract.
+"""
+
+from jax_ep import ops, reference, transport
+from jax_ep._ffi import WITH_CUDA
+from jax_ep.deepep import (
+    DispatchHandle,
+    chunk_bounds,
+    combine,
+    dispatch,
+    dispatch_chunked_forward,
+)
+
+__all__ = [
+    "WITH_CUDA",
+    "DispatchHandle",
+    "chunk_bounds",
+    "combine",
+    "dispatch",
+    "dispatch_chunked_forward",
+    "ops",
+    "reference",
+    "transport",
+]

@@ -20,9 +20,45 @@ def _register_all() -> None:
 _register_all()
 
 
+def _varying_axes(x) -> frozenset:
+    """Manual mesh axes `x` varies over inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _make_varying(x, axes: frozenset):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+
+def _varying_result(result, axes: frozenset, like):
+    if not axes:
+        return result
+    aval = jax.typeof(like)
+    if getattr(aval, "mat", None) is not None:  # jax >= 0.10: typed by mesh + manual axes
+        sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+        return jax.ShapeDtypeStruct(result.shape, result.dtype, sharding=sharding,
+                                    manual_axis_type=aval.mat.update(varying=axes))
+    return jax.ShapeDtypeStruct(result.shape, result.dtype, vma=axes)
+
+
 def call(target: str, results, *args, **attrs):
     """Runs FFI target `target` on `args` with static `attrs`; `results` are ShapeDtypeStructs.
 
-    Batching under `vmap` runs the handler once per batch element.
+    Inside shard_map every argument is made to vary over the union of the arguments' manual
+    axes and the results are typed the same way (an FFI call is per-device work). Batching
+    under `vmap` runs the handler once per batch element.
     """
-    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
+    axes = frozenset().union(*(_varying_axes(a) for a in args))
+    args = tuple(_make_varying(a, axes) for a in args)
+    single = not isinstance(results, (tuple, list))
+    typed = [_varying_result(r, axes, args[0]) for r in ([results] if single else results)]
+    fn = jax.ffi.ffi_call(target, typed[0] if single else typed, vmap_method="sequential")
+    return fn(*args, **attrs)

@@ -1,0 +1,301 @@
+"""DeepEP normal-mode dispatch/combine over an expert mesh axis (backends "deepep", "alltoall",
+"uccl_ep"), inside `jax.shard_map`.
+
+Each token is sent once to every rank owning at least one of its experts. On the receiving
+rank, rows are grouped by source rank ascending, source token ascending inside; recv_topk_idx
+holds local expert ids (-1 for slots owned elsewhere, weight 0 there); R = num_worst_tokens
+rows, the tail is padding (zero rows, -1 ids, 0 weights). combine sums every returned copy of
+a token (unweighted, fp32 accumulation). "deepep" (and its alias "uccl_ep") run the FFI
+kernels for the send layout, row packing and the combine reduction; "alltoall" gives the same
+results from XLA ops only. Gradients: dispatch's backward is a combine of the cotangents,
+combine's backward is a dispatch replaying the forward handle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import ops, transport as tp
+from jax_ep._checks import check_experts, check_positive, check_rank, check_routing
+
+__all__ = [
+    "BACKENDS",
+    "DispatchHandle",
+    "capacity_from_factor",
+    "chunk_bounds",
+    "combine",
+    "dispatch",
+    "dispatch_chunked_forward",
+]
+
+BACKENDS = ("deepep", "alltoall", "uccl_ep")
+_IMPL_OF_BACKEND = {"deepep": "ffi", "uccl_ep": "ffi", "alltoall": "xla"}
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["plan", "send_token_idx", "send_row_idx", "recv_topk_idx",
+                      "num_recv_tokens", "num_recv_tokens_per_expert", "num_dropped",
+                      "num_invalid"],
+         meta_fields=["num_tokens", "num_recv", "capacity", "num_experts", "axis_name",
+                      "transport", "impl"])
+@dataclasses.dataclass(frozen=True)
+class DispatchHandle:
+    """What combine (and a cached dispatch) needs; a pytree of arrays plus static fields.
+
+    plan: transport.ExchangePlan of this dispatch.
+    send_token_idx i32[T*P]: source token of each compact send row (-1: padding or dropped).
+    send_row_idx i32[T*P]: the compact send row itself (-1: padding or dropped).
+    recv_topk_idx i32[R,K]: local expert ids of the received rows (-1 elsewhere / padding).
+    num_recv_tokens i32[]: received rows (the rest of R is padding).
+    num_recv_tokens_per_expert i32[L]: rows per local expert, aligned up to expert_alignment.
+    num_dropped i32[]: (token, destination) rows this rank dropped to the capacity bound.
+    num_invalid i32[]: expert ids outside [-1, E) seen (GPU only; the CPU kernels raise).
+    """
+
+    plan: tp.ExchangePlan
+    send_token_idx: jax.Array
+    send_row_idx: jax.Array
+    recv_topk_idx: jax.Array
+    num_recv_tokens: jax.Array
+    num_recv_tokens_per_expert: jax.Array
+    num_dropped: jax.Array
+    num_invalid: jax.Array
+    num_tokens: int
+    num_recv: int
+    capacity: int
+    num_experts: int
+    axis_name: str
+    transport: str
+    impl: str
+
+
+def check_backend(backend: str) -> str:
+    """Returns the kernel implementation ("ffi" / "xla") of a dispatcher backend name."""
+    if backend not in _IMPL_OF_BACKEND:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return _IMPL_OF_BACKEND[backend]
+
+
+def capacity_from_factor(num_tokens, top_k, num_ranks, capacity_factor):
+    """Per-destination row bound for a capacity factor, Megatron style: each expert takes
+    ceil(T*K/E * factor) tokens, so a rank of L experts gets ceil(T*K*factor/P), at most T."""
+    if capacity_factor is None:
+        return num_tokens
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor: expected a positive float, got {capacity_factor}")
+    return max(1, min(num_tokens, math.ceil(num_tokens * top_k * capacity_factor / num_ranks)))
+
+
+def _sizes(num_tokens, num_ranks, capacity, num_worst_tokens):
+    capacity = num_tokens if capacity is None else check_positive(capacity, "capacity")
+    capacity = min(capacity, num_tokens)
+    worst = num_ranks * capacity
+    if num_worst_tokens is None:
+        return capacity, worst
+    num_worst_tokens = check_positive(num_worst_tokens, "num_worst_tokens", allow_zero=True)
+    if num_worst_tokens < worst:
+        raise ValueError(
+            f"num_worst_tokens: {num_worst_tokens} is smaller than the {worst} rows this rank "
+            f"may receive ({num_ranks} ranks x {capacity} rows each); raise it or bound the "
+            "per-destination capacity")
+    return capacity, num_worst_tokens
+
+
+def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
+                  expert_alignment, transport, impl, count_matrix=None):
+    """Send layout + one count exchange (skipped when count_matrix i32[P,P] is given) + the
+    local-id exchange -> DispatchHandle."""
+    rank, num_ranks = tp.axis_rank_and_size(axis_name)
+    num_local = check_experts(num_experts, num_ranks)
+    num_tokens, _ = topk_idx.shape
+    capacity, num_recv = _sizes(num_tokens, num_ranks, capacity, num_worst_tokens)
+    layout = ops.build_send_layout(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
+                                   num_ranks=num_ranks, num_local_experts=num_local, impl=impl)
+    if count_matrix is None:
+        count_matrix = tp.exchange_counts(layout.send_counts, axis_name)
+    plan = tp.make_plan(count_matrix, rank, capacity)
+    # Compact rows past a destination's capacity are dropped (highest token index first).
+    row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)
+    dest = jnp.clip(layout.rank, 0, num_ranks - 1)
+    kept = (layout.rank >= 0) & (row - plan.send_offsets[dest] < plan.send_counts[dest])
+    send_row_idx = jnp.where(kept, row, -1)
+    send_token_idx = jnp.where(kept, layout.token_idx, -1)
+
+    recv_idx = tp.send_rows(layout.local_idx, send_row_idx, plan, num_recv=num_recv,
+                            capacity=capacity, axis_name=axis_name, transport=transport,
+                            impl=impl)
+    num_recv_tokens = plan.recv_counts.sum()
+    valid = jnp.arange(num_recv)[:, None] < num_recv_tokens
+    recv_idx = jnp.where(valid, recv_idx, -1)
+    per_expert = jnp.zeros((num_local,), jnp.int32).at[
+        jnp.where(recv_idx >= 0, recv_idx, num_local)].add(1, mode="drop")
+    align = check_positive(expert_alignment, "expert_alignment")
+    per_expert = (per_expert + align - 1) // align * align
+    handle = DispatchHandle(
+        plan=plan, send_token_idx=send_token_idx, send_row_idx=send_row_idx,
+        recv_topk_idx=recv_idx, num_recv_tokens=num_recv_tokens,
+        num_recv_tokens_per_expert=per_expert,
+        num_dropped=layout.send_counts.sum() - plan.send_counts.sum(),
+        num_invalid=((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=jnp.int32),
+        num_tokens=num_tokens, num_recv=num_recv, capacity=capacity, num_experts=num_experts,
+        axis_name=axis_name, transport=transport, impl=impl)
+    return handle
+
+
+def _send(x, handle):
+    """Rows of x [T,...] to their owning ranks -> [R,...] (the data path of dispatch)."""
+    return tp.send_rows(x, handle.send_token_idx, handle.plan, num_recv=handle.num_recv,
+                        capacity=handle.capacity, axis_name=handle.axis_name,
+                        transport=handle.transport, impl=handle.impl)
+
+
+def _reduce_back(y, handle):
+    """Rows y [R,...] back to their source tokens, summed per token in fp32 -> [T,...]."""
+    flat = y.reshape(y.shape[0], math.prod(y.shape[1:]))
+    rows, owner = tp.return_rows(flat, handle.send_token_idx, handle.plan,
+                                 num_send=handle.send_token_idx.shape[0],
+                                 capacity=handle.capacity, axis_name=handle.axis_name,
+                                 transport=handle.transport, impl=handle.impl)
+    out = ops.unpermute(rows, owner, num_tokens=handle.num_tokens, impl=handle.impl)
+    return out.reshape((handle.num_tokens,) + y.shape[1:])
+
+
+@jax.custom_vjp
+def _dispatch_rows(x, topk_weights, handle):
+    recv_x = _send(x, handle)
+    recv_w = _send(topk_weights, handle)
+    return recv_x, jnp.where(handle.recv_topk_idx >= 0, recv_w, 0.0)
+
+
+def _dispatch_rows_fwd(x, topk_weights, handle):
+    return _dispatch_rows(x, topk_weights, handle), handle
+
+
+def _dispatch_rows_bwd(handle, cotangents):
+    d_recv_x, d_recv_w = cotangents
+    d_x = _reduce_back(d_recv_x, handle).astype(d_recv_x.dtype)
+    d_w = _reduce_back(jnp.where(handle.recv_topk_idx >= 0, d_recv_w, 0.0), handle)
+    return d_x, d_w, None
+
+
+_dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
+
+
+@jax.custom_vjp
+def _combine_rows(y, handle):
+    return _reduce_back(y, handle)
+
+
+def _combine_rows_fwd(y, handle):
+    return _combine_rows(y, handle), handle
+
+
+def _combine_rows_bwd(handle, d_out):
+    return _send(d_out, handle), None
+
+
+_combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+
+
+def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name,
+             backend="deepep", num_worst_tokens=None, expert_alignment=1, transport="auto",
+             capacity=None, handle=None):
+    """Send each token once to every rank owning one of its experts (DeepEP normal mode).
+
+    Call inside `jax.shard_map` over `axis_name` (P ranks; P = 1 runs no collective).
+      x: [T,H] f32/bf16/f16, this rank's tokens.
+      topk_idx: [T,K] int32/int64 global expert ids, -1 = unrouted.
+      topk_weights: [T,K] float routing weights (None: ones).
+      num_experts: E, a multiple of P; rank r owns experts [r*L, (r+1)*L).
+      num_worst_tokens: R, rows of the receive buffers (default P*C, at least P*C).
+      expert_alignment: num_recv_tokens_per_expert is rounded up to a multiple of it.
+      transport: "auto", "all_to_all" or "ragged" (see jax_ep.transport).
+      capacity: C, rows sent per destination (default T: no drop). Blocks beyond it drop their
+        highest token indices; the count is handle.num_dropped.
+      handle: a previous dispatch's handle to replay its layout (cached dispatch: topk_idx
+        and topk_weights are then ignored, the routing is the cached one).
+    Returns (recv_x [R,H], recv_topk_idx i32[R,K], recv_topk_weights f32[R,K], handle).
+    """
+    impl = check_backend(backend)
+    check_rank(x, 2, "x")
+    if handle is None:
+        if topk_idx is None or num_experts is None:
+            raise ValueError("dispatch: topk_idx and num_experts are required without a handle")
+        topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
+        if topk_idx.shape[0] != x.shape[0]:
+            raise ValueError(f"topk_idx: expected {x.shape[0]} rows to match x {x.shape}, got "
+                             f"shape {topk_idx.shape}")
+        handle = _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
+                               expert_alignment, tp.resolve_transport(transport), impl)
+    elif x.shape[0] != handle.num_tokens:
+        raise ValueError(f"x: expected {handle.num_tokens} rows to match the handle, got "
+                         f"shape {x.shape}")
+    if topk_weights is None:
+        topk_weights = jnp.ones((x.shape[0], handle.recv_topk_idx.shape[1]), jnp.float32)
+    recv_x, recv_w = _dispatch_rows(x, topk_weights, handle)
+    return recv_x, handle.recv_topk_idx, recv_w, handle
+
+
+def combine(y, handle, *, topk_weights=None):
+    """Sum every returned copy of a token: y [R,H] -> (combined [T,H], combined_weights).
+
+    Unweighted (experts apply gate weights themselves), fp32 accumulation, cast to y.dtype;
+    unrouted tokens combine to 0. topk_weights [R,K] (optional) are summed back the same way
+    into combined_weights f32[T,K], else None.
+    """
+    if not isinstance(handle, DispatchHandle):
+        raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got {type(handle)}")
+    check_rank(y, 2, "y")
+    if y.shape[0] != handle.num_recv:
+        raise ValueError(f"y: expected {handle.num_recv} rows (the dispatch's receive buffer), "
+                         f"got shape {y.shape}")
+    combined = _combine_rows(y, handle)
+    combined_weights = None
+    if topk_weights is not None:
+        combined_weights = _combine_rows(topk_weights.astype(jnp.float32), handle)
+    return combined, combined_weights
+
+
+def chunk_bounds(num_tokens, chunks):
+    """`chunks` contiguous [start, end) token ranges; each holds num_tokens // chunks tokens
+    and the last also takes the remainder, so some are empty when num_tokens < chunks."""
+    check_positive(chunks, "chunks")
+    step = num_tokens // chunks
+    bounds = [(i * step, (i + 1) * step) for i in range(chunks - 1)]
+    return bounds + [((chunks - 1) * step, num_tokens)]
+
+
+def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_local_experts,
+                             axis_name, chunks, backend="alltoall", transport="auto"):
+    """dispatch -> local_kernel -> combine over `chunks` token ranges; equals the unchunked
+    result. local_kernel(recv_x [R,H], recv_topk_idx [R,K], recv_topk_weights [R,K]) -> [R,H].
+
+    One count exchange serves every chunk; every rank issues every chunk's collectives in the
+    same order (empty chunks included), so XLA can overlap chunk i+1's dispatch with chunk
+    i's expert compute.
+    """
+    _, num_ranks = tp.axis_rank_and_size(axis_name)
+    num_experts = num_local_experts * num_ranks
+    impl = check_backend(backend)
+    topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
+    if topk_weights is None:
+        topk_weights = jnp.ones(topk_idx.shape, jnp.float32)
+    bounds = chunk_bounds(x.shape[0], chunks)
+    counts = jnp.stack([
+        ops.get_dispatch_layout(topk_idx[s:e], num_experts=num_experts, num_ranks=num_ranks,
+                                impl=impl)[0] for s, e in bounds])
+    count_matrix = tp.exchange_counts(counts, axis_name)  # [P_src, chunks, P_dst]
+    transport = tp.resolve_transport(transport)
+    outputs = []
+    for i, (s, e) in enumerate(bounds):
+        handle = _routing_plan(topk_idx[s:e], num_experts, axis_name, None, None, 1,
+                               transport, impl, count_matrix=count_matrix[:, i])
+        recv_x, recv_w = _dispatch_rows(x[s:e], topk_weights[s:e], handle)
+        y = local_kernel(recv_x, handle.recv_topk_idx, recv_w)
+        outputs.append(_combine_rows(y, handle))
+    return jnp.concatenate(outputs, axis=0)

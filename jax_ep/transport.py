@@ -1,0 +1,187 @@
+"""Moving rows between the ranks of an expert mesh axis, inside `jax.shard_map`.
+
+Every EP mode describes its traffic the same way: a compact send buffer of S rows grouped by
+destination rank (destination-major), `send_counts[p]` rows for rank p starting at
+`send_offsets[p]`, and a compact receive buffer of R rows grouped by source rank ascending.
+An `ExchangePlan` (a pytree of i32 arrays, built once from one count exchange) holds every
+count and offset both directions need, so a backward or a combine replays it with no new
+count exchange.
+
+Transports:
+  "all_to_all" - `jax.lax.all_to_all` of a [P, C, ...] padded buffer, C rows per destination
+                 (every backend, XLA:CPU included);
+  "ragged"     - `jax.lax.ragged_all_to_all` of exactly the used rows (GPU/TPU only);
+  "auto"       - ragged on GPU/TPU, all_to_all on CPU.
+Both give identical results. The collectives are tagged with `checkpoint_name` ("ep_counts",
+"ep_dispatch", "ep_combine") so remat policies can save or recompute them by name.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_ep import ops
+
+__all__ = [
+    "TRANSPORTS",
+    "ExchangePlan",
+    "axis_rank_and_size",
+    "exchange_counts",
+    "make_plan",
+    "resolve_transport",
+    "send_rows",
+    "return_rows",
+]
+
+TRANSPORTS = ("auto", "all_to_all", "ragged")
+COUNTS_NAME = "ep_counts"
+DISPATCH_NAME = "ep_dispatch"
+COMBINE_NAME = "ep_combine"
+
+
+def resolve_transport(transport: str) -> str:
+    """"auto" -> "ragged" on GPU/TPU, "all_to_all" on CPU; checks the name."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+    if transport == "auto":
+        return "all_to_all" if jax.default_backend() == "cpu" else "ragged"
+    if transport == "ragged" and jax.default_backend() == "cpu":
+        raise ValueError("transport: 'ragged' (ragged_all_to_all) is not supported by XLA:CPU; "
+                         "use 'all_to_all' or 'auto'")
+    return transport
+
+
+def axis_rank_and_size(axis_name):
+    """(this rank's index, P) on the expert axis; ValueError if the axis is not bound."""
+    try:
+        size = jax.lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(f"axis_name: {axis_name!r} is not a mesh axis bound by the enclosing "
+                         "jax.shard_map") from err
+    rank = jax.lax.axis_index(axis_name) if size > 1 else jnp.zeros((), jnp.int32)
+    return rank, size
+
+
+def exchange_counts(send_counts, axis_name):
+    """send_counts i32[..., P] on every rank -> the count matrix i32[P_src, ..., P_dst] of the
+    whole axis, one all_gather (the only count exchange of a dispatch)."""
+    _, size = axis_rank_and_size(axis_name)
+    if size == 1:
+        return send_counts[None]
+    return checkpoint_name(jax.lax.all_gather(send_counts, axis_name), COUNTS_NAME)
+
+
+class ExchangePlan(NamedTuple):
+    """Counts and offsets of one exchange (all i32[P]); see the module docstring.
+
+    send_counts: rows sent to each destination (capacity applied).
+    send_offsets: start of each destination's block in the compact send buffer.
+    recv_counts: rows received from each source (capacity applied).
+    recv_offsets: start of each source's block in the compact receive buffer.
+    remote_recv_offsets: where this rank's rows start in each destination's receive buffer.
+    remote_send_offsets: where each source's block for this rank starts in that source's send
+      buffer (the return trip of `return_rows`).
+    """
+
+    send_counts: jax.Array
+    send_offsets: jax.Array
+    recv_counts: jax.Array
+    recv_offsets: jax.Array
+    remote_recv_offsets: jax.Array
+    remote_send_offsets: jax.Array
+
+
+def _exclusive_cumsum(x, axis=-1):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def make_plan(count_matrix, rank, capacity):
+    """count_matrix i32[P_src, P_dst] of uncapped block sizes -> ExchangePlan of `rank`.
+
+    Blocks larger than `capacity` keep their first `capacity` rows (the rest are dropped by
+    the sender); send offsets stay those of the uncapped compact send buffer.
+    """
+    capped = jnp.minimum(count_matrix, capacity)
+    offsets_in_source = _exclusive_cumsum(count_matrix, axis=1)
+    offsets_in_dest = _exclusive_cumsum(capped, axis=0)
+    recv_counts = capped[:, rank]
+    fields = (capped[rank], offsets_in_source[rank], recv_counts, _exclusive_cumsum(recv_counts),
+              offsets_in_dest[rank], offsets_in_source[:, rank])
+    return ExchangePlan(*(f.astype(jnp.int32) for f in fields))
+
+
+def _block_slots(counts, offsets, capacity):
+    """[P*C] index of the compact row held by padded slot (p, j), -1 past counts[p]."""
+    num_ranks = counts.shape[0]
+    j = jnp.arange(capacity, dtype=jnp.int32)
+    rows = offsets[:, None] + j[None, :]
+    return jnp.where(j[None, :] < counts[:, None], rows, -1).reshape(num_ranks * capacity)
+
+
+def _compact_slots(counts, offsets, capacity, num_rows):
+    """[num_rows] padded slot p*C + j holding compact row r (grouped by p), -1 past the end."""
+    r = jnp.arange(num_rows, dtype=jnp.int32)
+    p = jnp.clip(jnp.searchsorted(offsets, r, side="right") - 1, 0, counts.shape[0] - 1)
+    j = r - offsets[p]
+    return jnp.where(j < counts[p], p * capacity + j, -1).astype(jnp.int32)
+
+
+def _all_to_all(buf, axis_name, num_ranks, capacity, name):
+    blocks = buf.reshape((num_ranks, capacity) + buf.shape[1:])
+    out = jax.lax.all_to_all(blocks, axis_name, 0, 0)
+    return checkpoint_name(out.reshape(buf.shape), name)
+
+
+def _ragged(rows, out_rows, in_offsets, in_sizes, out_offsets, out_sizes, axis_name, name):
+    output = jnp.zeros((out_rows,) + rows.shape[1:], rows.dtype)
+    out = jax.lax.ragged_all_to_all(rows, output, in_offsets, in_sizes, out_offsets, out_sizes,
+                                    axis_name=axis_name)
+    return checkpoint_name(out, name)
+
+
+def send_rows(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):
+    """Send rows to their destinations; returns the compact receive buffer [num_recv, ...].
+
+    src [M, ...] holds the data; row_map i32[S] names the src row of each compact send row
+    (-1: nothing). Rows past the received ones are zero. `impl` picks the gather kernel.
+    """
+    _, size = axis_rank_and_size(axis_name)
+    if size > 1 and transport == "ragged":
+        rows = ops.gather_rows(src, row_map, impl=impl)
+        return _ragged(rows, num_recv, plan.send_offsets, plan.send_counts,
+                       plan.remote_recv_offsets, plan.recv_counts, axis_name, DISPATCH_NAME)
+    slot_rows = _block_slots(plan.send_counts, plan.send_offsets, capacity)
+    slot_src = jnp.where(slot_rows >= 0, jnp.take(row_map, jnp.clip(slot_rows, 0)), -1)
+    padded = ops.gather_rows(src, slot_src, impl=impl)
+    if size > 1:
+        padded = _all_to_all(padded, axis_name, size, capacity, DISPATCH_NAME)
+    slots = _compact_slots(plan.recv_counts, plan.recv_offsets, capacity, num_recv)
+    return ops.gather_rows(padded, slots, impl=impl)
+
+
+def return_rows(y, send_map, plan, *, num_send, capacity, axis_name, transport, impl):
+    """The reverse trip of `send_rows`: y [num_recv, ...] rows go back to their sources.
+
+    Returns (rows, owner): rows [Q, ...] that came back to this rank and owner i32[Q], the
+    entry of send_map (i32[num_send], one per compact send row) each row answers (-1: none).
+    Reducing rows by owner (`ops.unpermute`) finishes a combine.
+    """
+    _, size = axis_rank_and_size(axis_name)
+    if size > 1 and transport == "ragged":
+        rows = _ragged(y, num_send, plan.recv_offsets, plan.recv_counts,
+                       plan.remote_send_offsets, plan.send_counts, axis_name, COMBINE_NAME)
+        j = jnp.arange(num_send, dtype=jnp.int32)
+        p = jnp.clip(jnp.searchsorted(plan.send_offsets, j, side="right") - 1, 0, size - 1)
+        sent = (j - plan.send_offsets[p]) < plan.send_counts[p]
+        return rows, jnp.where(sent, send_map, -1)
+    padded = ops.gather_rows(y, _block_slots(plan.recv_counts, plan.recv_offsets, capacity),
+                             impl=impl)
+    if size > 1:
+        padded = _all_to_all(padded, axis_name, size, capacity, COMBINE_NAME)
+    send_slots = _block_slots(plan.send_counts, plan.send_offsets, capacity)
+    owner = jnp.where(send_slots >= 0, jnp.take(send_map, jnp.clip(send_slots, 0)), -1)
+    return padded, owner

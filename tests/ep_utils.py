@@ -1,0 +1,90 @@
+"""Helpers for the expert-parallel tests: meshes, routings, numpy oracles of the layouts and a
+dense single-device MoE reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "ep"
+
+
+def ep_mesh(num_ranks):
+    return jax.make_mesh((num_ranks,), (AXIS,), devices=jax.devices()[:num_ranks])
+
+
+def shard(mesh, *arrays):
+    """device_put each array split along its first axis over the expert axis."""
+    sharding = NamedSharding(mesh, P(AXIS))
+    return tuple(jax.device_put(a, sharding) for a in arrays)
+
+
+def run_ep(fn, mesh, *arrays, replicated=()):
+    """jit(shard_map(fn)) with every array split over the expert axis (first dim) and the
+    `replicated` arrays passed whole to every rank; outputs are concatenated per rank."""
+    sharded = shard(mesh, *arrays)
+    rep = tuple(jax.device_put(a, NamedSharding(mesh, P())) for a in replicated)
+    specs = (P(AXIS),) * len(arrays) + (P(),) * len(rep)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(AXIS))
+    return jax.jit(mapped)(*sharded, *rep)
+
+
+def random_routing(rng, num_tokens, top_k, num_experts, unrouted=0.1):
+    """topk_idx i32[T,K] with distinct experts per token and a fraction of -1 slots, and
+    positive f32 weights."""
+    idx = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)])
+    idx = np.where(rng.random(idx.shape) < unrouted, -1, idx).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+    return idx, weights
+
+
+def deepep_layout(x, idx, w, num_ranks, num_experts):
+    """Numpy oracle of DeepEP's normal-mode receive layout for every destination rank.
+
+    x [P*T,H], idx/w [P*T,K] global (rank p holds rows p*T..). Returns per destination a dict
+    of rows (source-rank-major, token-ascending): x, local ids, weights, (src rank, token)."""
+    num_local = num_experts // num_ranks
+    num_tokens = x.shape[0] // num_ranks
+    out = []
+    for dest in range(num_ranks):
+        rows, ids, ws, src = [], [], [], []
+        for p in range(num_ranks):
+            for t in range(num_tokens):
+                g = p * num_tokens + t
+                owned = (idx[g] >= 0) & (idx[g] // num_local == dest)
+                if owned.any():
+                    rows.append(x[g])
+                    ids.append(np.where(owned, idx[g] - dest * num_local, -1))
+                    ws.append(np.where(owned, w[g], 0.0))
+                    src.append((p, t))
+        out.append(dict(x=np.array(rows).reshape(-1, x.shape[1]),
+                        idx=np.array(ids, np.int32).reshape(-1, idx.shape[1]),
+                        w=np.array(ws, np.float32).reshape(-1, idx.shape[1]), src=src))
+    return out
+
+
+def owner_count(idx, num_local):
+    """Number of distinct ranks owning each token's experts, [T]."""
+    return np.array([len({int(e) // num_local for e in row if e >= 0}) for row in idx])
+
+
+def expert_ffn(x, w_in, w_out):
+    """A small expert MLP: x [..,H] @ w_in [H,F] -> gelu -> @ w_out [F,H]."""
+    return jax.nn.gelu(x @ w_in) @ w_out
+
+
+def dense_moe(x, idx, w, w_in, w_out):
+    """Single-device reference: out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t])."""
+    all_out = jax.vmap(lambda a, b: expert_ffn(x, a, b))(w_in, w_out)  # [E,T,H]
+    valid = idx >= 0
+    picked = all_out[jnp.where(valid, idx, 0), jnp.arange(x.shape[0])[:, None]]  # [T,K,H]
+    return jnp.sum(jnp.where(valid[..., None], picked * w[..., None], 0.0), axis=1)
+
+
+def local_experts(recv_x, recv_idx, recv_w, w_in, w_out):
+    """Applies local experts (w_in [L,H,F], w_out [L,F,H]) to received rows, weighting each
+    slot by its routing weight: y[r] = sum_k recv_w[r,k] * expert_{recv_idx[r,k]}(recv_x[r])."""
+    return dense_moe(recv_x, recv_idx, recv_w, w_in, w_out)

@@ -1,0 +1,328 @@
+"""DeepEP normal-mode dispatch/combine ("deepep", "alltoall", "uccl_ep") on emulated CPU ranks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ep_utils import (
+    AXIS,
+    dense_moe,
+    deepep_layout,
+    ep_mesh,
+    local_experts,
+    owner_count,
+    random_routing,
+    run_ep,
+    shard,
+)
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import deepep
+
+BACKENDS = ("deepep", "alltoall")
+
+
+def _dispatch_outputs(mesh, x, idx, w, num_experts, backend, **kwargs):
+    def body(x, idx, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=num_experts, axis_name=AXIS,
+                                        backend=backend, **kwargs)
+        return (rx, ri, rw, h.num_recv_tokens[None], h.num_recv_tokens_per_expert,
+                h.num_dropped[None])
+    return [np.asarray(a) for a in run_ep(body, mesh, x, idx, w)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_layout_matches_deepep_contract(num_ranks, backend):
+    rng = np.random.default_rng(num_ranks)
+    T, H, K, E = 5, 16, 3, 2 * 8
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    rx, ri, rw, n, per_expert, dropped = _dispatch_outputs(ep_mesh(num_ranks), x, idx, w, E,
+                                                           backend)
+    R = num_ranks * T
+    want = deepep_layout(x, idx, w, num_ranks, E)
+    L = E // num_ranks
+    for d in range(num_ranks):
+        rows = slice(d * R, (d + 1) * R)
+        m = len(want[d]["src"])
+        assert n[d] == m
+        np.testing.assert_array_equal(rx[rows][:m], want[d]["x"])
+        np.testing.assert_array_equal(ri[rows][:m], want[d]["idx"])
+        np.testing.assert_array_equal(rw[rows][:m], want[d]["w"])
+        # padding rows: zero data, -1 ids, 0 weights
+        assert not rx[rows][m:].any() and (ri[rows][m:] == -1).all() and not rw[rows][m:].any()
+        counts = np.bincount(want[d]["idx"][want[d]["idx"] >= 0], minlength=L)
+        np.testing.assert_array_equal(per_expert[d * L:(d + 1) * L], counts)
+    assert not dropped.any()
+
+
+def test_rows_encode_their_source_rank():
+    num_ranks, T, H, K, E = 4, 6, 8, 4, 16
+    rng = np.random.default_rng(1)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    x = np.repeat(np.arange(num_ranks, dtype=np.float32), T)[:, None] * np.ones((1, H), np.float32)
+    rx, _, _, n, _, _ = _dispatch_outputs(ep_mesh(num_ranks), x, idx, w, E, "deepep")
+    want = deepep_layout(x, idx, w, num_ranks, E)
+    R = num_ranks * T
+    for d in range(num_ranks):
+        src_rank = np.array([p for p, _ in want[d]["src"]], np.float32)
+        np.testing.assert_array_equal(rx[d * R:d * R + n[d], 0], src_rank)
+        assert (np.diff(src_rank) >= 0).all()  # grouped by source rank ascending
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("uccl_ep",))
+def test_combine_of_dispatch_scales_by_owning_ranks(backend):
+    num_ranks, T, H, K, E = 8, 7, 16, 4, 32
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.3)
+    idx[3] = -1  # an unrouted token combines to zero
+
+    def body(x, idx, w):
+        rx, _, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend=backend)
+        return jax_ep.combine(rx, h, topk_weights=rw)
+
+    y, cw = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, idx, w))
+    np.testing.assert_allclose(y, x * owner_count(idx, E // num_ranks)[:, None], rtol=1e-6)
+    assert not y[3].any()
+    np.testing.assert_array_equal(cw, np.where(idx >= 0, w, 0.0))
+
+
+def _moe_case(name, rng, num_ranks, T, K, E):
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    L = E // num_ranks
+    if name == "empty_rank":  # nothing is routed to the last rank
+        idx = np.where(idx // L == num_ranks - 1, -1, idx)
+    elif name == "all_unrouted":
+        idx = np.full_like(idx, -1)
+    elif name == "hot_expert":
+        idx[:, 0] = 3
+        idx[:, 1:] = -1
+    return idx.astype(np.int32), w
+
+
+def _ep_moe(mesh, E, backend, **kwargs):
+    def body(x, idx, w, w_in, w_out):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                        backend=backend, **kwargs)
+        out, _ = jax_ep.combine(local_experts(rx, ri, rw, w_in, w_out), h)
+        return out
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 5, out_specs=P(AXIS))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case,num_ranks,K", [
+    ("random", 4, 3), ("random", 8, 2), ("random", 1, 2), ("empty_rank", 4, 2),
+    ("all_unrouted", 4, 2), ("k_gt_l", 8, 5), ("hot_expert", 4, 2)])
+def test_moe_forward_and_grad_match_dense(case, num_ranks, K, backend):
+    T, H, F, E = 6, 8, 16, 16
+    rng = np.random.default_rng(hash(case) % 2**32)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = _moe_case(case, rng, num_ranks, T, K, E)
+    w_in = (rng.standard_normal((E, H, F)) / np.sqrt(H)).astype(np.float32)
+    w_out = (rng.standard_normal((E, F, H)) / np.sqrt(F)).astype(np.float32)
+    cot = rng.standard_normal(x.shape).astype(np.float32)
+    mesh = ep_mesh(num_ranks)
+    moe = _ep_moe(mesh, E, backend)
+
+    def ep_loss(x, w, w_in, w_out, idx):
+        return jnp.sum(moe(x, idx, w, w_in, w_out) * cot)
+
+    def dense_loss(x, w, w_in, w_out, idx):
+        return jnp.sum(dense_moe(x, idx, w, w_in, w_out) * cot)
+
+    args = shard(mesh, x, w, w_in, w_out, idx)
+    out = jax.jit(moe)(args[0], args[4], args[1], args[2], args[3])
+    np.testing.assert_allclose(out, dense_moe(x, idx, w, w_in, w_out), rtol=1e-5, atol=1e-5)
+    got = jax.jit(jax.grad(ep_loss, argnums=(0, 1, 2, 3)))(*args)
+    want = jax.grad(dense_loss, argnums=(0, 1, 2, 3))(x, w, w_in, w_out, idx)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capacity_overflow_drops_highest_tokens_and_counts(backend):
+    num_ranks, T, H, K, E = 4, 8, 8, 1, 4
+    idx = np.zeros((num_ranks * T, K), np.int32)  # every token to expert 0 (rank 0)
+    idx[1::2] = 2  # odd tokens to rank 2
+    x = np.arange(num_ranks * T, dtype=np.float32)[:, None].repeat(H, 1)
+    w = np.ones(idx.shape, np.float32)
+    cap = 3
+    rx, ri, _, n, per_expert, dropped = _dispatch_outputs(ep_mesh(num_ranks), x, idx, w, E,
+                                                          backend, capacity=cap)
+    R = num_ranks * cap
+    assert rx.shape[0] == num_ranks * R
+    # each source sends 4 tokens to rank 0 and 4 to rank 2; only the first 3 survive
+    np.testing.assert_array_equal(n, [4 * cap, 0, 4 * cap, 0])
+    np.testing.assert_array_equal(dropped, [2, 2, 2, 2])
+    for p in range(num_ranks):
+        np.testing.assert_array_equal(rx[p * cap:(p + 1) * cap, 0], p * T + np.array([0, 2, 4]))
+        dest2 = 2 * R + p * cap
+        np.testing.assert_array_equal(rx[dest2:dest2 + cap, 0], p * T + np.array([1, 3, 5]))
+    np.testing.assert_array_equal(per_expert, [12, 0, 12, 0])
+
+
+def test_num_worst_tokens_and_expert_alignment():
+    num_ranks, T, H, K, E = 2, 4, 8, 2, 4
+    rng = np.random.default_rng(5)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    rx, ri, rw, n, per_expert, _ = _dispatch_outputs(ep_mesh(num_ranks), x, idx, w, E, "deepep",
+                                                     num_worst_tokens=11, expert_alignment=4)
+    assert rx.shape == (num_ranks * 11, H)
+    raw = np.concatenate([np.bincount(ri[d * 11:(d + 1) * 11][ri[d * 11:(d + 1) * 11] >= 0],
+                                      minlength=2) for d in range(num_ranks)])
+    np.testing.assert_array_equal(per_expert, -(-raw // 4) * 4)
+
+
+def test_cached_dispatch_replays_the_handle():
+    num_ranks, T, H, K, E = 4, 5, 8, 2, 8
+    rng = np.random.default_rng(6)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    x2 = rng.standard_normal(x.shape).astype(np.float32)
+
+    def body(x, x2, idx, w):
+        rx, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)
+        rx2, ri2, _, _ = jax_ep.dispatch(x2, axis_name=AXIS, handle=h)
+        fresh, ri3, _, _ = jax_ep.dispatch(x2, idx, w, num_experts=E, axis_name=AXIS)
+        return rx2, fresh, ri2, ri3
+
+    rx2, fresh, ri2, ri3 = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, x2, idx, w))
+    np.testing.assert_array_equal(rx2, fresh)
+    np.testing.assert_array_equal(ri2, ri3)
+
+
+@pytest.mark.parametrize("chunks,T", [(2, 7), (3, 7), (3, 2), (2, 1)])
+def test_chunked_forward_equals_unchunked(chunks, T):
+    num_ranks, H, F, K, E = 4, 8, 8, 2, 8
+    rng = np.random.default_rng(chunks * 10 + T)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    w_in = rng.standard_normal((E, H, F)).astype(np.float32) / 3
+    w_out = rng.standard_normal((E, F, H)).astype(np.float32) / 3
+
+    def body(x, idx, w, w_in, w_out):
+        kernel = lambda rx, ri, rw: local_experts(rx, ri, rw, w_in, w_out)  # noqa: E731
+        return deepep.dispatch_chunked_forward(x, idx, w, kernel, num_local_experts=E // num_ranks,
+                                               axis_name=AXIS, chunks=chunks)
+
+    mesh = ep_mesh(num_ranks)
+    got = np.asarray(run_ep(body, mesh, x, idx, w, w_in, w_out))
+    whole = np.asarray(jax.jit(_ep_moe(mesh, E, "alltoall"))(*shard(mesh, x, idx, w, w_in, w_out)))
+    np.testing.assert_allclose(got, whole, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, dense_moe(x, idx, w, w_in, w_out), rtol=1e-5, atol=1e-5)
+
+
+def test_chunk_bounds():
+    assert jax_ep.chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert jax_ep.chunk_bounds(2, 3) == [(0, 0), (0, 0), (0, 2)]
+    assert jax_ep.chunk_bounds(0, 2) == [(0, 0), (0, 0)]
+    with pytest.raises(ValueError, match="chunks"):
+        jax_ep.chunk_bounds(4, 0)
+
+
+def test_deepep_and_alltoall_bitwise_equal_bf16():
+    num_ranks, T, H, K, E = 8, 9, 32, 4, 64
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    mesh = ep_mesh(num_ranks)
+
+    def body(backend):
+        def f(x, idx, w):
+            rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                            backend=backend)
+            return rx, ri, rw, jax_ep.combine(rx * 2, h)[0]
+        return f
+
+    a = run_ep(body("deepep"), mesh, x, idx, w)
+    b = run_ep(body("alltoall"), mesh, x, idx, w)
+    for u, v in zip(a[:3], b[:3]):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    np.testing.assert_allclose(np.asarray(a[3], np.float32), np.asarray(b[3], np.float32),
+                               rtol=1e-2)
+
+
+def test_checkpoint_policy_by_collective_name_keeps_gradients():
+    num_ranks, T, H, F, K, E = 4, 5, 8, 8, 2, 8
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    w_in = rng.standard_normal((E, H, F)).astype(np.float32) / 3
+    w_out = rng.standard_normal((E, F, H)).astype(np.float32) / 3
+    mesh = ep_mesh(num_ranks)
+    moe = _ep_moe(mesh, E, "deepep")
+    policy = jax.checkpoint_policies.save_only_these_names("ep_dispatch", "ep_counts")
+    remat_moe = jax.checkpoint(moe, policy=policy)
+    args = shard(mesh, x, idx, w, w_in, w_out)
+    loss = lambda f: lambda x, w, w_in, w_out, idx: jnp.sum(f(x, idx, w, w_in, w_out) ** 2)  # noqa
+    plain = jax.jit(jax.grad(loss(moe), argnums=(0, 1, 2)))(args[0], args[2], args[3], args[4],
+                                                            args[1])
+    remat = jax.jit(jax.grad(loss(remat_moe), argnums=(0, 1, 2)))(args[0], args[2], args[3],
+                                                                  args[4], args[1])
+    for a, b in zip(plain, remat):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_jitted_train_step_has_no_host_transfers():
+    num_ranks, T, H, F, K, E = 4, 5, 8, 8, 2, 8
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    w_in = rng.standard_normal((E, H, F)).astype(np.float32)
+    w_out = rng.standard_normal((E, F, H)).astype(np.float32)
+    mesh = ep_mesh(num_ranks)
+    moe = _ep_moe(mesh, E, "deepep")
+
+    def step(w_in, w_out, x, idx, w):
+        grads = jax.grad(lambda a, b: jnp.sum(moe(x, idx, w, a, b) ** 2), argnums=(0, 1))(
+            w_in, w_out)
+        return w_in - 0.1 * grads[0], w_out - 0.1 * grads[1]
+
+    args = shard(mesh, w_in, w_out, x, idx, w)
+    hlo = jax.jit(step).lower(*args).compile().as_text()
+    for marker in ("outfeed", "infeed", "host_callback", "python_cpu_callback", "send-done",
+                   "recv-done", "CustomCallPythonCallback"):
+        assert marker not in hlo, marker
+    assert "jax_ep_send_layout" in hlo and "jax_ep_unpermute" in hlo
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_experts=6), "divisible"),
+    (dict(num_experts=8, num_worst_tokens=3), "num_worst_tokens"),
+    (dict(num_experts=8, backend="nccl"), "backend"),
+    (dict(num_experts=8, transport="nvshmem"), "transport"),
+    (dict(num_experts=8, axis_name="experts"), "axis_name"),
+    (dict(num_experts=8, capacity=0), "capacity"),
+    (dict(num_experts=8, expert_alignment=0), "expert_alignment"),
+])
+def test_bad_inputs_raise_at_trace_time(kwargs, match):
+    mesh = ep_mesh(4)
+    x = np.zeros((16, 8), np.float32)
+    idx = np.zeros((16, 2), np.int32)
+    w = np.ones((16, 2), np.float32)
+    kwargs = dict(axis_name=AXIS) | kwargs
+    with pytest.raises(ValueError, match=match):
+        run_ep(lambda x, i, w: jax_ep.dispatch(x, i, w, **kwargs)[0], mesh, x, idx, w)
+
+
+def test_mismatched_shapes_raise():
+    mesh = ep_mesh(2)
+    x = np.zeros((8, 8), np.float32)
+    with pytest.raises(ValueError, match="topk_idx"):
+        run_ep(lambda x, i: jax_ep.dispatch(x, i, num_experts=4, axis_name=AXIS)[0], mesh, x,
+               np.zeros((6, 2), np.int32))
+    with pytest.raises(ValueError, match="topk_weights"):
+        run_ep(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=4, axis_name=AXIS)[0], mesh,
+               x, np.zeros((8, 2), np.int32), np.zeros((8, 3), np.float32))
+
+    def bad_combine(x, i):
+        rx, _, _, h = jax_ep.dispatch(x, i, num_experts=4, axis_name=AXIS)
+        return jax_ep.combine(rx[:-1], h)[0]
+    with pytest.raises(ValueError, match="y: expected"):
+        run_ep(bad_combine, mesh, x, np.zeros((8, 2), np.int32))
