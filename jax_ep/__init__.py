@@ -15,14 +15,22 @@ from jax_ep.deepep import (
     dispatch,
     dispatch_chunked_forward,
 )
+from jax_ep.hybridep import HybridEPHandle, hybridep_combine, hybridep_dispatch
+from jax_ep.low_latency import LowLatencyHandle, low_latency_combine, low_latency_dispatch
 
 __all__ = [
     "WITH_CUDA",
     "DispatchHandle",
+    "HybridEPHandle",
+    "LowLatencyHandle",
     "chunk_bounds",
     "combine",
     "dispatch",
     "dispatch_chunked_forward",
+    "hybridep_combine",
+    "hybridep_dispatch",
+    "low_latency_combine",
+    "low_latency_dispatch",
     "ops",
     "reference",
     "transport",

@@ -157,7 +157,7 @@ def _send(x, handle):
 def _reduce_back(y, handle):
     """Rows y [R,...] back to their source tokens, summed per token in fp32 -> [T,...]."""
     flat = y.reshape(y.shape[0], math.prod(y.shape[1:]))
-    rows, owner = tp.return_rows(flat, handle.send_token_idx, handle.plan,
+    rows, owner, _ = tp.return_rows(flat, handle.send_token_idx, handle.plan,
                                  num_send=handle.send_token_idx.shape[0],
                                  capacity=handle.capacity, axis_name=handle.axis_name,
                                  transport=handle.transport, impl=handle.impl)

@@ -139,6 +139,8 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
 
 def gather_rows(x, row_idx):
     """x [S,...], row_idx i32[N] -> [N,...]: x[row_idx[r]], zero rows where out of [0, S)."""
+    if x.shape[0] == 0:  # every index is out of range (and jnp.take rejects an empty axis)
+        return jnp.zeros(row_idx.shape + x.shape[1:], x.dtype)
     valid = (row_idx >= 0) & (row_idx < x.shape[0])
     rows = jnp.take(x, jnp.clip(row_idx, 0, x.shape[0] - 1), axis=0)
     mask = valid.reshape(valid.shape + (1,) * (x.ndim - 1))
@@ -167,7 +169,7 @@ def _pack_ue8m0(scale_inv):
     """f32[T,G] powers of two -> i32[T,ceil(G/4)], exponent bytes little-endian."""
     num_tokens, groups = scale_inv.shape
     exps = (jax.lax.bitcast_convert_type(scale_inv, jnp.uint32) >> 23) & 0xFF
-    exps = jnp.pad(exps, ((0, 0), (0, -groups % 4))).reshape(num_tokens, -1, 4)
+    exps = jnp.pad(exps, ((0, 0), (0, -groups % 4))).reshape(num_tokens, -(-groups // 4), 4)
     words = (exps << (8 * jnp.arange(4, dtype=jnp.uint32))).sum(axis=-1, dtype=jnp.uint32)
     return jax.lax.bitcast_convert_type(words, jnp.int32)
 
@@ -176,7 +178,7 @@ def _unpack_ue8m0(words, groups):
     """i32[T,W] -> f32[T,groups] scales 2^(byte - 127)."""
     bits = jax.lax.bitcast_convert_type(words, jnp.uint32)[..., None]
     exps = (bits >> (8 * jnp.arange(4, dtype=jnp.uint32))) & 0xFF
-    exps = exps.reshape(words.shape[0], -1)[:, :groups]
+    exps = exps.reshape(words.shape[0], 4 * words.shape[1])[:, :groups]
     return jax.lax.bitcast_convert_type(exps << 23, jnp.float32)
 
 

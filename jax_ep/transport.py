@@ -33,8 +33,11 @@ __all__ = [
     "exchange_counts",
     "make_plan",
     "resolve_transport",
-    "send_rows",
+    "receive_buffer",
+    "return_buffer_size",
     "return_rows",
+    "return_slots",
+    "send_rows",
 ]
 
 TRANSPORTS = ("auto", "all_to_all", "ragged")
@@ -143,31 +146,62 @@ def _ragged(rows, out_rows, in_offsets, in_sizes, out_offsets, out_sizes, axis_n
     return checkpoint_name(out, name)
 
 
-def send_rows(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):
-    """Send rows to their destinations; returns the compact receive buffer [num_recv, ...].
+def receive_buffer(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):
+    """Send rows to their destinations without compacting what arrives.
 
     src [M, ...] holds the data; row_map i32[S] names the src row of each compact send row
-    (-1: nothing). Rows past the received ones are zero. `impl` picks the gather kernel.
+    (-1: nothing). Returns (buffer [B, ...], slot i32[num_recv]): compact receive row r is
+    buffer[slot[r]] (-1: padding). Callers fuse their own gather over `slot` (HybridEP's
+    permute reads the buffer directly); `send_rows` compacts it.
     """
     _, size = axis_rank_and_size(axis_name)
     if size > 1 and transport == "ragged":
         rows = ops.gather_rows(src, row_map, impl=impl)
-        return _ragged(rows, num_recv, plan.send_offsets, plan.send_counts,
-                       plan.remote_recv_offsets, plan.recv_counts, axis_name, DISPATCH_NAME)
+        buffer = _ragged(rows, num_recv, plan.send_offsets, plan.send_counts,
+                         plan.remote_recv_offsets, plan.recv_counts, axis_name, DISPATCH_NAME)
+        r = jnp.arange(num_recv, dtype=jnp.int32)
+        return buffer, jnp.where(r < plan.recv_counts.sum(), r, -1)
     slot_rows = _block_slots(plan.send_counts, plan.send_offsets, capacity)
     slot_src = jnp.where(slot_rows >= 0, jnp.take(row_map, jnp.clip(slot_rows, 0)), -1)
     padded = ops.gather_rows(src, slot_src, impl=impl)
     if size > 1:
         padded = _all_to_all(padded, axis_name, size, capacity, DISPATCH_NAME)
-    slots = _compact_slots(plan.recv_counts, plan.recv_offsets, capacity, num_recv)
-    return ops.gather_rows(padded, slots, impl=impl)
+    return padded, _compact_slots(plan.recv_counts, plan.recv_offsets, capacity, num_recv)
 
 
-def return_rows(y, send_map, plan, *, num_send, capacity, axis_name, transport, impl):
+def send_rows(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):
+    """Send rows to their destinations; returns the compact receive buffer [num_recv, ...]
+    (grouped by source rank ascending, zero rows past the received ones)."""
+    buffer, slot = receive_buffer(src, row_map, plan, num_recv=num_recv, capacity=capacity,
+                                  axis_name=axis_name, transport=transport, impl=impl)
+    if axis_rank_and_size(axis_name)[1] > 1 and transport == "ragged":
+        return buffer  # already compact
+    return ops.gather_rows(buffer, slot, impl=impl)
+
+
+def return_buffer_size(num_send, capacity, num_ranks, transport):
+    """Rows of the buffer `return_rows` sends from: P*C padded, or the compact send size."""
+    return num_send if (num_ranks > 1 and transport == "ragged") else num_ranks * capacity
+
+
+def return_slots(plan, *, num_recv, capacity, axis_name, transport):
+    """i32[num_recv]: where each compact receive row goes in the buffer `return_rows` sends
+    (-1: nowhere), so a producer can write that buffer directly."""
+    _, size = axis_rank_and_size(axis_name)
+    if size > 1 and transport == "ragged":
+        r = jnp.arange(num_recv, dtype=jnp.int32)
+        return jnp.where(r < plan.recv_counts.sum(), r, -1)
+    return _compact_slots(plan.recv_counts, plan.recv_offsets, capacity, num_recv)
+
+
+def return_rows(y, send_map, plan, *, num_send, capacity, axis_name, transport, impl,
+                prepacked=False):
     """The reverse trip of `send_rows`: y [num_recv, ...] rows go back to their sources.
 
-    Returns (rows, owner): rows [Q, ...] that came back to this rank and owner i32[Q], the
-    entry of send_map (i32[num_send], one per compact send row) each row answers (-1: none).
+    With prepacked=True, y is already the send buffer laid out by `return_slots`.
+    Returns (rows, owner, source_rank): rows [Q, ...] that came back to this rank, owner
+    i32[Q], the entry of send_map (i32[num_send], one per compact send row) each row answers
+    (-1: none), and source_rank i32[Q], the rank each row came back from.
     Reducing rows by owner (`ops.unpermute`) finishes a combine.
     """
     _, size = axis_rank_and_size(axis_name)
@@ -177,11 +211,11 @@ def return_rows(y, send_map, plan, *, num_send, capacity, axis_name, transport, 
         j = jnp.arange(num_send, dtype=jnp.int32)
         p = jnp.clip(jnp.searchsorted(plan.send_offsets, j, side="right") - 1, 0, size - 1)
         sent = (j - plan.send_offsets[p]) < plan.send_counts[p]
-        return rows, jnp.where(sent, send_map, -1)
-    padded = ops.gather_rows(y, _block_slots(plan.recv_counts, plan.recv_offsets, capacity),
-                             impl=impl)
+        return rows, jnp.where(sent, send_map, -1), p.astype(jnp.int32)
+    padded = y if prepacked else ops.gather_rows(
+        y, _block_slots(plan.recv_counts, plan.recv_offsets, capacity), impl=impl)
     if size > 1:
         padded = _all_to_all(padded, axis_name, size, capacity, COMBINE_NAME)
     send_slots = _block_slots(plan.send_counts, plan.send_offsets, capacity)
     owner = jnp.where(send_slots >= 0, jnp.take(send_map, jnp.clip(send_slots, 0)), -1)
-    return padded, owner
+    return padded, owner, jnp.arange(size * capacity, dtype=jnp.int32) // max(capacity, 1)

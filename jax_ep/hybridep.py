@@ -1,0 +1,286 @@
+"""HybridEP mode: dispatch fused with the expert permutation, inside `jax.shard_map`.
+
+hybridep_dispatch sends each token once per owning rank (the DeepEP routing plan of
+`jax_ep.deepep`) together with its routing metadata - the dense [T,E] map and probs sliced to
+the destination's experts, or with compact routing the top-k ids and probs (only the indices
+cross the wire, the receiver rebuilds the map). On the receiving rank the permutation plan is
+computed from the metadata alone and the data rows are gathered straight from the receive
+buffer into expert-major order: grouped by local expert, rows inside a block ordered by
+(source rank, source token), blocks padded with zero rows to pad_multiple. Rows that do not
+fit in num_permuted_tokens are dropped (later experts' last rows first) and counted in the
+handle. hybridep_combine is the mirror: an unweighted fp32 sum written straight into the
+return buffer, then back to the source tokens.
+
+Token counts are equalised across ranks to a multiple of 4 (HybridEP's alignment): padding
+rows carry no routing and prob 0 and are sliced off after combine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import deepep, ops, transport as tp
+from jax_ep._checks import check_experts, check_positive, check_rank, check_shape
+
+__all__ = [
+    "COMBINE_CHUNK",
+    "TOKEN_ALIGNMENT",
+    "HybridEPHandle",
+    "equalized_num_tokens",
+    "hybridep_combine",
+    "hybridep_dispatch",
+    "required_capacity",
+]
+
+TOKEN_ALIGNMENT = 4
+COMBINE_CHUNK = 64
+MIN_CAPACITY = 512
+
+
+def required_capacity(num_tokens: int, chunk: int = COMBINE_CHUNK) -> int:
+    """HybridEP's token-capacity rule: ceil(max(n, 512) / chunk) * chunk."""
+    check_positive(chunk, "chunk")
+    return -(-max(int(num_tokens), MIN_CAPACITY) // chunk) * chunk
+
+
+def equalized_num_tokens(num_tokens: int, group_max: int | None = None) -> int:
+    """Token count every rank of the group uses: the group maximum rounded up to a multiple
+    of 4. Inside shard_map every rank has the same static T, so group_max defaults to it."""
+    most = max(int(num_tokens), int(group_max if group_max is not None else num_tokens))
+    return -(-most // TOKEN_ALIGNMENT) * TOKEN_ALIGNMENT
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["routing", "recv_map", "sorted_rows", "row_expert", "tokens_per_expert",
+                      "num_dropped"],
+         meta_fields=["num_tokens", "compact"])
+@dataclasses.dataclass(frozen=True)
+class HybridEPHandle:
+    """State of a HybridEP dispatch, a pytree of arrays plus static fields.
+
+    routing: the DeepEP DispatchHandle of the (token, rank) rows (tokens equalised).
+    recv_map bool[R,L]: which local experts each received row selected.
+    sorted_rows i32[N]: received row of each permuted row (-1 on padding).
+    row_expert i32[N]: local expert of each permuted row (L past the last block).
+    tokens_per_expert i32[L]: block sizes (padded to pad_multiple, clamped to N).
+    num_dropped i32[]: (row, local expert) pairs that did not fit in N.
+    num_tokens: T before equalisation; compact: compact routing was used.
+    """
+
+    routing: deepep.DispatchHandle
+    recv_map: jax.Array
+    sorted_rows: jax.Array
+    row_expert: jax.Array
+    tokens_per_expert: jax.Array
+    num_dropped: jax.Array
+    num_tokens: int
+    compact: bool
+
+
+def _pad_rows(a, rows, fill):
+    return jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
+
+
+def _dense_layout_idx(routing_map, num_ranks):
+    """[T,P] one expert id per owning rank (the first it selects there, -1 if none): all the
+    send layout needs from a dense map."""
+    num_tokens, num_experts = routing_map.shape
+    local = routing_map.reshape(num_tokens, num_ranks, num_experts // num_ranks)
+    first = jnp.argmax(local, axis=-1) + jnp.arange(num_ranks) * (num_experts // num_ranks)
+    return jnp.where(local.any(axis=-1), first, -1).astype(jnp.int32)
+
+
+def _send_permuted(x, h):
+    """x [T,...] rows -> [N,...] permuted rows, gathered straight from the receive buffer."""
+    r = h.routing
+    buffer, slot = tp.receive_buffer(x, r.send_token_idx, r.plan, num_recv=r.num_recv,
+                                     capacity=r.capacity, axis_name=r.axis_name,
+                                     transport=r.transport, impl=r.impl)
+    rows = jnp.where(h.sorted_rows >= 0, jnp.take(slot, jnp.clip(h.sorted_rows, 0)), -1)
+    return ops.gather_rows(buffer, rows, impl=r.impl)
+
+
+def _return_unpermuted(y, h):
+    """y [N,...] permuted rows -> [T,...]: summed per received row straight into the return
+    buffer, sent back, summed per source token (fp32)."""
+    r = h.routing
+    flat = y.reshape(y.shape[0], math.prod(y.shape[1:]))
+    ret_slot = tp.return_slots(r.plan, num_recv=r.num_recv, capacity=r.capacity,
+                               axis_name=r.axis_name, transport=r.transport)
+    target = jnp.where(h.sorted_rows >= 0, jnp.take(ret_slot, jnp.clip(h.sorted_rows, 0)), -1)
+    num_ranks = r.plan.send_counts.shape[0]
+    size = tp.return_buffer_size(r.send_token_idx.shape[0], r.capacity, num_ranks, r.transport)
+    packed = ops.unpermute(flat, target, num_tokens=size, impl=r.impl)
+    rows, owner, _ = tp.return_rows(packed, r.send_token_idx, r.plan,
+                                    num_send=r.send_token_idx.shape[0], capacity=r.capacity,
+                                    axis_name=r.axis_name, transport=r.transport, impl=r.impl,
+                                    prepacked=True)
+    out = ops.unpermute(rows, owner, num_tokens=r.num_tokens, impl=r.impl)
+    return out.reshape((r.num_tokens,) + y.shape[1:])
+
+
+def _recv_probs(probs, h):
+    """Routing probs -> f32[R,L] on the receiving rank (dense [T,E] or compact [T,K])."""
+    r = h.routing
+    kwargs = dict(num_recv=r.num_recv, capacity=r.capacity, axis_name=r.axis_name,
+                  transport=r.transport, impl=r.impl)
+    num_local = h.recv_map.shape[1]
+    if h.compact:
+        recv_w = tp.send_rows(probs, r.send_token_idx, r.plan, **kwargs)
+        ids = jnp.where(r.recv_topk_idx >= 0, r.recv_topk_idx, num_local)
+        rows = jnp.arange(ids.shape[0])[:, None]
+        return jnp.zeros((ids.shape[0], num_local), jnp.float32).at[rows, ids].add(
+            recv_w, mode="drop")
+    num_ranks = r.plan.send_counts.shape[0]
+    by_rank = probs.reshape(probs.shape[0] * num_ranks, num_local)
+    send_rank = _send_ranks(r)
+    src = jnp.where(r.send_token_idx >= 0, r.send_token_idx * num_ranks + send_rank, -1)
+    return tp.send_rows(by_rank, src, r.plan, **kwargs)
+
+
+def _send_ranks(r):
+    """Destination rank of every compact send row (rank-major layout)."""
+    num_rows = r.send_token_idx.shape[0]
+    j = jnp.arange(num_rows)
+    num_ranks = r.plan.send_counts.shape[0]
+    return jnp.clip(jnp.searchsorted(r.plan.send_offsets, j, side="right") - 1, 0,
+                    num_ranks - 1).astype(jnp.int32)
+
+
+@jax.custom_vjp
+def _hybrid_rows(x, probs, h):
+    recv_probs = _recv_probs(probs, h)
+    permuted_probs = recv_probs.at[h.sorted_rows, h.row_expert].get(mode="fill", fill_value=0.0)
+    return _send_permuted(x, h), jnp.where(h.sorted_rows >= 0, permuted_probs, 0.0)
+
+
+def _hybrid_rows_fwd(x, probs, h):
+    return _hybrid_rows(x, probs, h), h
+
+
+def _hybrid_rows_bwd(h, cotangents):
+    d_permuted, d_permuted_probs = cotangents
+    r = h.routing
+    d_x = _return_unpermuted(d_permuted, h).astype(d_permuted.dtype)
+    num_recv, num_local = h.recv_map.shape
+    rows = jnp.where(h.sorted_rows >= 0, h.sorted_rows, num_recv)
+    d_recv = jnp.zeros((num_recv, num_local), jnp.float32).at[rows, h.row_expert].add(
+        d_permuted_probs, mode="drop")
+    if h.compact:
+        ids = r.recv_topk_idx
+        picked = jnp.take_along_axis(d_recv, jnp.clip(ids, 0, num_local - 1), axis=1)
+        d_recv_w = jnp.where(ids >= 0, picked, 0.0)
+        back, owner, _ = tp.return_rows(d_recv_w, r.send_token_idx, r.plan,
+                                        num_send=r.send_token_idx.shape[0],
+                                        capacity=r.capacity, axis_name=r.axis_name,
+                                        transport=r.transport, impl="xla")
+        d_probs = ops.unpermute(back, owner, num_tokens=r.num_tokens, impl="xla")
+        return d_x, d_probs, None
+    back, owner, src_rank = tp.return_rows(d_recv, r.send_token_idx, r.plan,
+                                           num_send=r.send_token_idx.shape[0],
+                                           capacity=r.capacity, axis_name=r.axis_name,
+                                           transport=r.transport, impl="xla")
+    num_ranks = r.plan.send_counts.shape[0]
+    owner = jnp.where(owner >= 0, owner, r.num_tokens)
+    d_probs = jnp.zeros((r.num_tokens, num_ranks, num_local), jnp.float32).at[
+        owner, src_rank].add(back, mode="drop")
+    return d_x, d_probs.reshape(r.num_tokens, num_ranks * num_local), None
+
+
+_hybrid_rows.defvjp(_hybrid_rows_fwd, _hybrid_rows_bwd)
+
+
+@jax.custom_vjp
+def _hybrid_combine_rows(y, h):
+    return _return_unpermuted(y, h)
+
+
+def _hybrid_combine_rows_fwd(y, h):
+    return _hybrid_combine_rows(y, h), h
+
+
+def _hybrid_combine_rows_bwd(h, d_out):
+    return _send_permuted(d_out, h), None
+
+
+_hybrid_combine_rows.defvjp(_hybrid_combine_rows_fwd, _hybrid_combine_rows_bwd)
+
+
+def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts, axis_name,
+                      num_permuted_tokens, pad_multiple=None, transport="auto",
+                      backend="deepep"):
+    """Dispatch fused with the expert permutation (HybridEP). Call inside jax.shard_map.
+
+      x: [T,H] tokens of this rank.
+      routing_map: bool[T,E] with probs f32[T,E] (dense routing), or
+      topk_idx: [T,K] global ids (-1 unrouted) with probs f32[T,K] (compact routing).
+      num_permuted_tokens: N, rows of the permuted output on this rank.
+      pad_multiple: pad every local expert block to a multiple of it.
+      backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
+    Returns (permuted_x [N,H], permuted_probs f32[N], tokens_per_expert i32[L], handle).
+    """
+    if (routing_map is None) == (topk_idx is None):
+        raise ValueError("routing_map / topk_idx: pass exactly one of them (dense or compact "
+                         "routing)")
+    check_rank(x, 2, "x")
+    _, num_ranks = tp.axis_rank_and_size(axis_name)
+    num_local = check_experts(num_experts, num_ranks)
+    num_permuted_tokens = check_positive(num_permuted_tokens, "num_permuted_tokens",
+                                         allow_zero=True)
+    impl = deepep.check_backend(backend)
+    num_tokens = x.shape[0]
+    padded = equalized_num_tokens(num_tokens)
+    compact = topk_idx is not None
+    if compact:
+        check_rank(topk_idx, 2, "topk_idx")
+        check_shape(topk_idx, (num_tokens, topk_idx.shape[1]), "topk_idx")
+        check_shape(probs, topk_idx.shape, "probs")
+        layout_idx = _pad_rows(topk_idx.astype(jnp.int32), padded, -1)
+    else:
+        check_shape(routing_map, (num_tokens, num_experts), "routing_map")
+        check_shape(probs, (num_tokens, num_experts), "probs")
+        routing_map = _pad_rows(routing_map.astype(bool), padded, False)
+        layout_idx = _dense_layout_idx(routing_map, num_ranks)
+    x = _pad_rows(x, padded, 0)
+    probs = _pad_rows(probs.astype(jnp.float32), padded, 0.0)
+    routing = deepep._routing_plan(layout_idx, num_experts, axis_name, None, None, 1,
+                                   tp.resolve_transport(transport), impl)
+    if compact:
+        recv_ids = routing.recv_topk_idx
+        rows = jnp.arange(recv_ids.shape[0])[:, None]
+        recv_map = jnp.zeros((recv_ids.shape[0], num_local), bool).at[
+            rows, jnp.where(recv_ids >= 0, recv_ids, num_local)].set(True, mode="drop")
+    else:
+        kwargs = dict(num_recv=routing.num_recv, capacity=routing.capacity,
+                      axis_name=axis_name, transport=routing.transport, impl=impl)
+        by_rank = routing_map.reshape(padded * num_ranks, num_local).astype(jnp.int8)
+        src = jnp.where(routing.send_token_idx >= 0,
+                        routing.send_token_idx * num_ranks + _send_ranks(routing), -1)
+        recv_map = tp.send_rows(by_rank, src, routing.plan, **kwargs).astype(bool)
+    plan = ops.permute(jnp.zeros((routing.num_recv, 0), jnp.float32), recv_map,
+                       num_out_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
+                       impl=impl, return_num_dropped=True)
+    _, _, sorted_rows, tokens_per_expert, num_dropped = plan
+    row_expert = jnp.searchsorted(jnp.cumsum(tokens_per_expert),
+                                  jnp.arange(num_permuted_tokens), side="right")
+    h = HybridEPHandle(routing=routing, recv_map=recv_map, sorted_rows=sorted_rows,
+                       row_expert=row_expert.astype(jnp.int32),
+                       tokens_per_expert=tokens_per_expert, num_dropped=num_dropped,
+                       num_tokens=num_tokens, compact=compact)
+    permuted_x, permuted_probs = _hybrid_rows(x, probs, h)
+    return permuted_x, permuted_probs, tokens_per_expert, h
+
+
+def hybridep_combine(y, handle):
+    """y [N,H] expert outputs in the dispatch's permuted order -> [T,H], the unweighted fp32
+    sum of every row back onto its source token (padding rows contribute nothing)."""
+    if not isinstance(handle, HybridEPHandle):
+        raise ValueError(f"handle: expected a HybridEPHandle, got {type(handle)}")
+    check_rank(y, 2, "y")
+    check_shape(y, (handle.sorted_rows.shape[0], y.shape[1]), "y")
+    return _hybrid_combine_rows(y, handle)[:handle.num_tokens]

@@ -1,0 +1,236 @@
+"""DeepEP low-latency mode: one copy per (token, expert) slot into fixed-size expert buffers,
+inside `jax.shard_map`.
+
+low_latency_dispatch packs every routed slot into an expert-major send buffer of
+num_max_dispatch_tokens_per_rank (Tmax) rows per expert (a permute plan with drop_and_pad:
+Tmax >= T, so nothing drops), exchanges it with one fixed-shape all_to_all, and compacts what
+arrives into recv_x [L, P*Tmax, H]: for each local expert, the rows of source rank 0, then
+rank 1, ... (source token ascending inside), recv_count[l] valid rows first - the layout a
+masked grouped GEMM consumes. With use_fp8 the FFI cast runs before the wire (half the bytes)
+and the per-128-channel scales travel with their rows. low_latency_combine returns every row
+to its source and reduces Σ_k w_k · y_{idx_k}(t) in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep import deepep, ops, reference, transport as tp
+from jax_ep._checks import check_experts, check_positive, check_rank, check_routing, check_shape
+
+__all__ = ["LowLatencyHandle", "low_latency_combine", "low_latency_dispatch"]
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["src_info", "layout_range", "recv_slot", "return_slot", "send_token"],
+         meta_fields=["num_tokens", "num_max_dispatch_tokens_per_rank", "num_experts",
+                      "axis_name", "impl"])
+@dataclasses.dataclass(frozen=True)
+class LowLatencyHandle:
+    """src_info i32[L,P*Tmax]: source token index (on its source rank) of each row, -1 pad.
+    layout_range i32[L,P,2]: (begin row, count) of each source rank's block per local expert.
+    recv_slot i32[L*P*Tmax]: received-buffer slot of each output row (-1: padding).
+    return_slot i32[P*L*Tmax]: output row returned through each send-buffer slot (-1: none).
+    send_token i32[E*Tmax]: source token of each expert-major send slot (-1: empty)."""
+
+    src_info: jax.Array
+    layout_range: jax.Array
+    recv_slot: jax.Array
+    return_slot: jax.Array
+    send_token: jax.Array
+    num_tokens: int
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    axis_name: str
+    impl: str
+
+
+def _exchange(buf, h, name):
+    """[P*L*Tmax, ...] expert-major slots <-> the same slots of every peer (fixed shape)."""
+    _, num_ranks = tp.axis_rank_and_size(h.axis_name)
+    if num_ranks == 1:
+        return buf
+    dtype = buf.dtype
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
+        buf = jax.lax.bitcast_convert_type(buf, jnp.uint8)  # XLA:CPU would widen FP8 to f16
+    blocks = buf.reshape((num_ranks, -1) + buf.shape[1:])
+    out = jax.lax.all_to_all(blocks, h.axis_name, 0, 0).reshape(buf.shape)
+    if out.dtype != dtype:
+        out = jax.lax.bitcast_convert_type(out, dtype)
+    return jax.ad_checkpoint.checkpoint_name(out, name)
+
+
+def _send(rows, h):
+    """rows [T,...] -> [L, P*Tmax, ...]: one copy per slot, compacted per local expert."""
+    num_local = h.src_info.shape[0]
+    received = _exchange(ops.gather_rows(rows, h.send_token, impl=h.impl), h, tp.DISPATCH_NAME)
+    out = ops.gather_rows(received, h.recv_slot, impl=h.impl)
+    return out.reshape((num_local, -1) + rows.shape[1:])
+
+
+def _return(y, h):
+    """y [L, P*Tmax, ...] -> [E*Tmax, ...] back in this rank's expert-major send slots."""
+    flat = y.reshape((-1,) + y.shape[2:])
+    return _exchange(ops.gather_rows(flat, h.return_slot, impl=h.impl), h, tp.COMBINE_NAME)
+
+
+@jax.custom_vjp
+def _ll_rows(x, h):
+    return _send(x, h)
+
+
+def _ll_rows_fwd(x, h):
+    return _send(x, h), h
+
+
+def _ll_rows_bwd(h, d_recv):
+    back = _return(d_recv, h)
+    return ops.unpermute(back, h.send_token, num_tokens=h.num_tokens, impl=h.impl), None
+
+
+_ll_rows.defvjp(_ll_rows_fwd, _ll_rows_bwd)
+
+
+@jax.custom_vjp
+def _ll_combine_rows(y, slot_weights, h):
+    back = _return(y, h)
+    return ops.unpermute(back, h.send_token, num_tokens=h.num_tokens, probs=slot_weights,
+                         impl=h.impl)
+
+
+def _ll_combine_rows_fwd(y, slot_weights, h):
+    back = _return(y, h)
+    out = ops.unpermute(back, h.send_token, num_tokens=h.num_tokens, probs=slot_weights,
+                        impl=h.impl)
+    return out, (back, slot_weights, h)
+
+
+def _ll_combine_rows_bwd(residuals, d_out):
+    back, slot_weights, h = residuals
+    d_rows = ops.gather_rows(d_out, h.send_token, impl=h.impl).astype(jnp.float32)
+    d_slot_weights = (d_rows * back.astype(jnp.float32)).sum(axis=-1)
+    scaled = (d_rows * slot_weights[:, None]).astype(d_out.dtype)
+    received = _exchange(scaled, h, tp.DISPATCH_NAME)
+    num_local = h.src_info.shape[0]
+    d_y = ops.gather_rows(received, h.recv_slot, impl=h.impl)
+    return d_y.reshape((num_local, -1) + d_out.shape[1:]), d_slot_weights, None
+
+
+_ll_combine_rows.defvjp(_ll_combine_rows_fwd, _ll_combine_rows_bwd)
+
+
+def _plan(topk_idx, num_experts, tmax, axis_name, impl):
+    _, num_ranks = tp.axis_rank_and_size(axis_name)
+    num_local = check_experts(num_experts, num_ranks)
+    num_tokens = topk_idx.shape[0]
+    routing_map, _ = ops.indices_to_multihot(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
+                                             num_experts=num_experts, impl=impl)
+    _, _, send_token, _ = ops.permute(jnp.zeros((num_tokens, 0), jnp.float32), routing_map,
+                                      num_out_tokens=num_experts * tmax, drop_and_pad=True,
+                                      impl=impl)
+    counts = routing_map.sum(axis=0, dtype=jnp.int32).reshape(num_ranks, num_local)
+    if num_ranks > 1:
+        counts = jax.ad_checkpoint.checkpoint_name(
+            jax.lax.all_to_all(counts, axis_name, 0, 0), tp.COUNTS_NAME)
+    src_token = send_token.reshape(num_ranks, num_local * tmax)
+    if num_ranks > 1:
+        src_token = jax.lax.all_to_all(src_token, axis_name, 0, 0)
+    recv_counts = counts.T  # [L, P_src]
+    begin = jnp.cumsum(recv_counts, axis=1) - recv_counts
+    # Output row (l, i) <- slot (p, l, j) of the received [P, L, Tmax] buffer.
+    i = jnp.arange(num_ranks * tmax, dtype=jnp.int32)
+    p = jax.vmap(lambda b: jnp.searchsorted(b, i, side="right") - 1)(begin)
+    p = jnp.clip(p, 0, num_ranks - 1)
+    j = i[None, :] - jnp.take_along_axis(begin, p, axis=1)
+    valid = j < jnp.take_along_axis(recv_counts, p, axis=1)
+    local = jnp.arange(num_local, dtype=jnp.int32)[:, None]
+    slot = jnp.where(valid, (p * num_local + local) * tmax + j, -1).astype(jnp.int32)
+    recv_slot = slot.reshape(-1)
+    total = num_ranks * num_local * tmax
+    return_slot = jnp.full((total,), -1, jnp.int32).at[
+        jnp.where(recv_slot >= 0, recv_slot, total)].set(
+        jnp.arange(recv_slot.shape[0], dtype=jnp.int32), mode="drop")
+    src_info = jnp.where(valid, src_token.reshape(-1)[jnp.clip(slot, 0)], -1)
+    layout_range = jnp.stack([begin, recv_counts], axis=-1).astype(jnp.int32)
+    return LowLatencyHandle(src_info=src_info, layout_range=layout_range, recv_slot=recv_slot,
+                            return_slot=return_slot, send_token=send_token,
+                            num_tokens=num_tokens, num_max_dispatch_tokens_per_rank=tmax,
+                            num_experts=num_experts, axis_name=axis_name, impl=impl)
+
+
+def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,
+                         axis_name, use_fp8=False, round_scale=False, use_ue8m0=False,
+                         backend="deepep"):
+    """DeepEP low-latency dispatch. Call inside jax.shard_map over `axis_name`.
+
+      x: [T,H] with T <= Tmax = num_max_dispatch_tokens_per_rank (same on every rank).
+      topk_idx: [T,K] global expert ids, -1 = unrouted (distinct ids per token).
+      use_fp8 / round_scale / use_ue8m0: cast to float8_e4m3fn before the wire, with
+        per-128-channel scales (see jax_ep.ops.per_token_cast_to_fp8).
+    Returns (recv_x, recv_count i32[L], handle): recv_x [L, P*Tmax, H] in x.dtype, or with
+    use_fp8 (x_fp8 [L, P*Tmax, H] float8_e4m3fn, scales [L, P*Tmax, H/128] f32 or
+    [L, P*Tmax, H/512] i32 with use_ue8m0). Row i < recv_count[l] of expert l is valid.
+    Gradients flow to x in x.dtype (backward = the combine-shaped reduction, no FP8 in it);
+    differentiating through use_fp8=True raises (FP8 is the inference path, as in DeepEP).
+    """
+    check_rank(x, 2, "x")
+    tmax = check_positive(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+    if x.shape[0] > tmax:
+        raise ValueError(f"x: {x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank "
+                         f"({tmax}); got shape {x.shape}")
+    topk_idx, _ = check_routing(topk_idx, None, num_experts)
+    check_shape(topk_idx, (x.shape[0], topk_idx.shape[1]), "topk_idx")
+    impl = deepep.check_backend(backend)
+    if use_fp8:
+        if x.shape[1] % reference.FP8_BLOCK:
+            raise ValueError(f"x: hidden size {x.shape[1]} must be a multiple of 128 with "
+                             "use_fp8")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0: requires round_scale=True")
+    h = _plan(topk_idx, num_experts, tmax, axis_name, impl)
+    recv_count = h.layout_range[..., 1].sum(axis=1)
+    if not use_fp8:
+        return _ll_rows(x, h), recv_count, h
+    return _ll_rows_fp8(x, h, bool(round_scale), bool(use_ue8m0)), recv_count, h
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _ll_rows_fp8(x, h, round_scale, use_ue8m0):
+    x_fp8, scales = ops.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                              impl=h.impl)
+    return _send(x_fp8, h), _send(scales, h)
+
+
+def _ll_rows_fp8_fwd(x, h, round_scale, use_ue8m0):
+    return _ll_rows_fp8(x, h, round_scale, use_ue8m0), None
+
+
+def _ll_rows_fp8_bwd(round_scale, use_ue8m0, residuals, cotangents):
+    raise ValueError(
+        "use_fp8: low_latency_dispatch with use_fp8=True is not differentiable (an FP8 "
+        "cotangent would overflow); dispatch with use_fp8=False to train - its backward runs "
+        "in x's dtype")
+
+
+_ll_rows_fp8.defvjp(_ll_rows_fp8_fwd, _ll_rows_fp8_bwd)
+
+
+def low_latency_combine(y, topk_idx, topk_weights, handle):
+    """y [L, P*Tmax, H] expert outputs -> [T,H] = Σ_k topk_weights[t,k] · y_{topk_idx[t,k]}(t),
+    fp32 accumulation, cast to y.dtype. topk_idx/topk_weights are the dispatch's [T,K]."""
+    if not isinstance(handle, LowLatencyHandle):
+        raise ValueError(f"handle: expected a LowLatencyHandle, got {type(handle)}")
+    check_shape(y, handle.src_info.shape + (y.shape[-1],), "y")
+    topk_idx, topk_weights = check_routing(topk_idx, topk_weights, handle.num_experts)
+    check_shape(topk_idx, (handle.num_tokens, topk_idx.shape[1]), "topk_idx")
+    _, dense_w = reference.indices_to_multihot(topk_idx, topk_weights,
+                                               num_experts=handle.num_experts)
+    tmax = handle.num_max_dispatch_tokens_per_rank
+    slot_expert = jnp.arange(handle.send_token.shape[0]) // tmax
+    slot_weights = dense_w.at[handle.send_token, slot_expert].get(mode="fill", fill_value=0.0)
+    slot_weights = jnp.where(handle.send_token >= 0, slot_weights, 0.0)
+    return _ll_combine_rows(y, slot_weights, handle)

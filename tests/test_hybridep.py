@@ -1,0 +1,226 @@
+"""HybridEP mode: dispatch fused with the expert permutation, on emulated CPU ranks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ep_utils import AXIS, dense_moe, ep_mesh, random_routing, run_ep, shard
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import hybridep, reference
+
+
+def _dense(idx, w, num_experts):
+    rm, pr = reference.indices_to_multihot(jnp.asarray(idx), jnp.asarray(w),
+                                           num_experts=num_experts)
+    return np.asarray(rm), np.asarray(pr)
+
+
+def hybridep_oracle(x, routing_map, probs, num_ranks, num_permuted, pad_multiple):
+    """Numpy oracle from an all-gather of every rank's tokens: per destination rank, per local
+    expert, rows ordered by (source rank, source token), blocks padded, clamped to N."""
+    num_tokens = x.shape[0] // num_ranks
+    num_experts = routing_map.shape[1]
+    L = num_experts // num_ranks
+    m = pad_multiple or 1
+    out = []
+    for d in range(num_ranks):
+        px = np.zeros((num_permuted, x.shape[1]), x.dtype)
+        pp = np.zeros((num_permuted,), np.float32)
+        tpe, row, dropped = [], 0, 0
+        for l in range(L):
+            e = d * L + l
+            members = [p * num_tokens + t for p in range(num_ranks) for t in range(num_tokens)
+                       if routing_map[p * num_tokens + t, e]]
+            block = -(-len(members) // m) * m
+            kept = max(0, min(block, num_permuted - row))
+            for j, g in enumerate(members):
+                if row + j < num_permuted:
+                    px[row + j] = x[g]
+                    pp[row + j] = probs[g, e]
+                else:
+                    dropped += 1
+            tpe.append(kept)
+            row += block
+        out.append((px, pp, np.array(tpe), dropped))
+    return out
+
+
+def _run(mesh, x, idx, w, num_experts, num_permuted, pad_multiple, compact, backend="deepep"):
+    rm, pr = _dense(idx, w, num_experts)
+
+    def body(x, a, b):
+        kw = dict(topk_idx=a) if compact else dict(routing_map=a)
+        px, pp, tpe, h = hybridep.hybridep_dispatch(
+            x, probs=b, num_experts=num_experts, axis_name=AXIS,
+            num_permuted_tokens=num_permuted, pad_multiple=pad_multiple, backend=backend, **kw)
+        return px, pp, tpe, h.num_dropped[None], hybridep.hybridep_combine(px, h)
+
+    args = (x, idx, w) if compact else (x, rm, pr)
+    return [np.asarray(a) for a in run_ep(body, mesh, *args)]
+
+
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("num_ranks,T,num_permuted,pad", [
+    (4, 6, 40, None), (4, 6, 40, 4), (8, 3, 24, 2), (1, 5, 16, None), (4, 6, 7, 2)])
+def test_matches_allgather_oracle(num_ranks, T, num_permuted, pad, compact):
+    K, H, E = 3, 8, 16
+    rng = np.random.default_rng(T * num_ranks + (pad or 0))
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    rm, pr = _dense(idx, w, E)
+    px, pp, tpe, dropped, _ = _run(ep_mesh(num_ranks), x, idx, w, E, num_permuted, pad, compact)
+    want = hybridep_oracle(x, rm, pr, num_ranks, num_permuted, pad)
+    L = E // num_ranks
+    for d, (wx, wp, wt, wd) in enumerate(want):
+        np.testing.assert_array_equal(px[d * num_permuted:(d + 1) * num_permuted], wx)
+        np.testing.assert_array_equal(pp[d * num_permuted:(d + 1) * num_permuted], wp)
+        np.testing.assert_array_equal(tpe[d * L:(d + 1) * L], wt)
+        assert dropped[d] == wd
+
+
+def test_dense_and_compact_routing_agree_and_backends_agree():
+    num_ranks, T, K, H, E, N = 8, 5, 4, 16, 32, 48
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    mesh = ep_mesh(num_ranks)
+    dense = _run(mesh, x, idx, w, E, N, 4, compact=False)
+    compact = _run(mesh, x, idx, w, E, N, 4, compact=True)
+    xla = _run(mesh, x, idx, w, E, N, 4, compact=True, backend="alltoall")
+    for a, b, c in zip(dense[:4], compact[:4], xla[:4]):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    np.testing.assert_allclose(dense[4], compact[4], rtol=1e-6)
+
+
+def test_identity_experts_combine_scales_by_copy_count():
+    num_ranks, T, K, H, E = 4, 6, 4, 8, 16
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    out = _run(ep_mesh(num_ranks), x, idx, w, E, 4 * T * K, None, compact=True)[4]
+    np.testing.assert_allclose(out / K, x, rtol=1e-6)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_gradients_match_dense_reference(compact):
+    num_ranks, T, K, H, E = 4, 5, 2, 8, 8  # T=5 is equalised to 8 rows
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    rm, pr = _dense(idx, w, E)
+    scale = rng.standard_normal((E, H)).astype(np.float32)  # expert e: y = x * scale[e]
+    cot = rng.standard_normal(x.shape).astype(np.float32)
+    mesh = ep_mesh(num_ranks)
+    L = E // num_ranks
+    N = 4 * T * K
+
+    def body(x, a, b, scale):
+        kw = dict(topk_idx=a) if compact else dict(routing_map=a)
+        px, pp, tpe, h = hybridep.hybridep_dispatch(x, probs=b, num_experts=E, axis_name=AXIS,
+                                                    num_permuted_tokens=N, **kw)
+        row_scale = jnp.take(scale, jnp.clip(h.row_expert, 0, L - 1), axis=0)
+        return hybridep.hybridep_combine(px * row_scale * pp[:, None], h)
+
+    moe = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4, out_specs=P(AXIS))
+    route = (idx, w) if compact else (rm, pr)
+
+    def ep_loss(x, probs, scale, routing):
+        return jnp.sum(moe(x, routing, probs, scale) * cot)
+
+    def dense_loss(x, probs, scale):
+        if compact:
+            dense_p = reference.indices_to_multihot(jnp.asarray(idx), probs, num_experts=E)[1]
+        else:
+            dense_p = probs * rm  # unrouted (token, expert) pairs carry no probability
+        return jnp.sum(jnp.einsum("te,eh,th->th", dense_p, scale, x) * cot)
+
+    args = shard(mesh, x, route[1], scale, route[0])
+    got = jax.jit(jax.grad(ep_loss, argnums=(0, 1, 2)))(*args)
+    want = jax.grad(dense_loss, argnums=(0, 1, 2))(x, route[1], scale)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_keep_routing_and_gradients():
+    """hidden.grad == weights and probs.grad == (hidden * weights).sum(-1) broadcast, with
+    T=3 equalised to 4 rows (padding rows must not leak into either)."""
+    num_ranks, T, H, E = 2, 3, 4, 4
+    hidden = np.random.default_rng(6).standard_normal((num_ranks * T, H)).astype(np.float32)
+    weights = np.random.default_rng(7).standard_normal((num_ranks * T, H)).astype(np.float32)
+    routing_map = np.zeros((num_ranks * T, E), bool)
+    routing_map[:, 1] = True  # every token to expert 1 (rank 0)
+    probs = np.where(routing_map, 0.5, 0.0).astype(np.float32)
+    mesh = ep_mesh(num_ranks)
+
+    def body(h, p, rm, wt):
+        px, pp, _, hd = hybridep.hybridep_dispatch(h, routing_map=rm, probs=p, num_experts=E,
+                                                   axis_name=AXIS, num_permuted_tokens=16)
+        return hybridep.hybridep_combine(px * pp[:, None], hd) * wt
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4, out_specs=P(AXIS))
+    args = shard(mesh, hidden, probs, routing_map, weights)
+    g_h, g_p = jax.jit(jax.grad(lambda h, p, rm, wt: f(h, p, rm, wt).sum(), argnums=(0, 1)))(
+        *args)
+    np.testing.assert_allclose(np.asarray(g_h), weights * 0.5, rtol=1e-6)
+    want_p = np.zeros_like(probs)
+    want_p[:, 1] = (hidden * weights).sum(-1)
+    np.testing.assert_allclose(np.asarray(g_p), want_p, rtol=1e-5)
+
+
+@pytest.mark.parametrize("local,group_max,want", [(3, 5, 8), (6, None, 8), (4, None, 4),
+                                                  (1, 1, 4), (8, 3, 8)])
+def test_equalized_token_counts(local, group_max, want):
+    assert hybridep.equalized_num_tokens(local, group_max) == want
+
+
+@pytest.mark.parametrize("n,chunk,want", [(1, 64, 512), (512, 64, 512), (513, 64, 576),
+                                          (513, 128, 640), (0, 64, 512)])
+def test_required_capacity(n, chunk, want):
+    assert hybridep.required_capacity(n, chunk) == want
+
+
+def test_bad_inputs():
+    mesh = ep_mesh(2)
+    x = np.zeros((8, 8), np.float32)
+    idx = np.zeros((8, 2), np.int32)
+    w = np.ones((8, 2), np.float32)
+    with pytest.raises(ValueError, match="routing_map / topk_idx"):
+        run_ep(lambda x, w: hybridep.hybridep_dispatch(
+            x, probs=w, num_experts=4, axis_name=AXIS, num_permuted_tokens=8)[0], mesh, x, w)
+    with pytest.raises(ValueError, match="routing_map / topk_idx"):
+        run_ep(lambda x, i, w: hybridep.hybridep_dispatch(
+            x, topk_idx=i, routing_map=i, probs=w, num_experts=4, axis_name=AXIS,
+            num_permuted_tokens=8)[0], mesh, x, idx, w)
+    with pytest.raises(ValueError, match="probs"):
+        run_ep(lambda x, i, w: hybridep.hybridep_dispatch(
+            x, topk_idx=i, probs=w[:, :1], num_experts=4, axis_name=AXIS,
+            num_permuted_tokens=8)[0], mesh, x, idx, w)
+    with pytest.raises(ValueError, match="divisible"):
+        run_ep(lambda x, i, w: hybridep.hybridep_dispatch(
+            x, topk_idx=i, probs=w, num_experts=5, axis_name=AXIS,
+            num_permuted_tokens=8)[0], mesh, x, idx, w)
+
+
+def test_hybridep_moe_forward_matches_dense():
+    """A full MoE through hybridep: per-row expert FFN via the row's expert, gate by probs."""
+    num_ranks, T, K, H, F, E = 4, 6, 2, 8, 8, 8
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    w_in = rng.standard_normal((E, H, F)).astype(np.float32) / 3
+    w_out = rng.standard_normal((E, F, H)).astype(np.float32) / 3
+
+    def body(x, i, w, w_in, w_out):
+        px, pp, tpe, h = hybridep.hybridep_dispatch(x, topk_idx=i, probs=w, num_experts=E,
+                                                    axis_name=AXIS, num_permuted_tokens=64)
+        y = jax.lax.ragged_dot(jax.nn.gelu(jax.lax.ragged_dot(px, w_in, tpe)), w_out, tpe)
+        return hybridep.hybridep_combine(y * pp[:, None], h)
+
+    out = np.asarray(run_ep(body, ep_mesh(num_ranks), x, idx, w, w_in, w_out))
+    np.testing.assert_allclose(out, dense_moe(x, idx, w, w_in, w_out), rtol=1e-5, atol=1e-5)
+    assert jax_ep.hybridep_dispatch is hybridep.hybridep_dispatch
