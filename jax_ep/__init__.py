@@ -8,6 +8,7 @@ mesh axis. Layers: `jax_ep.ops` (local kernels) -> `jax_ep.transport` -> the mod
 
 from jax_ep import ops, reference, transport
 from jax_ep._ffi import WITH_CUDA
+from jax_ep.config import TokenDispatcherConfig
 from jax_ep.deepep import (
     DispatchHandle,
     chunk_bounds,
@@ -23,6 +24,7 @@ __all__ = [
     "DispatchHandle",
     "HybridEPHandle",
     "LowLatencyHandle",
+    "TokenDispatcherConfig",
     "chunk_bounds",
     "combine",
     "dispatch",

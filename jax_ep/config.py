@@ -1,0 +1,122 @@
+"""TokenDispatcherConfig: the PyTorch flex dispatcher's configuration, field for field, plus the
+fields a JAX port needs (expert mesh axis, transport, static buffer sizes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jax_ep.transport import TRANSPORTS
+
+__all__ = ["BACKENDS", "ROUTER_DTYPES", "TokenDispatcherConfig"]
+
+BACKENDS = ("deepep", "hybridep", "uccl_ep", "alltoall")
+ROUTER_DTYPES = ("fp32", "fp64", None)
+
+
+def _require(ok: bool, field: str, allowed: str, value) -> None:
+    if not ok:
+        raise ValueError(f"TokenDispatcherConfig.{field}: expected {allowed}, got {value!r}")
+
+
+def _positive_int(value, allow_none=False) -> bool:
+    if value is None:
+        return allow_none
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDispatcherConfig:
+    """Configuration for MoE token dispatch and combine backends.
+
+    PyTorch fields (same names, same defaults):
+      moe_enable_deepep: use a DeepEP-family backend (informational here: the backend field
+        decides).
+      moe_permute_fusion: run the local permute/unpermute as fused FFI kernels (True) or as
+        XLA ops (False); results are identical.
+      moe_expert_capacity_factor: None = no token dropped; else each expert takes
+        ceil(T*K/E * factor) tokens, so each destination rank gets at most ceil(T*K*factor/P)
+        rows per source rank (the excess is dropped, highest token index first, and counted).
+      moe_router_topk: experts per token.
+      moe_router_expert_pad_multiple: pad every expert's block to a multiple of it.
+      num_moe_experts: E.
+      moe_router_dtype: "fp32", "fp64" (needs jax_enable_x64) or None (the input dtype) for
+        the router softmax/top-k and the probabilities used to weight expert outputs.
+      moe_flex_dispatcher_backend: "deepep", "hybridep", "uccl_ep", or (JAX only) "alltoall".
+      moe_deepep_num_sms, moe_hybridep_num_sms, moe_hybridep_num_sms_preprocessing,
+      moe_hybridep_num_blocks_permute, moe_hybridep_num_blocks_unpermute: SM / block budgets
+        of the CUDA communication kernels. XLA schedules its own collectives, so these are
+        validated and kept for config compatibility but do not change the program.
+      moe_hybridep_permute_fusion: HybridEP always fuses the permutation into dispatch here.
+      moe_hybridep_compact_routing: send top-k ids instead of the dense [T,E] routing map.
+      moe_share_token_dispatcher: share one dispatcher across MoE layers.
+      moe_deepep_async_dispatch: overlap dispatch with expert compute by splitting tokens
+        into `num_overlap_chunks` chunks (deepep/uccl_ep/alltoall backends).
+      moe_benchmark_static_routing: force balanced routing (benchmarks only).
+    JAX-only fields:
+      expert_axis_name: the mesh axis experts are sharded over.
+      transport: "auto", "all_to_all" or "ragged" (see jax_ep.transport).
+      num_worst_tokens: receive rows per rank for deepep modes (None: the no-drop worst case).
+      num_permuted_tokens: permuted rows per rank for hybridep (None: the worst case).
+      num_overlap_chunks: token chunks used by moe_deepep_async_dispatch.
+    """
+
+    moe_enable_deepep: bool = True
+    moe_permute_fusion: bool = False
+    moe_expert_capacity_factor: float | None = None
+    moe_router_topk: int = 2
+    moe_router_expert_pad_multiple: int | None = None
+    num_moe_experts: int = 64
+    moe_router_dtype: str | None = "fp32"
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep", "uccl_ep", "alltoall"] = "deepep"
+    moe_deepep_num_sms: int = 20
+    moe_hybridep_num_sms: int = 24
+    moe_hybridep_permute_fusion: bool = False
+    moe_hybridep_compact_routing: bool = False
+    moe_hybridep_num_sms_preprocessing: int | None = None
+    moe_hybridep_num_blocks_permute: int | None = None
+    moe_hybridep_num_blocks_unpermute: int | None = None
+    moe_share_token_dispatcher: bool = True
+    moe_deepep_async_dispatch: bool = False
+    moe_benchmark_static_routing: bool = False
+    expert_axis_name: str = "expert"
+    transport: str = "auto"
+    num_worst_tokens: int | None = None
+    num_permuted_tokens: int | None = None
+    num_overlap_chunks: int = 2
+
+    def __post_init__(self):
+        for name in ("moe_enable_deepep", "moe_permute_fusion", "moe_hybridep_permute_fusion",
+                     "moe_hybridep_compact_routing", "moe_share_token_dispatcher",
+                     "moe_deepep_async_dispatch", "moe_benchmark_static_routing"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, "a bool", value)
+        _require(self.moe_flex_dispatcher_backend in BACKENDS, "moe_flex_dispatcher_backend",
+                 f"one of {BACKENDS}", self.moe_flex_dispatcher_backend)
+        _require(self.moe_router_dtype in ROUTER_DTYPES, "moe_router_dtype",
+                 f"one of {ROUTER_DTYPES}", self.moe_router_dtype)
+        _require(self.transport in TRANSPORTS, "transport", f"one of {TRANSPORTS}",
+                 self.transport)
+        _require(_positive_int(self.num_moe_experts), "num_moe_experts", "a positive int",
+                 self.num_moe_experts)
+        _require(_positive_int(self.moe_router_topk) and self.moe_router_topk
+                 <= self.num_moe_experts, "moe_router_topk",
+                 f"an int in [1, num_moe_experts={self.num_moe_experts}]", self.moe_router_topk)
+        cf = self.moe_expert_capacity_factor
+        _require(cf is None or (isinstance(cf, (int, float)) and not isinstance(cf, bool)
+                                and cf > 0), "moe_expert_capacity_factor",
+                 "None or a positive float", cf)
+        for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms", "num_overlap_chunks"):
+            _require(_positive_int(getattr(self, name)), name, "a positive int",
+                     getattr(self, name))
+        for name in ("moe_router_expert_pad_multiple", "moe_hybridep_num_sms_preprocessing",
+                     "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
+                     "num_worst_tokens", "num_permuted_tokens"):
+            _require(_positive_int(getattr(self, name), allow_none=True), name,
+                     "None or a positive int", getattr(self, name))
+        _require(isinstance(self.expert_axis_name, str) and self.expert_axis_name,
+                 "expert_axis_name", "a mesh axis name", self.expert_axis_name)
+
+    @property
+    def backend(self) -> str:
+        return self.moe_flex_dispatcher_backend

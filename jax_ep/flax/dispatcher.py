@@ -1,0 +1,254 @@
+"""MoEFlexTokenDispatcher: the PyTorch flex dispatcher's method names on jax_ep's EP modes.
+
+Call the methods inside `jax.shard_map` over `config.expert_axis_name` (the layer in
+`jax_ep.flax.moe` does). JAX is functional, so the dispatch state that the PyTorch dispatcher
+keeps on `self` flows explicitly here: every dispatch-side method returns it as its last
+element and every combine-side method takes it. The module holds no arrays, so it is safe
+under `nnx.jit`, `nnx.grad` and `nnx.remat`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_ep import deepep, hybridep, ops
+from jax_ep.config import TokenDispatcherConfig
+
+__all__ = ["DispatchState", "MoEFlexTokenDispatcher", "shared_dispatcher"]
+
+_ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64, None: None}
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["token_indices", "token_probs", "routing_map", "probs", "handle",
+                      "sorted_indices", "num_dropped"],
+         meta_fields=["hidden_shape"])
+@dataclasses.dataclass(frozen=True)
+class DispatchState:
+    """What the combine side needs from a dispatch (the PyTorch dispatcher's `self` fields).
+
+    token_indices i32[T,K] / token_probs f32[T,K]: top-k routing (DeepEP family, compact
+      HybridEP); routing_map bool[T,E] / probs f32[T,E]: dense routing (HybridEP).
+    handle: the EP mode's handle (None before dispatch_all_to_all).
+    sorted_indices i32[N]: local permutation rows (DeepEP family, after dispatch_postprocess).
+    num_dropped i32[]: (token, destination) rows or (row, expert) pairs dropped to capacity.
+    hidden_shape: the input's shape, restored by combine_postprocess.
+    """
+
+    token_indices: jax.Array | None = None
+    token_probs: jax.Array | None = None
+    routing_map: jax.Array | None = None
+    probs: jax.Array | None = None
+    handle: object = None
+    sorted_indices: jax.Array | None = None
+    num_dropped: jax.Array | None = None
+    hidden_shape: tuple = ()
+
+
+def router_dtype(config: TokenDispatcherConfig, default):
+    """The dtype routing math runs in; fp64 needs jax_enable_x64."""
+    dtype = _ROUTER_DTYPES[config.moe_router_dtype]
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("TokenDispatcherConfig.moe_router_dtype: 'fp64' needs "
+                         "jax.config.update('jax_enable_x64', True)")
+    return default if dtype is None else dtype
+
+
+class MoEFlexTokenDispatcher(nnx.Module):
+    """Flex token dispatcher over the "deepep", "uccl_ep", "alltoall" and "hybridep" modes.
+
+    num_local_experts: L = E / P; local_expert_indices: the global ids of this rank's experts
+    (informational: rank r owns [r*L, (r+1)*L)); config: TokenDispatcherConfig; ep_group: the
+    expert mesh axis name (defaults to config.expert_axis_name).
+    """
+
+    def __init__(self, num_local_experts, local_expert_indices, config, ep_group=None):
+        if not isinstance(config, TokenDispatcherConfig):
+            raise ValueError(f"config: expected a TokenDispatcherConfig, got {type(config)}")
+        if config.num_moe_experts % num_local_experts:
+            raise ValueError(f"num_local_experts: {num_local_experts} does not divide "
+                             f"num_moe_experts={config.num_moe_experts}")
+        self.config = config
+        self.num_local_experts = int(num_local_experts)
+        self.local_expert_indices = tuple(int(i) for i in local_expert_indices)
+        self.axis_name = ep_group or config.expert_axis_name
+        self.ep_size = config.num_moe_experts // self.num_local_experts
+        self.tp_size = 1
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def backend(self):
+        return self.config.moe_flex_dispatcher_backend
+
+    @property
+    def _local_impl(self):
+        return "ffi" if self.config.moe_permute_fusion else "xla"
+
+    def _capacity(self, num_tokens):
+        if self.config.moe_expert_capacity_factor is None:
+            return None
+        return deepep.capacity_from_factor(num_tokens, self.config.moe_router_topk,
+                                           self.ep_size, self.config.moe_expert_capacity_factor)
+
+    def _num_permuted(self, num_rows, top_k):
+        """Static rows of the permuted buffer: every row's local slots plus block padding."""
+        pad = self.config.moe_router_expert_pad_multiple or 1
+        return num_rows * min(top_k, self.num_local_experts) + self.num_local_experts * (pad - 1)
+
+    def _topk_from_probs(self, probs):
+        """Dense probs [T,E] -> (indices i32[T,K] with -1 where prob is 0, probs f32[T,K])."""
+        values, indices = jax.lax.top_k(probs, self.config.moe_router_topk)
+        indices = jnp.where(values == 0, -1, indices).astype(jnp.int32)
+        return indices, values.astype(jnp.float32)
+
+    # ------------------------------------------------------------------ dispatch side
+
+    def dispatch_preprocess(self, hidden_states, num_local_tokens, probs):
+        """hidden [..., H], probs [T,E] (zero where not routed) -> (hidden [T,H], state)."""
+        hidden_shape = tuple(hidden_states.shape)
+        hidden = hidden_states.reshape(-1, hidden_shape[-1])
+        probs = probs.reshape(num_local_tokens, self.config.num_moe_experts)
+        probs = probs.astype(router_dtype(self.config, probs.dtype))
+        if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
+            state = DispatchState(routing_map=probs != 0, probs=probs.astype(jnp.float32),
+                                  hidden_shape=hidden_shape)
+        else:
+            indices, values = self._topk_from_probs(probs)
+            state = DispatchState(token_indices=indices, token_probs=values,
+                                  hidden_shape=hidden_shape)
+        return hidden, state
+
+    def dispatch_preprocess2(self, hidden_states, num_local_tokens, token_probs, token_indices):
+        """Top-k routing given directly: probs [T,K], indices [T,K] (-1 unrouted)."""
+        hidden_shape = tuple(hidden_states.shape)
+        hidden = hidden_states.reshape(-1, hidden_shape[-1])
+        token_probs = token_probs.reshape(num_local_tokens, -1)
+        token_indices = token_indices.reshape(num_local_tokens, -1).astype(jnp.int32)
+        if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
+            routing_map, probs = ops.indices_to_multihot(
+                token_indices, token_probs.astype(jnp.float32),
+                num_experts=self.config.num_moe_experts, impl="xla")
+            return hidden, DispatchState(routing_map=routing_map, probs=probs,
+                                         hidden_shape=hidden_shape)
+        return hidden, DispatchState(token_indices=token_indices,
+                                     token_probs=token_probs.astype(jnp.float32),
+                                     hidden_shape=hidden_shape)
+
+    def dispatch_all_to_all(self, hidden_states, state, probs=None):
+        """[T,H] -> the EP mode's received rows (HybridEP: already permuted), new state."""
+        del probs  # the routing probs travel in the state
+        cfg = self.config
+        if self.backend == "hybridep":
+            num_tokens = hybridep.equalized_num_tokens(hidden_states.shape[0])
+            top_k = (state.token_indices.shape[1] if state.token_indices is not None
+                     else self.num_local_experts)
+            n = cfg.num_permuted_tokens or self._num_permuted(self.ep_size * num_tokens, top_k)
+            routing = (dict(topk_idx=state.token_indices, probs=state.token_probs)
+                       if state.token_indices is not None
+                       else dict(routing_map=state.routing_map, probs=state.probs))
+            px, pp, tpe, handle = hybridep.hybridep_dispatch(
+                hidden_states, num_experts=cfg.num_moe_experts, axis_name=self.axis_name,
+                num_permuted_tokens=n, pad_multiple=cfg.moe_router_expert_pad_multiple,
+                transport=cfg.transport, **routing)
+            state = dataclasses.replace(state, handle=handle, num_dropped=handle.num_dropped)
+            return (px, pp, tpe), state
+        recv_x, recv_idx, recv_w, handle = deepep.dispatch(
+            hidden_states, state.token_indices, state.token_probs,
+            num_experts=cfg.num_moe_experts, axis_name=self.axis_name, backend=self.backend,
+            num_worst_tokens=cfg.num_worst_tokens, transport=cfg.transport,
+            capacity=self._capacity(hidden_states.shape[0]))
+        state = dataclasses.replace(state, handle=handle, num_dropped=handle.num_dropped)
+        return (recv_x, recv_idx, recv_w), state
+
+    def dispatch_postprocess(self, hidden_states, state):
+        """Received rows -> (global_input_tokens [N,H], tokens_per_expert i32[L],
+        permuted_probs f32[N], state): expert-major rows for a grouped GEMM."""
+        if self.backend == "hybridep":
+            px, pp, tpe = hidden_states
+            return px, tpe, pp, state
+        recv_x, recv_idx, recv_w = hidden_states
+        routing_map, probs = ops.indices_to_multihot(recv_idx, recv_w,
+                                                     num_experts=self.num_local_experts,
+                                                     impl=self._local_impl)
+        n = self._num_permuted(recv_x.shape[0], recv_idx.shape[1])
+        permuted, permuted_probs, sorted_indices, tokens_per_expert = ops.permute(
+            recv_x, routing_map, probs, num_out_tokens=n,
+            pad_multiple=self.config.moe_router_expert_pad_multiple, impl=self._local_impl)
+        state = dataclasses.replace(state, sorted_indices=sorted_indices)
+        return permuted, tokens_per_expert, permuted_probs, state
+
+    def token_permutation(self, hidden_states, num_local_tokens, probs):
+        """preprocess -> all_to_all -> postprocess. Returns (global_input_tokens,
+        tokens_per_expert, permuted_probs, state)."""
+        hidden, state = self.dispatch_preprocess(hidden_states, num_local_tokens, probs)
+        received, state = self.dispatch_all_to_all(hidden, state)
+        return self.dispatch_postprocess(received, state)
+
+    def token_permutation2(self, hidden_states, num_local_tokens, token_probs, token_indices):
+        """As token_permutation, from top-k probs [T,K] and indices [T,K]."""
+        hidden, state = self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs,
+                                                  token_indices)
+        received, state = self.dispatch_all_to_all(hidden, state)
+        return self.dispatch_postprocess(received, state)
+
+    # ------------------------------------------------------------------ combine side
+
+    def combine_preprocess(self, hidden_states, state):
+        """Expert outputs [N,H] -> rows in the received order (HybridEP: unchanged)."""
+        if self.backend == "hybridep":
+            return hidden_states
+        return ops.unpermute(hidden_states, state.sorted_indices,
+                             num_tokens=state.handle.num_recv, impl=self._local_impl)
+
+    def combine_all_to_all(self, hidden_states, state):
+        """Rows back to their source tokens, summed: -> [T,H]."""
+        if self.backend == "hybridep":
+            return hybridep.hybridep_combine(hidden_states, state.handle)
+        return deepep.combine(hidden_states, state.handle)[0]
+
+    def combine_postprocess(self, hidden_states, state):
+        """[T,H] -> the dispatch input's original shape."""
+        return hidden_states.reshape(state.hidden_shape)
+
+    def token_unpermutation(self, hidden_states, state):
+        """combine_preprocess -> combine_all_to_all -> combine_postprocess."""
+        hidden = self.combine_preprocess(hidden_states, state)
+        hidden = self.combine_all_to_all(hidden, state)
+        return self.combine_postprocess(hidden, state)
+
+    def overlapped_forward(self, hidden_states, token_probs, token_indices, local_kernel):
+        """moe_deepep_async_dispatch: dispatch -> local_kernel -> combine over
+        config.num_overlap_chunks token chunks (deepep family; see
+        jax_ep.deepep.dispatch_chunked_forward). hidden [T,H] -> [T,H]."""
+        if self.backend == "hybridep":
+            raise ValueError("moe_deepep_async_dispatch: chunked overlap needs a deepep-family "
+                             "backend, got 'hybridep'")
+        return deepep.dispatch_chunked_forward(
+            hidden_states, token_indices, token_probs, local_kernel,
+            num_local_experts=self.num_local_experts, axis_name=self.axis_name,
+            chunks=self.config.num_overlap_chunks, backend=self.backend,
+            transport=self.config.transport)
+
+
+_SHARED: dict = {}
+
+
+def shared_dispatcher(num_local_experts, config, ep_group=None):
+    """One dispatcher per (config, L, axis) when config.moe_share_token_dispatcher is set
+    (PyTorch's shared manager), else a new one."""
+    def make():
+        return MoEFlexTokenDispatcher(num_local_experts, range(num_local_experts), config,
+                                      ep_group)
+    if not config.moe_share_token_dispatcher:
+        return make()
+    key = (config, num_local_experts, ep_group)
+    if key not in _SHARED:
+        _SHARED[key] = make()
+    return _SHARED[key]
+

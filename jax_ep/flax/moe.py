@@ -1,0 +1,211 @@
+"""MoELayer (Flax NNX): router top-k, SwiGLU experts as grouped GEMMs (`jax.lax.ragged_dot`)
+sharded over the expert mesh axis, the flex dispatcher, an optional shared expert and the
+load-balancing auxiliary loss.
+
+Use it under `jax.jit` with inputs sharded over a `Mesh(("data", "expert"))` (the layer runs
+its body in `jax.shard_map`, tokens split over both axes, experts over "expert"), or call it
+inside your own `jax.shard_map` that binds the expert axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jax_ep.config import TokenDispatcherConfig
+from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
+from jax_ep import ops
+
+__all__ = ["MoELayer", "dense_forward", "shard_params", "swiglu_experts"]
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down):
+    """Grouped SwiGLU: tokens [N,H] in expert-major blocks of tokens_per_expert i32[L] rows,
+    w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past the blocks give zeros)."""
+    h = jax.lax.ragged_dot(tokens, w_gate_up, tokens_per_expert)
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, tokens_per_expert)
+
+
+def _swiglu(x, w_gate_up, w_down):
+    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ w_down
+
+
+def _route(tokens, router, config, score_function):
+    """tokens [T,H] -> (scores [T,E] router dtype, top-k probs f32[T,K], ids i32[T,K])."""
+    dtype = router_dtype(config, tokens.dtype)
+    logits = tokens.astype(dtype) @ router.astype(dtype)
+    k = config.moe_router_topk
+    if score_function == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        probs, ids = jax.lax.top_k(scores, k)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs, ids = jax.lax.top_k(scores, k)
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+    if config.moe_benchmark_static_routing:  # forced balance: token t takes (t*K + k) mod E
+        t = jnp.arange(tokens.shape[0])[:, None]
+        ids = (t * k + jnp.arange(k)) % config.num_moe_experts
+        probs = jnp.full(ids.shape, 1.0 / k, dtype)
+    return scores, probs.astype(jnp.float32), ids.astype(jnp.int32)
+
+
+def _aux_loss(scores, ids, num_experts, coeff, axes):
+    """Switch-style balance loss coeff * E * sum_e f_e * P_e over every token of `axes`, plus
+    the global routed-slot count per expert i32[E]."""
+    counts = jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
+    score_sum = scores.astype(jnp.float32).sum(axis=0)
+    num_tokens = jnp.asarray(scores.shape[0], jnp.float32)
+    if axes:
+        counts, score_sum, num_tokens = jax.lax.psum((counts, score_sum, num_tokens), axes)
+    fraction = counts / (num_tokens * ids.shape[1])
+    mean_score = score_sum / num_tokens
+    return coeff * num_experts * jnp.sum(fraction * mean_score), counts
+
+
+class MoELayer(nnx.Module):
+    """Mixture-of-experts feed-forward layer with expert parallelism.
+
+      config: TokenDispatcherConfig (experts, top-k, backend, router dtype, ...).
+      hidden_size H, ffn_hidden_size F: each expert is SwiGLU H -> 2F -> H.
+      mesh: a Mesh with config.expert_axis_name (and optionally data_axis) for pjit-style
+        calls; or expert_parallel_size P when the layer is called inside your shard_map.
+      shared_expert_size: hidden size of an always-on shared SwiGLU expert (None: none).
+      score_function: "softmax" (then top-k) or "sigmoid" (top-k renormalised).
+    __call__(x [..., H]) -> (y [..., H], aux) with aux = {"aux_loss": f32[],
+    "tokens_per_expert": i32[E] (global routed slots), "num_dropped": i32[] (global)}.
+    """
+
+    def __init__(self, config: TokenDispatcherConfig, hidden_size: int, ffn_hidden_size: int, *,
+                 rngs: nnx.Rngs, mesh=None, expert_parallel_size=None, data_axis="data",
+                 shared_expert_size=None, score_function="softmax", aux_loss_coeff=1e-2,
+                 dtype=jnp.float32, dispatcher: MoEFlexTokenDispatcher | None = None):
+        if score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"score_function: expected one of {SCORE_FUNCTIONS}, got "
+                             f"{score_function!r}")
+        axis = config.expert_axis_name
+        if mesh is not None:
+            if axis not in mesh.axis_names:
+                raise ValueError(f"mesh: has axes {mesh.axis_names}, missing the expert axis "
+                                 f"{axis!r} (TokenDispatcherConfig.expert_axis_name)")
+            expert_parallel_size = mesh.shape[axis]
+        if expert_parallel_size is None:
+            raise ValueError("mesh / expert_parallel_size: pass one so the layer knows P")
+        num_experts = config.num_moe_experts
+        if num_experts % expert_parallel_size:
+            raise ValueError(f"num_moe_experts ({num_experts}) must be divisible by the expert "
+                             f"parallel size ({expert_parallel_size})")
+        self.config = config
+        self.mesh = mesh
+        self.data_axis = data_axis if mesh is not None and data_axis in mesh.axis_names else None
+        self.score_function = score_function
+        self.aux_loss_coeff = float(aux_loss_coeff)
+        H, F = hidden_size, ffn_hidden_size
+        init = jax.nn.initializers.normal
+
+        def param(key, shape, scale, names):
+            return nnx.Param(init(scale)(key, shape, dtype), sharding_names=names,
+                             eager_sharding=False)
+
+        self.router = param(rngs.params(), (H, num_experts), H ** -0.5, (None, None))
+        self.w_gate_up = param(rngs.params(), (num_experts, H, 2 * F), H ** -0.5,
+                               (axis, None, None))
+        self.w_down = param(rngs.params(), (num_experts, F, H), F ** -0.5, (axis, None, None))
+        if shared_expert_size:
+            S = shared_expert_size
+            self.shared_gate_up = param(rngs.params(), (H, 2 * S), H ** -0.5, (None, None))
+            self.shared_down = param(rngs.params(), (S, H), S ** -0.5, (None, None))
+        else:
+            self.shared_gate_up = self.shared_down = None
+        num_local = num_experts // expert_parallel_size
+        self.dispatcher = dispatcher or shared_dispatcher(num_local, config, axis)
+
+    def _token_axes(self):
+        axis = self.config.expert_axis_name
+        return (self.data_axis, axis) if self.data_axis else (axis,)
+
+    def _local(self, x, router, w_gate_up, w_down, shared):
+        """The per-device body (inside shard_map): x [..., H] local tokens."""
+        cfg = self.config
+        tokens = x.reshape(-1, x.shape[-1])
+        scores, probs, ids = _route(tokens, router, cfg, self.score_function)
+        aux_loss, counts = _aux_loss(scores, ids, cfg.num_moe_experts, self.aux_loss_coeff,
+                                     self._token_axes())
+        d = self.dispatcher
+        if cfg.moe_deepep_async_dispatch and d.backend != "hybridep":
+            def local_kernel(recv_x, recv_idx, recv_w):
+                routing_map, rprobs = ops.indices_to_multihot(
+                    recv_idx, recv_w, num_experts=d.num_local_experts, impl=d._local_impl)
+                n = d._num_permuted(recv_x.shape[0], recv_idx.shape[1])
+                px, pp, rows, tpe = ops.permute(recv_x, routing_map, rprobs, num_out_tokens=n,
+                                                pad_multiple=cfg.moe_router_expert_pad_multiple,
+                                                impl=d._local_impl)
+                out = swiglu_experts(px, tpe, w_gate_up, w_down) * pp[:, None].astype(px.dtype)
+                return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
+            y = d.overlapped_forward(tokens, probs, ids, local_kernel)
+            dropped = jnp.zeros((), jnp.int32)
+        else:
+            permuted, tpe, pp, state = d.token_permutation2(tokens, tokens.shape[0], probs, ids)
+            out = swiglu_experts(permuted, tpe, w_gate_up, w_down)
+            y = d.token_unpermutation(out * pp[:, None].astype(out.dtype), state)
+            dropped = state.num_dropped
+        if shared is not None:
+            y = y + _swiglu(tokens, *shared)
+        dropped = jax.lax.psum(dropped, self._token_axes())
+        aux = {"aux_loss": aux_loss, "tokens_per_expert": counts, "num_dropped": dropped}
+        return y.reshape(x.shape).astype(x.dtype), aux
+
+    def __call__(self, x):
+        shared = (None if self.shared_gate_up is None
+                  else (self.shared_gate_up.value, self.shared_down.value))
+        params = (self.router.value, self.w_gate_up.value, self.w_down.value, shared)
+        axis = self.config.expert_axis_name
+        try:
+            jax.lax.axis_size(axis)
+            inside_shard_map = True
+        except NameError:
+            inside_shard_map = False
+        if inside_shard_map:
+            return self._local(x, *params)
+        if self.mesh is None:
+            raise ValueError(f"mesh: the layer was built without a mesh, so call it inside a "
+                             f"jax.shard_map that binds {axis!r}")
+        tokens_spec = P(self._token_axes())
+        shared_spec = None if shared is None else (P(), P())
+        fn = jax.shard_map(self._local, mesh=self.mesh,
+                           in_specs=(tokens_spec, P(), P(axis), P(axis), shared_spec),
+                           out_specs=(tokens_spec, P()))
+        return fn(x, *params)
+
+
+def dense_forward(layer: MoELayer, x):
+    """Single-device reference of `layer` (no expert parallelism, no capacity): the oracle
+    the layer is tested against. Returns (y [..., H], aux_loss)."""
+    cfg = layer.config
+    tokens = x.reshape(-1, x.shape[-1])
+    scores, probs, ids = _route(tokens, layer.router.value, cfg, layer.score_function)
+    aux_loss, _ = _aux_loss(scores, ids, cfg.num_moe_experts, layer.aux_loss_coeff, ())
+    every = jax.vmap(lambda a, b: _swiglu(tokens, a, b))(layer.w_gate_up.value,
+                                                         layer.w_down.value)  # [E,T,H]
+    picked = every[ids, jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
+    y = jnp.sum(picked * probs[..., None].astype(picked.dtype), axis=1)
+    if layer.shared_gate_up is not None:
+        y = y + _swiglu(tokens, layer.shared_gate_up.value, layer.shared_down.value)
+    return y.reshape(x.shape).astype(x.dtype), aux_loss
+
+
+def shard_params(model, mesh):
+    """Places every nnx.Param of `model` by its sharding_names on `mesh` (experts over the
+    expert axis, the rest replicated). Works across processes: values go through host memory,
+    so every process must hold the same values (same seed)."""
+    state = nnx.state(model)
+    shardings = nnx.get_named_sharding(state, mesh)
+    host = jax.tree.map(np.asarray, state)
+    nnx.update(model, jax.device_put(host, shardings))
+    return model
