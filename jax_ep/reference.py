@@ -190,7 +190,9 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False):
     groups = hidden // FP8_BLOCK
     blocks = x.astype(jnp.float32).reshape(num_tokens, groups, FP8_BLOCK)
     amax = jnp.maximum(jnp.abs(blocks).max(axis=-1), FP8_MIN_AMAX)
-    scale_inv = amax / FP8_MAX
+    # amax * fl32(1/448): what XLA makes of `amax / 448` and what PyTorch's CUDA division by
+    # a scalar computes for DeepEP's `x_amax / 448.0`; written out so no rewrite is relied on.
+    scale_inv = amax * jnp.float32(1.0 / FP8_MAX)
     if round_scale:
         scale_inv = _ceil_pow2(scale_inv)
     x_fp8 = (blocks * (1.0 / scale_inv)[..., None]).astype(jnp.float8_e4m3fn)

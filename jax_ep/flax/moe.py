@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import flax
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -22,6 +23,9 @@ from jax_ep import ops
 __all__ = ["MoELayer", "dense_forward", "shard_params", "swiglu_experts"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
+_SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(".")[:2])
+                 >= (0, 12) else "sharding_names")
 
 
 def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down):
@@ -110,8 +114,8 @@ class MoELayer(nnx.Module):
         init = jax.nn.initializers.normal
 
         def param(key, shape, scale, names):
-            return nnx.Param(init(scale)(key, shape, dtype), sharding_names=names,
-                             eager_sharding=False)
+            return nnx.Param(init(scale)(key, shape, dtype), eager_sharding=False,
+                             **{_SHARDING_KEY: names})
 
         self.router = param(rngs.params(), (H, num_experts), H ** -0.5, (None, None))
         self.w_gate_up = param(rngs.params(), (num_experts, H, 2 * F), H ** -0.5,
@@ -163,8 +167,8 @@ class MoELayer(nnx.Module):
 
     def __call__(self, x):
         shared = (None if self.shared_gate_up is None
-                  else (self.shared_gate_up.value, self.shared_down.value))
-        params = (self.router.value, self.w_gate_up.value, self.w_down.value, shared)
+                  else (self.shared_gate_up[...], self.shared_down[...]))
+        params = (self.router[...], self.w_gate_up[...], self.w_down[...], shared)
         axis = self.config.expert_axis_name
         try:
             jax.lax.axis_size(axis)
@@ -189,14 +193,14 @@ def dense_forward(layer: MoELayer, x):
     the layer is tested against. Returns (y [..., H], aux_loss)."""
     cfg = layer.config
     tokens = x.reshape(-1, x.shape[-1])
-    scores, probs, ids = _route(tokens, layer.router.value, cfg, layer.score_function)
+    scores, probs, ids = _route(tokens, layer.router[...], cfg, layer.score_function)
     aux_loss, _ = _aux_loss(scores, ids, cfg.num_moe_experts, layer.aux_loss_coeff, ())
-    every = jax.vmap(lambda a, b: _swiglu(tokens, a, b))(layer.w_gate_up.value,
-                                                         layer.w_down.value)  # [E,T,H]
+    every = jax.vmap(lambda a, b: _swiglu(tokens, a, b))(layer.w_gate_up[...],
+                                                         layer.w_down[...])  # [E,T,H]
     picked = every[ids, jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
     y = jnp.sum(picked * probs[..., None].astype(picked.dtype), axis=1)
     if layer.shared_gate_up is not None:
-        y = y + _swiglu(tokens, layer.shared_gate_up.value, layer.shared_down.value)
+        y = y + _swiglu(tokens, layer.shared_gate_up[...], layer.shared_down[...])
     return y.reshape(x.shape).astype(x.dtype), aux_loss
 
 

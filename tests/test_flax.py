@@ -1,0 +1,252 @@
+"""TokenDispatcherConfig, the Flax NNX dispatcher and MoELayer on an emulated ("data", "expert")
+mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from ep_utils import AXIS, ep_mesh, random_routing, run_ep
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import ops
+from jax_ep.flax import MoEFlexTokenDispatcher, MoELayer, dense_forward, shard_params
+
+BACKENDS = ("deepep", "uccl_ep", "alltoall", "hybridep")
+
+PYTORCH_DEFAULTS = dict(
+    moe_enable_deepep=True, moe_permute_fusion=False, moe_expert_capacity_factor=None,
+    moe_router_topk=2, moe_router_expert_pad_multiple=None, num_moe_experts=64,
+    moe_router_dtype="fp32", moe_flex_dispatcher_backend="deepep", moe_deepep_num_sms=20,
+    moe_hybridep_num_sms=24, moe_hybridep_permute_fusion=False,
+    moe_hybridep_compact_routing=False, moe_hybridep_num_sms_preprocessing=None,
+    moe_hybridep_num_blocks_permute=None, moe_hybridep_num_blocks_unpermute=None,
+    moe_share_token_dispatcher=True, moe_deepep_async_dispatch=False,
+    moe_benchmark_static_routing=False)
+
+
+def test_config_has_every_pytorch_field_with_its_default():
+    cfg = jax_ep.TokenDispatcherConfig()
+    fields = [f.name for f in dataclasses.fields(cfg)]
+    assert fields[:len(PYTORCH_DEFAULTS)] == list(PYTORCH_DEFAULTS)
+    for name, value in PYTORCH_DEFAULTS.items():
+        assert getattr(cfg, name) == value, name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.moe_router_topk = 4
+
+
+@pytest.mark.parametrize("field,value", [
+    ("moe_flex_dispatcher_backend", "nccl"), ("moe_router_dtype", "bf16"),
+    ("moe_router_topk", 0), ("moe_router_topk", 65), ("num_moe_experts", -1),
+    ("moe_expert_capacity_factor", 0.0), ("moe_router_expert_pad_multiple", 0),
+    ("transport", "nvlink"), ("moe_deepep_num_sms", 0), ("moe_permute_fusion", 1),
+    ("num_worst_tokens", -5), ("expert_axis_name", "")])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        jax_ep.TokenDispatcherConfig(**{field: value})
+
+
+def test_config_accepts_alltoall_backend_and_fp64_needs_x64():
+    cfg = jax_ep.TokenDispatcherConfig(moe_flex_dispatcher_backend="alltoall",
+                                       moe_router_dtype="fp64")
+    layer_cfg = dict(num_local_experts=8, local_expert_indices=range(8), config=cfg)
+    dispatcher = MoEFlexTokenDispatcher(**layer_cfg)
+    with pytest.raises(ValueError, match="moe_router_dtype"):
+        dispatcher.dispatch_preprocess(jnp.zeros((4, 8)), 4, jnp.zeros((4, 64)))
+
+
+def _layer_pair(cfg, mesh, **kw):
+    """A sharded layer and its unsharded twin with identical parameters."""
+    make = lambda: MoELayer(cfg, 16, 32, rngs=nnx.Rngs(0), mesh=mesh, **kw)  # noqa: E731
+    layer = make()
+    shard_params(layer, mesh)
+    return layer, make()
+
+
+def _mesh():
+    return jax.make_mesh((2, 4), ("data", "expert"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("extra", [dict(), dict(moe_router_expert_pad_multiple=4),
+                                   dict(moe_deepep_async_dispatch=True, num_overlap_chunks=3),
+                                   dict(moe_hybridep_compact_routing=True)])
+def test_moe_layer_forward_and_grad_match_dense(backend, extra):
+    if extra.get("moe_deepep_async_dispatch") and backend == "hybridep":
+        pytest.skip("chunked overlap is a deepep-family feature")
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       moe_flex_dispatcher_backend=backend,
+                                       moe_permute_fusion=True, **extra)
+    mesh = _mesh()
+    layer, twin = _layer_pair(cfg, mesh, shared_expert_size=8)
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return jnp.sum(y * cot) + aux["aux_loss"], aux
+
+    with jax.set_mesh(mesh):
+        (got, aux), g_layer = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, xs)
+    want, want_aux = nnx.value_and_grad(
+        lambda l, x: jnp.sum(dense_forward(l, x)[0] * cot) + dense_forward(l, x)[1])(twin, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert int(aux["num_dropped"]) == 0
+    assert int(aux["tokens_per_expert"].sum()) == 8 * 6 * 2
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(g_layer, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(want_aux, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=2e-5,
+                                   atol=2e-6, err_msg=str(path))
+
+
+def test_capacity_factor_drops_and_reports():
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       moe_expert_capacity_factor=0.25,
+                                       moe_benchmark_static_routing=False)
+    mesh = _mesh()
+    layer = MoELayer(cfg, 16, 32, rngs=nnx.Rngs(0), mesh=mesh)
+    # Every token routes to the same experts: the per-destination capacity must overflow.
+    layer.router[...] = jnp.zeros_like(layer.router[...]).at[:, :2].set(1.0)
+    shard_params(layer, mesh)
+    x = jnp.abs(jax.random.normal(jax.random.key(3), (8, 8, 16)))
+    with jax.set_mesh(mesh):
+        y, aux = nnx.jit(lambda l, x: l(x))(layer, jax.device_put(
+            x, NamedSharding(mesh, P(("data", "expert")))))
+    assert int(aux["num_dropped"]) > 0
+    assert np.isfinite(np.asarray(y)).all()
+
+
+def test_dispatcher_methods_match_functional_ops():
+    num_ranks, T, H, K, E = 4, 6, 8, 2, 8
+    rng = np.random.default_rng(0)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       expert_axis_name=AXIS, moe_permute_fusion=True)
+    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+    def body(x, i, w):
+        hidden, state = d.dispatch_preprocess2(x, x.shape[0], w, i)
+        received, state = d.dispatch_all_to_all(hidden, state)
+        tokens, tpe, pp, state = d.dispatch_postprocess(received, state)
+        # functional twin
+        rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS)
+        rm, rp = ops.indices_to_multihot(ri, rw, num_experts=E // num_ranks)
+        want = ops.permute(rx, rm, rp, num_out_tokens=tokens.shape[0])
+        back = d.token_unpermutation(tokens * pp[:, None], state)
+        return tokens, want[0], pp, want[1], tpe, want[3], back
+
+    tokens, want_tokens, pp, want_pp, tpe, want_tpe, back = map(
+        np.asarray, run_ep(body, ep_mesh(num_ranks), x, idx, w))
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_array_equal(pp, want_pp)
+    np.testing.assert_array_equal(tpe, want_tpe)
+    np.testing.assert_allclose(back, x * w.sum(1, keepdims=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_token_permutation_from_dense_probs(backend):
+    """PyTorch calling convention: hidden [..., H] flattened to num_local_tokens rows, dense
+    probs [T,E] (zero where not routed); combine restores the input shape."""
+    num_ranks, T, H, K, E = 2, 4, 8, 2, 4
+    rng = np.random.default_rng(1)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    dense = np.zeros((num_ranks * T, E), np.float32)
+    np.put_along_axis(dense, idx, w, axis=1)
+    x = rng.standard_normal((num_ranks * T // 2, 2, H)).astype(np.float32)  # [S, B, H]
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       moe_flex_dispatcher_backend=backend,
+                                       expert_axis_name=AXIS)
+    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+    def body(x, probs):
+        tokens, tpe, pp, state = d.token_permutation(x, probs.shape[0], probs)
+        return d.token_unpermutation(tokens * pp[:, None], state)
+
+    out = np.asarray(run_ep(body, ep_mesh(num_ranks), x, dense))
+    assert out.shape == x.shape
+    np.testing.assert_allclose(out.reshape(-1, H), x.reshape(-1, H) * w.sum(1)[:, None],
+                               rtol=1e-5)
+
+
+def test_training_loss_equal_across_backends_and_sharding_kept():
+    mesh = _mesh()
+    losses = {}
+    for backend in BACKENDS:
+        cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                           moe_flex_dispatcher_backend=backend,
+                                           moe_permute_fusion=backend != "alltoall")
+        layer, _ = _layer_pair(cfg, mesh)
+        opt = nnx.Optimizer(layer, optax.adam(1e-2), wrt=nnx.Param)
+        x = jax.device_put(jax.random.normal(jax.random.key(4), (8, 4, 16)),
+                           NamedSharding(mesh, P(("data", "expert"))))
+        target = jnp.roll(x, 1, axis=-1)
+
+        @nnx.jit
+        def step(layer, opt, x):
+            def loss(layer):
+                y, aux = layer(x)
+                return jnp.mean((y - target) ** 2) + aux["aux_loss"]
+            value, grads = nnx.value_and_grad(loss)(layer)
+            opt.update(layer, grads)
+            return value
+
+        with jax.set_mesh(mesh):
+            losses[backend] = [float(step(layer, opt, x)) for _ in range(20)]
+        assert layer.w_gate_up[...].sharding.spec[0] == "expert"
+        assert losses[backend][-1] < losses[backend][0]
+    for backend in BACKENDS[1:]:
+        np.testing.assert_allclose(losses[backend], losses["deepep"], rtol=1e-4)
+
+
+def test_remat_gives_the_same_gradients():
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2)
+    mesh = _mesh()
+    layer, _ = _layer_pair(cfg, mesh)
+    x = jax.device_put(jax.random.normal(jax.random.key(5), (8, 4, 16)),
+                       NamedSharding(mesh, P(("data", "expert"))))
+
+    def loss(layer, x):
+        return jnp.sum(layer(x)[0] ** 2)
+
+    def remat_loss(layer, x):
+        return jnp.sum(nnx.remat(lambda l, x: l(x)[0])(layer, x) ** 2)
+
+    with jax.set_mesh(mesh):
+        g1 = nnx.jit(nnx.grad(loss))(layer, x)
+        g2 = nnx.jit(nnx.grad(remat_loss))(layer, x)
+    for (_, a), (_, b) in zip(nnx.to_flat_state(nnx.state(g1, nnx.Param)),
+                              nnx.to_flat_state(nnx.state(g2, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-6, atol=1e-7)
+
+
+def test_shared_dispatcher_and_inside_user_shard_map():
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       expert_axis_name=AXIS)
+    a = MoELayer(cfg, 16, 32, rngs=nnx.Rngs(0), expert_parallel_size=4)
+    b = MoELayer(cfg, 16, 32, rngs=nnx.Rngs(1), expert_parallel_size=4)
+    assert a.dispatcher is b.dispatcher
+    own = dataclasses.replace(cfg, moe_share_token_dispatcher=False)
+    assert MoELayer(own, 16, 32, rngs=nnx.Rngs(0), expert_parallel_size=4).dispatcher \
+        is not a.dispatcher
+    mesh = ep_mesh(4)
+    x = jax.random.normal(jax.random.key(6), (16, 16))
+    want, _ = dense_forward(a, x)
+    shard_params(a, mesh)
+    graphdef, state = nnx.split(a)
+    specs = nnx.get_partition_spec(state)
+
+    def body(x, state):
+        return nnx.merge(graphdef, state)(x)[0]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=P(AXIS))
+    out = jax.jit(fn)(jax.device_put(x, NamedSharding(mesh, P(AXIS))), state)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,67 @@
+"""The training step across 2 processes x 4 CPU devices (jax.distributed + gloo on 127.0.0.1)
+gives the same losses as one process with 8 devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_moe.py"
+SMALL = ["--steps", "3", "--batch", "16", "--seq", "32", "--d-model", "32", "--ffn", "64",
+         "--layers", "1", "--no-progress"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(out_dir):
+    records = json.loads((Path(out_dir) / "train_moe.json").read_text())["records"]
+    return [r["loss"] for r in records]
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the script sets its own device count
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["deepep"])
+def test_two_processes_match_one(tmp_path, backend):
+    single = tmp_path / "single"
+    subprocess.run([sys.executable, str(SCRIPT), *SMALL, "--backend", backend, "--devices", "8",
+                    "--out", str(single)], check=True, env=_env(), timeout=600)
+    multi = tmp_path / "multi"
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(SCRIPT), *SMALL, "--backend", backend, "--local-devices", "4",
+         "--num-processes", "2", "--process-id", str(i),
+         "--coordinator", f"127.0.0.1:{port}", "--out", str(multi)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append(out)
+        assert p.returncode == 0, out[-3000:]
+    assert "2 process(es)" in logs[0]
+    single_losses, multi_losses = _losses(single), _losses(multi)
+    assert len(multi_losses) == 3
+    for a, b in zip(single_losses, multi_losses):
+        assert abs(a - b) <= 1e-5 * abs(a), (single_losses, multi_losses)
