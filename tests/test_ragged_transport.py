@@ -1,0 +1,100 @@
+"""The ragged transport's offsets, checked on CPU.
+
+XLA:CPU has no ragged-all-to-all, so these tests swap in an emulation of
+`jax.lax.ragged_all_to_all` built from `all_gather` that follows the documented semantics
+(`output_offsets` index the *receiver's* output), and require the "ragged" transport to give
+exactly the padded all_to_all transport's results. The real collective runs in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ep_utils import AXIS, ep_mesh, random_routing, run_ep
+
+import jax_ep
+from jax_ep import hybridep, transport
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name, axis_index_groups=None):
+    del recv_sizes, axis_index_groups
+    me = jax.lax.axis_index(axis_name)
+    ops_all = jax.lax.all_gather(operand, axis_name)  # [P, S, ...]
+    in_off = jax.lax.all_gather(input_offsets, axis_name)[:, me]
+    sizes = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    out_off = jax.lax.all_gather(output_offsets, axis_name)[:, me]
+    rows = jnp.arange(output.shape[0])
+    result = output
+    for q in range(ops_all.shape[0]):
+        inside = (rows >= out_off[q]) & (rows < out_off[q] + sizes[q])
+        src = jnp.clip(in_off[q] + rows - out_off[q], 0, operand.shape[0] - 1)
+        mask = inside.reshape((-1,) + (1,) * (operand.ndim - 1))
+        result = jnp.where(mask, ops_all[q][src], result)
+    return result
+
+
+@pytest.fixture
+def ragged(monkeypatch):
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    real = transport.resolve_transport
+    monkeypatch.setattr(transport, "resolve_transport",
+                        lambda t: "ragged" if t == "ragged" else real(t))
+
+
+@pytest.mark.parametrize("num_ranks,capacity", [(4, None), (8, None), (4, 3)])
+def test_deepep_ragged_equals_all_to_all(ragged, num_ranks, capacity):
+    T, H, K, E = 6, 8, 3, 16
+    rng = np.random.default_rng(num_ranks)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+
+    def body(t):
+        def f(x, i, w):
+            rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                            transport=t, capacity=capacity)
+            y, cw = jax_ep.combine(rx * 2, h, topk_weights=rw)
+            grad = jax.grad(lambda x: jnp.sum(jax_ep.combine(
+                jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS, transport=t,
+                                capacity=capacity)[0] ** 2, h)[0]))(x)
+            return rx, ri, rw, y, cw, grad, h.num_dropped[None]
+        return f
+
+    mesh = ep_mesh(num_ranks)
+    a = run_ep(body("ragged"), mesh, x, idx, w)
+    b = run_ep(body("all_to_all"), mesh, x, idx, w)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_hybridep_ragged_equals_all_to_all(ragged, compact):
+    num_ranks, T, H, K, E, N = 4, 5, 8, 2, 8, 32
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    if not compact:
+        dense = np.zeros((num_ranks * T, E), np.float32)
+        np.put_along_axis(dense, np.where(idx >= 0, idx, 0), np.where(idx >= 0, w, 0), axis=1)
+        idx, w = dense > 0, dense
+
+    def body(t):
+        def f(x, i, w):
+            routing = dict(topk_idx=i) if compact else dict(routing_map=i)
+            px, pp, tpe, h = hybridep.hybridep_dispatch(
+                x, probs=w, num_experts=E, axis_name=AXIS, num_permuted_tokens=N, transport=t,
+                **routing)
+            return px, pp, tpe, hybridep.hybridep_combine(px * 3, h)
+        return f
+
+    mesh = ep_mesh(num_ranks)
+    for u, v in zip(run_ep(body("ragged"), mesh, x, idx, w),
+                    run_ep(body("all_to_all"), mesh, x, idx, w)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_ragged_is_refused_on_cpu():
+    with pytest.raises(ValueError, match="ragged"):
+        transport.resolve_transport("ragged")
