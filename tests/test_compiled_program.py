@@ -1,0 +1,102 @@
+"""Regression guard on the programs jax_ep emits (not a timing test): exactly the expected
+collectives, no all-gather of tokens, buffer sizes equal to the documented formulas."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ep_utils import AXIS, ep_mesh, random_routing, shard
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import hybridep
+
+NUM_RANKS, T, H, K, E = 4, 6, 16, 2, 8
+
+
+def _collectives(fn, *arrays):
+    mesh = ep_mesh(NUM_RANKS)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * len(arrays),
+                           out_specs=P(AXIS))
+    text = jax.jit(mapped).lower(*shard(mesh, *arrays)).as_text()
+    found = []
+    for line in text.splitlines():
+        m = re.search(r'"?stablehlo\.(all_to_all|all_gather|all_reduce|ragged_all_to_all|'
+                      r'collective_permute|reduce_scatter)"?', line)
+        if m:
+            operand = re.search(r":\s*\((tensor<[^>]*>)", line)
+            found.append((m.group(1), operand.group(1) if operand else line))
+    return found
+
+
+def _inputs(dtype=jnp.bfloat16):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((NUM_RANKS * T, H)), dtype)
+    idx, w = random_routing(rng, NUM_RANKS * T, K, E)
+    return x, idx, w
+
+
+@pytest.mark.parametrize("backend", ["deepep", "alltoall"])
+@pytest.mark.parametrize("capacity", [None, 4])
+def test_deepep_dispatch_combine_collectives(backend, capacity):
+    def f(x, i, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS, backend=backend,
+                                        capacity=capacity)
+        return jax_ep.combine(rx, h)[0], rw
+
+    c = capacity or T  # rows per destination
+    found = _collectives(f, *_inputs())
+    assert found == [
+        ("all_gather", f"tensor<1x{NUM_RANKS}xi32>"),                # the one count exchange
+        ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{K}xi32>"),          # local expert ids
+        ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{H}xbf16>"),         # tokens
+        ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{K}xf32>"),          # routing weights
+        ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{H}xbf16>"),         # combine
+    ], found
+
+
+def test_receive_buffer_is_num_worst_tokens_rows():
+    def f(x, i, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                        num_worst_tokens=NUM_RANKS * T + 5)
+        return rx, ri, rw
+
+    mesh = ep_mesh(NUM_RANKS)
+    out = jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS),) * 3,
+                                       out_specs=P(AXIS)), *shard(mesh, *_inputs()))
+    assert out[0].shape == (NUM_RANKS * (NUM_RANKS * T + 5), H)
+    assert out[1].shape == out[2].shape == (NUM_RANKS * (NUM_RANKS * T + 5), K)
+
+
+def test_hybridep_collectives_compact_routing_sends_only_indices():
+    def f(x, i, w):
+        px, pp, tpe, h = hybridep.hybridep_dispatch(x, topk_idx=i, probs=w, num_experts=E,
+                                                    axis_name=AXIS, num_permuted_tokens=24)
+        return hybridep.hybridep_combine(px, h), pp
+
+    tp = hybridep.equalized_num_tokens(T)
+    found = _collectives(f, *_inputs())
+    assert [kind for kind, _ in found] == ["all_gather"] + ["all_to_all"] * 4
+    assert found[1][1] == f"tensor<{NUM_RANKS}x{tp}x{K}xi32>"   # top-k ids, not a [T,E] map
+    assert found[2][1] == f"tensor<{NUM_RANKS}x{tp}x{H}xbf16>"  # tokens (fused permute)
+    assert found[3][1] == f"tensor<{NUM_RANKS}x{tp}x{K}xf32>"   # top-k probs
+    assert found[4][1] == f"tensor<{NUM_RANKS}x{tp}x{H}xbf16>"  # combine
+
+
+def test_low_latency_buffer_sizes():
+    tmax = 8
+
+    def f(x, i, w):
+        recv, count, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
+                                                     num_experts=E, axis_name=AXIS)
+        return jax_ep.low_latency_combine(recv, i, w, h)
+
+    L = E // NUM_RANKS
+    found = _collectives(f, *_inputs())
+    shapes = [s for k, s in found if k == "all_to_all"]
+    assert f"tensor<{NUM_RANKS}x{L * tmax}x{H}xbf16>" in shapes     # [P, L*Tmax, H] fixed
+    assert not [k for k, _ in found if k == "all_gather"]
