@@ -82,8 +82,8 @@ def test_hybridep_collectives_compact_routing_sends_only_indices():
     found = _collectives(f, *_inputs())
     assert [kind for kind, _ in found] == ["all_gather"] + ["all_to_all"] * 4
     assert found[1][1] == f"tensor<{NUM_RANKS}x{tp}x{K}xi32>"   # top-k ids, not a [T,E] map
-    assert found[2][1] == f"tensor<{NUM_RANKS}x{tp}x{H}xbf16>"  # tokens (fused permute)
-    assert found[3][1] == f"tensor<{NUM_RANKS}x{tp}x{K}xf32>"   # top-k probs
+    assert found[2][1] == f"tensor<{NUM_RANKS}x{tp}x{K}xf32>"   # top-k probs
+    assert found[3][1] == f"tensor<{NUM_RANKS}x{tp}x{H}xbf16>"  # tokens (fused permute)
     assert found[4][1] == f"tensor<{NUM_RANKS}x{tp}x{H}xbf16>"  # combine
 
 
