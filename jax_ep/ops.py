@@ -82,6 +82,7 @@ def build_send_layout(topk_idx, topk_weights, *, num_ranks, num_local_experts, i
     """topk_idx [T,K] (global ids), topk_weights [T,K] -> SendLayout with T*P rows: one per
     (token, owning rank), rank-major then token-ascending, padding rows -1 / 0."""
     _check_impl(impl)
+    check_positive(num_ranks, "num_ranks")
     check_positive(num_local_experts, "num_local_experts")
     num_experts = num_ranks * num_local_experts
     check_experts(num_experts, num_ranks)

@@ -112,7 +112,8 @@ def permute_plan(routing_map, *, num_out_tokens, pad_multiple=None, drop_and_pad
     else:
         block = (routed + m - 1) // m * m
         start = jnp.cumsum(block) - block
-        capacity = jnp.clip(n - start, 0, block).astype(jnp.int32)
+        # A block cut by the buffer end keeps a whole multiple of m rows.
+        capacity = jnp.clip((n - start) // m * m, 0, block).astype(jnp.int32)
     pos_in_expert = jnp.cumsum(routing_map, axis=0, dtype=jnp.int32) - 1
     keep = routing_map & (pos_in_expert < capacity[None, :])
     row = jnp.where(keep, start[None, :] + pos_in_expert, n)

@@ -47,11 +47,12 @@ JAX_EP_HD float BitsFloat(uint32_t b) {
 JAX_EP_HD float Bf16ToFloat(uint16_t v) { return BitsFloat(uint32_t(v) << 16); }
 
 // Round to nearest even, NaN kept quiet: the same result as XLA's f32 -> bf16 convert.
+// Branch-free (both candidates, then a select) so loops over it vectorise.
 JAX_EP_HD uint16_t FloatToBf16(float f) {
-  uint32_t b = FloatBits(f);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return uint16_t((b >> 16) | 0x40u);
-  b += 0x7fffu + ((b >> 16) & 1u);
-  return uint16_t(b >> 16);
+  const uint32_t b = FloatBits(f);
+  const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (b >> 16) | 0x40u;
+  return uint16_t((b & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // float8_e4m3fn (bias 7, no infinities, 0x7f/0xff are NaN, max 448), round to nearest even;
@@ -77,16 +78,15 @@ JAX_EP_HD uint8_t FloatToE4m3(float f) {
   return uint8_t(sign | code);
 }
 
+// Branch-free decode (normal, subnormal and NaN candidates, then selects) so it vectorises.
 JAX_EP_HD float E4m3ToFloat(uint8_t v) {
-  uint32_t sign = uint32_t(v & 0x80u) << 24;
-  uint32_t exp = (v >> 3) & 0xfu;
-  uint32_t man = v & 7u;
-  if ((v & 0x7fu) == 0x7fu) return BitsFloat(sign | 0x7fc00000u);
-  if (exp == 0) {
-    float a = float(man) * 0.001953125f;  // man * 2^-9
-    return sign ? -a : a;
-  }
-  return BitsFloat(sign | ((exp + 120u) << 23) | (man << 20));
+  const uint32_t sign = uint32_t(v & 0x80u) << 24;
+  const uint32_t exp = (v >> 3) & 0xfu;
+  const uint32_t man = v & 7u;
+  const float normal = BitsFloat(sign | ((exp + 120u) << 23) | (man << 20));
+  const float subnormal = BitsFloat(FloatBits(float(man) * 0.001953125f) | sign);  // man * 2^-9
+  const float nan = BitsFloat(sign | 0x7fc00000u);
+  return (v & 0x7fu) == 0x7fu ? nan : (exp == 0 ? subnormal : normal);
 }
 
 // The smallest power of two >= v (v > 0, finite): DeepEP's ceil_to_ue8m0, computed on bits.
@@ -99,6 +99,13 @@ JAX_EP_HD float CeilPow2(float v) {
 // UE8M0 byte of a power-of-two scale: its biased fp32 exponent.
 JAX_EP_HD uint8_t Ue8m0Byte(float scale) { return uint8_t((FloatBits(scale) >> 23) & 0xffu); }
 JAX_EP_HD float Ue8m0Scale(uint8_t byte) { return BitsFloat(uint32_t(byte) << 23); }
+
+// Rows an expert block starting at `start` keeps in an N-row buffer: its padded size `block`,
+// cut at the buffer's end to a whole multiple of m so every kept block stays m-aligned.
+JAX_EP_HD int64_t BlockCapacity(int64_t N, int64_t start, int64_t block, int64_t m) {
+  const int64_t room = N > start ? (N - start) / m * m : 0;
+  return room < block ? room : block;
+}
 
 // Dimensions of a buffer as a string, for error messages: "[4096, 8]".
 template <typename Dims>

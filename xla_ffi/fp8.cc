@@ -9,23 +9,14 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cpu_float.h"
+#include "checks.h"
+#include "cpu_util.h"
 
 namespace jax_ep {
 namespace {
 
-ffi::Error CheckFp8Shapes(int64_t H, bool use_ue8m0, bool round_scale) {
-  if (H % kFp8Block != 0) {
-    return ffi::Error::InvalidArgument("x: hidden size " + std::to_string(H) +
-                                       " must be a multiple of 128 for the FP8 cast");
-  }
-  if (use_ue8m0 && !round_scale) {
-    return ffi::Error::InvalidArgument("use_ue8m0 requires round_scale");
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error CastToFp8Cpu(Any x, bool round_scale, bool use_ue8m0, AnyOut x_fp8, AnyOut scales) {
+ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_ue8m0,
+                        AnyOut x_fp8, AnyOut scales) {
   int64_t T, H;
   RowsAndWidth(x, &T, &H);
   if (auto err = CheckFp8Shapes(H, use_ue8m0, round_scale); err.failure()) return err;
@@ -33,67 +24,66 @@ ffi::Error CastToFp8Cpu(Any x, bool round_scale, bool use_ue8m0, AnyOut x_fp8, A
   uint8_t* q = static_cast<uint8_t*>(x_fp8->untyped_data());
   float* f32_scales = static_cast<float*>(scales->untyped_data());
   uint8_t* ue8m0 = static_cast<uint8_t*>(scales->untyped_data());
-  const int64_t ue8m0_row_bytes = 4 * ((G + 3) / 4);
+  const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
   if (use_ue8m0) std::memset(ue8m0, 0, T * ue8m0_row_bytes);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T_ = decltype(tag);
     const T_* src = static_cast<const T_*>(x.untyped_data());
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t g = 0; g < G; ++g) {
-        const T_* block = src + t * H + g * kFp8Block;
-        float amax = kFp8MinAmax;
-        for (int64_t i = 0; i < kFp8Block; ++i)
-          amax = std::max(amax, std::fabs(Fp32Io<T_>::Load(block[i])));
-        // amax * fl(1/448), not amax / 448: the reference's `amax / 448.0` is rewritten by XLA
-        // into this product (as PyTorch does for DeepEP's `x_amax / 448.0`); true division
-        // differs by one ulp for about half of all amax values.
-        float scale_inv = amax * (1.0f / kFp8Max);
-        if (round_scale) scale_inv = CeilPow2(scale_inv);
-        const float inv = 1.0f / scale_inv;
-        uint8_t* out = q + t * H + g * kFp8Block;
-        for (int64_t i = 0; i < kFp8Block; ++i)
-          out[i] = FloatToE4m3(Fp32Io<T_>::Load(block[i]) * inv);
-        if (use_ue8m0) {
-          ue8m0[t * ue8m0_row_bytes + g] = Ue8m0Byte(scale_inv);
-        } else {
-          f32_scales[t * G + g] = scale_inv;
+    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / (H * sizeof(T_)));
+    ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
+      float block[kFp8Block];
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t g = 0; g < G; ++g) {
+          const T_* in = src + t * H + g * kFp8Block;
+          float amax = kFp8MinAmax;
+          for (int64_t i = 0; i < kFp8Block; ++i) {
+            block[i] = Fp32Io<T_>::Load(in[i]);
+            amax = std::max(amax, std::fabs(block[i]));
+          }
+          // amax * fl(1/448), not amax / 448: the reference's `amax / 448.0` is rewritten by
+          // XLA into this product (as PyTorch does for DeepEP's `x_amax / 448.0`); true
+          // division differs by one ulp for about half of all amax values.
+          float scale_inv = amax * (1.0f / kFp8Max);
+          if (round_scale) scale_inv = CeilPow2(scale_inv);
+          const float inv = 1.0f / scale_inv;
+          uint8_t* out = q + t * H + g * kFp8Block;
+          for (int64_t i = 0; i < kFp8Block; ++i) out[i] = FloatToE4m3(block[i] * inv);
+          if (use_ue8m0) {
+            ue8m0[t * ue8m0_row_bytes + g] = Ue8m0Byte(scale_inv);
+          } else {
+            f32_scales[t * G + g] = scale_inv;
+          }
         }
       }
-    }
+    });
     return ffi::Error::Success();
   });
 }
 
-ffi::Error CastBackCpu(Any x_fp8, Any scales, bool use_ue8m0, AnyOut out) {
+ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8m0,
+                       AnyOut out) {
   int64_t T, H;
-  RowsAndWidth(x_fp8, &T, &H);
-  if (x_fp8.element_type() != ffi::DataType::F8E4M3FN) {
-    return ffi::Error::InvalidArgument("x_fp8: expected float8_e4m3fn");
-  }
-  if (auto err = CheckFp8Shapes(H, false, false); err.failure()) return err;
+  if (auto err = CheckCastBackArgs(x_fp8, scales, use_ue8m0, &T, &H); err.failure()) return err;
   const int64_t G = H / kFp8Block;
-  const int64_t ue8m0_row_bytes = 4 * ((G + 3) / 4);
-  const size_t want = use_ue8m0 ? T * ue8m0_row_bytes : T * G * 4;
-  if (scales.size_bytes() != want) {
-    return ffi::Error::InvalidArgument("scales: got shape " + ShapeString(scales.dimensions()) +
-                                       ", which does not match x_fp8 " +
-                                       ShapeString(x_fp8.dimensions()));
-  }
+  const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
   const uint8_t* q = static_cast<const uint8_t*>(x_fp8.untyped_data());
   const float* f32_scales = static_cast<const float*>(scales.untyped_data());
   const uint8_t* ue8m0 = static_cast<const uint8_t*>(scales.untyped_data());
   return DispatchFloat(out->element_type(), "out", [&](auto tag) {
     using T_ = decltype(tag);
     T_* dst = static_cast<T_*>(out->untyped_data());
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float s = use_ue8m0 ? Ue8m0Scale(ue8m0[t * ue8m0_row_bytes + g])
-                                  : f32_scales[t * G + g];
-        const int64_t base = t * H + g * kFp8Block;
-        for (int64_t i = 0; i < kFp8Block; ++i)
-          dst[base + i] = Fp32Io<T_>::Store(E4m3ToFloat(q[base + i]) * s);
+    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / (H * sizeof(T_)));
+    ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = use_ue8m0 ? Ue8m0Scale(ue8m0[t * ue8m0_row_bytes + g])
+                                    : f32_scales[t * G + g];
+          const int64_t base = t * H + g * kFp8Block;
+          for (int64_t i = 0; i < kFp8Block; ++i)
+            dst[base + i] = Fp32Io<T_>::Store(E4m3ToFloat(q[base + i]) * s);
+        }
       }
-    }
+    });
     return ffi::Error::Success();
   });
 }
@@ -103,6 +93,7 @@ ffi::Error CastBackCpu(Any x_fp8, Any scales, bool use_ue8m0, AnyOut out) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCastToFp8Cpu, jax_ep::CastToFp8Cpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<jax_ep::Any>()        // x [T, H]
                                   .Attr<bool>("round_scale")
                                   .Attr<bool>("use_ue8m0")
@@ -111,6 +102,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCastToFp8Cpu, jax_ep::CastToFp8Cpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCastBackCpu, jax_ep::CastBackCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<jax_ep::Any>()        // x_fp8 [T, H]
                                   .Arg<jax_ep::Any>()        // scales
                                   .Attr<bool>("use_ue8m0")

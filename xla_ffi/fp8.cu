@@ -9,23 +9,13 @@
 // used when the base addresses allow (every row offset is a multiple of 128 elements), scalar
 // accesses otherwise. No scratch, no host sync: both handlers are command-buffer compatible.
 #include "cuda_common.cuh"
+#include "checks.h"
 
 namespace jax_ep {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-
-ffi::Error CheckFp8Shapes(int64_t H, bool use_ue8m0, bool round_scale) {
-  if (H % kFp8Block != 0) {
-    return ffi::Error::InvalidArgument("x: hidden size " + std::to_string(H) +
-                                       " must be a multiple of 128 for the FP8 cast");
-  }
-  if (use_ue8m0 && !round_scale) {
-    return ffi::Error::InvalidArgument("use_ue8m0 requires round_scale");
-  }
-  return ffi::Error::Success();
-}
 
 // Four consecutive values of storage S at p (p + 4 aligned to 4 * sizeof(S) when kAligned).
 template <typename S, bool kAligned>
@@ -61,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
   using S = typename DeviceFloat<Tag>::Storage;
   const int lane = threadIdx.x & 31;
   const int64_t G = H / kFp8Block;
-  const int64_t ue8m0_row_bytes = 4 * ((G + 3) / 4);
+  const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
   const int64_t items = T * G;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
   for (int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; item < items;
@@ -115,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
   using S = typename DeviceFloat<Tag>::Storage;
   const int lane = threadIdx.x & 31;
   const int64_t G = H / kFp8Block;
-  const int64_t ue8m0_row_bytes = 4 * ((G + 3) / 4);
+  const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
   const int64_t items = T * G;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
   for (int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; item < items;
@@ -147,7 +137,7 @@ ffi::Error CastToFp8Cuda(cudaStream_t stream, Any x, bool round_scale, bool use_
   RowsAndWidth(x, &T, &H);
   if (auto err = CheckFp8Shapes(H, use_ue8m0, round_scale); err.failure()) return err;
   const int64_t G = H / kFp8Block;
-  const int64_t ue8m0_row_bytes = 4 * ((G + 3) / 4);
+  const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
   const size_t want_scales = use_ue8m0 ? size_t(T * ue8m0_row_bytes) : size_t(T * G * 4);
   if (x_fp8->element_type() != ffi::DataType::F8E4M3FN || x_fp8->size_bytes() != size_t(T * H) ||
       scales->size_bytes() != want_scales) {
@@ -178,19 +168,9 @@ ffi::Error CastToFp8Cuda(cudaStream_t stream, Any x, bool round_scale, bool use_
 ffi::Error CastBackCuda(cudaStream_t stream, Any x_fp8, Any scales, bool use_ue8m0,
                         AnyOut out) {
   int64_t T, H;
-  RowsAndWidth(x_fp8, &T, &H);
-  if (x_fp8.element_type() != ffi::DataType::F8E4M3FN) {
-    return ffi::Error::InvalidArgument("x_fp8: expected float8_e4m3fn");
-  }
-  if (auto err = CheckFp8Shapes(H, false, false); err.failure()) return err;
+  if (auto err = CheckCastBackArgs(x_fp8, scales, use_ue8m0, &T, &H); err.failure()) return err;
   const int64_t G = H / kFp8Block;
-  const int64_t ue8m0_row_bytes = 4 * ((G + 3) / 4);
-  const size_t want = use_ue8m0 ? T * ue8m0_row_bytes : T * G * 4;
-  if (scales.size_bytes() != want) {
-    return ffi::Error::InvalidArgument("scales: got shape " + ShapeString(scales.dimensions()) +
-                                       ", which does not match x_fp8 " +
-                                       ShapeString(x_fp8.dimensions()));
-  }
+  const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
   if (out->element_count() != size_t(T * H)) {
     return ffi::Error::InvalidArgument("per_token_cast_back: out must have the shape of x_fp8 " +
                                        ShapeString(x_fp8.dimensions()));

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "common.h"
+#include "checks.h"
 
 namespace jax_ep {
 
@@ -51,14 +51,9 @@ ffi::Error SendLayoutCpu(I32 topk_idx, F32 topk_weights, int64_t num_ranks,
                          I32Out local_idx, F32Out weights, I32Out send_counts,
                          I32Out num_send) {
   const int64_t P = num_ranks, L = num_local_experts;
-  if (L <= 0) return ffi::Error::InvalidArgument("num_local_experts must be positive");
-  if (auto err = CheckRouting(topk_idx, P * L, P); err.failure()) return err;
-  const int64_t T = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
-  if (topk_weights.element_count() != size_t(T * K)) {
-    return ffi::Error::InvalidArgument("topk_weights: expected shape [" + std::to_string(T) +
-                                       ", " + std::to_string(K) + "], got " +
-                                       ShapeString(topk_weights.dimensions()));
-  }
+  int64_t T, K;
+  if (auto err = CheckSendLayoutArgs(topk_idx, topk_weights, P, L, &T, &K); err.failure())
+    return err;
   const int32_t* idx = topk_idx.typed_data();
   const float* w = topk_weights.typed_data();
   if (auto err = CheckExpertIds(idx, T * K, P * L, "topk_idx"); err.failure()) return err;

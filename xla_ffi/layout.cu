@@ -13,6 +13,7 @@
 //   token-ascending: deterministic); the same blocks fill the padding rows past num_send.
 // No host sync, no scratch memory: both handlers are CUDA-graph (command buffer) compatible.
 #include "cuda_common.cuh"
+#include "checks.h"
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -265,14 +266,9 @@ ffi::Error SendLayoutCuda(cudaStream_t stream, I32 topk_idx, F32 topk_weights, i
                           I32Out local_idx, F32Out weights, I32Out send_counts,
                           I32Out num_send) {
   const int64_t P = num_ranks, L = num_local_experts;
-  if (L <= 0) return ffi::Error::InvalidArgument("num_local_experts must be positive");
-  if (auto err = CheckRouting(topk_idx, P * L, P); err.failure()) return err;
-  const int64_t T = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
-  if (topk_weights.element_count() != size_t(T * K)) {
-    return ffi::Error::InvalidArgument("topk_weights: expected shape [" + std::to_string(T) +
-                                       ", " + std::to_string(K) + "], got " +
-                                       ShapeString(topk_weights.dimensions()));
-  }
+  int64_t T, K;
+  if (auto err = CheckSendLayoutArgs(topk_idx, topk_weights, P, L, &T, &K); err.failure())
+    return err;
   if (P * L > INT32_MAX || K > INT32_MAX) {
     return ffi::Error::InvalidArgument("num_experts and top-k must fit in int32");
   }

@@ -18,7 +18,8 @@
 #include <vector>
 
 #include "common.h"
-#include "cpu_float.h"
+#include "checks.h"
+#include "cpu_util.h"
 #include "permute.h"
 
 namespace jax_ep {
@@ -44,7 +45,7 @@ void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64
     for (int64_t e = 0; e < E; ++e) {
       const int64_t block = (routed[e] + m - 1) / m * m;
       start[e] = offset;
-      capacity[e] = std::clamp<int64_t>(N - offset, 0, block);
+      capacity[e] = BlockCapacity(N, offset, block, m);
       offset += block;
     }
   }
@@ -68,17 +69,20 @@ void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64
   *num_dropped = int32_t(total - kept);
 }
 
-void GatherRowsBytes(const uint8_t* x, int64_t num_src, int64_t row_bytes, const int32_t* idx,
-                     int64_t num_rows, uint8_t* out) {
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t s = idx[r];
-    uint8_t* dst = out + r * row_bytes;
-    if (s >= 0 && s < num_src) {
-      std::memcpy(dst, x + s * row_bytes, row_bytes);
-    } else {
-      std::memset(dst, 0, row_bytes);
+void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
+                     int64_t row_bytes, const int32_t* idx, int64_t num_rows, uint8_t* out) {
+  const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(row_bytes, 1));
+  ParallelFor(pool, num_rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t s = idx[r];
+      uint8_t* dst = out + r * row_bytes;
+      if (s >= 0 && s < num_src) {
+        std::memcpy(dst, x + s * row_bytes, row_bytes);
+      } else {
+        std::memset(dst, 0, row_bytes);
+      }
     }
-  }
+  });
 }
 
 namespace {
@@ -106,23 +110,14 @@ ffi::Error MultihotCpu(I32 topk_idx, F32 topk_probs, int64_t num_experts, PredOu
   return ffi::Error::Success();
 }
 
-ffi::Error PermuteCpu(Any tokens, Pred routing_map, F32 probs, int64_t pad_multiple,
+ffi::Error PermuteCpu(ffi::ThreadPool pool, Any tokens, Pred routing_map, F32 probs, int64_t pad_multiple,
                       bool drop_and_pad, AnyOut permuted, F32Out permuted_probs,
                       I32Out sorted_indices, I32Out tokens_per_expert, I32Out num_dropped) {
-  if (auto err = CheckRank(routing_map, 2, "routing_map"); err.failure()) return err;
-  const int64_t T = routing_map.dimensions()[0], E = routing_map.dimensions()[1];
-  int64_t rows, width;
-  RowsAndWidth(tokens, &rows, &width);
-  if (rows != T) {
-    return ffi::Error::InvalidArgument("tokens: expected " + std::to_string(T) +
-                                       " rows to match routing_map, got shape " +
-                                       ShapeString(tokens.dimensions()));
-  }
-  const bool has_probs = probs.element_count() != 0;
-  if (has_probs && probs.element_count() != size_t(T * E)) {
-    return ffi::Error::InvalidArgument("probs: expected shape of routing_map, got " +
-                                       ShapeString(probs.dimensions()));
-  }
+  int64_t T, E, width;
+  bool has_probs;
+  if (auto err = CheckPermuteArgs(tokens, routing_map, probs, &T, &E, &width, &has_probs);
+      err.failure())
+    return err;
   const int64_t N = sorted_indices->element_count();
   std::vector<int64_t> row_of_pair;
   int32_t* order = sorted_indices->typed_data();
@@ -137,22 +132,22 @@ ffi::Error PermuteCpu(Any tokens, Pred routing_map, F32 probs, int64_t pad_multi
       if (row_of_pair[i] >= 0) out_probs[row_of_pair[i]] = p[i];
   }
   const int64_t row_bytes = width * ffi::ByteWidth(tokens.element_type());
-  GatherRowsBytes(static_cast<const uint8_t*>(tokens.untyped_data()), T, row_bytes, order, N,
-                  static_cast<uint8_t*>(permuted->untyped_data()));
+  GatherRowsBytes(pool, static_cast<const uint8_t*>(tokens.untyped_data()), T, row_bytes,
+                  order, N, static_cast<uint8_t*>(permuted->untyped_data()));
   return ffi::Error::Success();
 }
 
-ffi::Error GatherRowsCpu(Any x, I32 row_idx, AnyOut out) {
+ffi::Error GatherRowsCpu(ffi::ThreadPool pool, Any x, I32 row_idx, AnyOut out) {
   int64_t rows, width;
   RowsAndWidth(x, &rows, &width);
   const int64_t row_bytes = width * ffi::ByteWidth(x.element_type());
-  GatherRowsBytes(static_cast<const uint8_t*>(x.untyped_data()), rows, row_bytes,
+  GatherRowsBytes(pool, static_cast<const uint8_t*>(x.untyped_data()), rows, row_bytes,
                   row_idx.typed_data(), row_idx.element_count(),
                   static_cast<uint8_t*>(out->untyped_data()));
   return ffi::Error::Success();
 }
 
-ffi::Error UnpermuteCpu(Any permuted, I32 sorted_indices, F32 probs, AnyOut out) {
+ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, F32 probs, AnyOut out) {
   int64_t N, H;
   RowsAndWidth(permuted, &N, &H);
   int64_t T, out_width;
@@ -191,18 +186,21 @@ ffi::Error UnpermuteCpu(Any permuted, I32 sorted_indices, F32 probs, AnyOut out)
     using T_ = decltype(tag);
     const T_* src = static_cast<const T_*>(permuted.untyped_data());
     T_* dst = static_cast<T_*>(out->untyped_data());
-    std::vector<float> acc(H);
-    for (int64_t t = 0; t < T; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t i = offset[t]; i < offset[t + 1]; ++i) {
-        const int64_t r = rows_of_token[i];
-        const float w = p ? p[r] : 1.0f;
-        const T_* row = src + r * H;
-        for (int64_t h = 0; h < H; ++h) acc[h] += Fp32Io<T_>::Load(row[h]) * w;
+    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(4 * H, 1));
+    ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(H);
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t i = offset[t]; i < offset[t + 1]; ++i) {
+          const int64_t r = rows_of_token[i];
+          const float w = p ? p[r] : 1.0f;
+          const T_* row = src + r * H;
+          for (int64_t h = 0; h < H; ++h) acc[h] += Fp32Io<T_>::Load(row[h]) * w;
+        }
+        T_* dst_row = dst + t * H;
+        for (int64_t h = 0; h < H; ++h) dst_row[h] = Fp32Io<T_>::Store(acc[h]);
       }
-      T_* dst_row = dst + t * H;
-      for (int64_t h = 0; h < H; ++h) dst_row[h] = Fp32Io<T_>::Store(acc[h]);
-    }
+    });
     return ffi::Error::Success();
   });
 }
@@ -220,6 +218,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpIndicesToMultihotCpu, jax_ep::MultihotCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPermuteCpu, jax_ep::PermuteCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<jax_ep::Any>()        // tokens [T, H]
                                   .Arg<jax_ep::Pred>()       // routing_map [T, E]
                                   .Arg<jax_ep::F32>()        // probs [T, E] or [0]
@@ -233,12 +232,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPermuteCpu, jax_ep::PermuteCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGatherRowsCpu, jax_ep::GatherRowsCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<jax_ep::Any>()        // x [S, ...]
                                   .Arg<jax_ep::I32>()        // row_idx [N]
                                   .Ret<jax_ep::Any>());      // out [N, ...]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpUnpermuteCpu, jax_ep::UnpermuteCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<jax_ep::Any>()        // permuted [N, H]
                                   .Arg<jax_ep::I32>()        // sorted_indices [N]
                                   .Arg<jax_ep::F32>()        // probs [N] or [0]

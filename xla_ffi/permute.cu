@@ -19,6 +19,7 @@
 //   reproducible). sorted_indices outside [-1, T) are ignored. Temporary device memory comes
 //   from the FFI scratch allocator, so this one handler is not marked command-buffer compatible.
 #include "cuda_common.cuh"
+#include "checks.h"
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -208,7 +209,7 @@ __global__ void __launch_bounds__(kScanThreads)
     if (threadIdx.x == 0) s_start = sum;
     __syncthreads();
     start = s_start;
-    capacity = max(int64_t(0), min(N - start, RoundUp(n_e, m)));
+    capacity = BlockCapacity(N, start, RoundUp(n_e, m), m);
   }
   const int64_t keep = min(n_e, capacity);
   if (keep <= 0) return;  // block-uniform
@@ -259,7 +260,7 @@ __global__ void __launch_bounds__(kScanThreads)
     Scan(tmp.scan).ExclusiveSum(block, start, chunk_total);
     start += offset;
     if (e < E) {
-      const int64_t cap = drop_and_pad ? drop_cap : max(int64_t(0), min(N - start, block));
+      const int64_t cap = drop_and_pad ? drop_cap : BlockCapacity(N, start, block, m);
       dropped += n_e - min(n_e, cap);
       tokens_per_expert[e] = int32_t(cap);  // this thread read tokens_per_expert[e] above
     }
@@ -274,20 +275,11 @@ ffi::Error PermuteCuda(cudaStream_t stream, Any tokens, Pred routing_map, F32 pr
                        int64_t pad_multiple, bool drop_and_pad, AnyOut permuted,
                        F32Out permuted_probs, I32Out sorted_indices, I32Out tokens_per_expert,
                        I32Out num_dropped) {
-  if (auto err = CheckRank(routing_map, 2, "routing_map"); err.failure()) return err;
-  const int64_t T = routing_map.dimensions()[0], E = routing_map.dimensions()[1];
-  int64_t rows, width;
-  RowsAndWidth(tokens, &rows, &width);
-  if (rows != T) {
-    return ffi::Error::InvalidArgument("tokens: expected " + std::to_string(T) +
-                                       " rows to match routing_map, got shape " +
-                                       ShapeString(tokens.dimensions()));
-  }
-  const bool has_probs = probs.element_count() != 0;
-  if (has_probs && probs.element_count() != size_t(T * E)) {
-    return ffi::Error::InvalidArgument("probs: expected shape of routing_map, got " +
-                                       ShapeString(probs.dimensions()));
-  }
+  int64_t T, E, width;
+  bool has_probs;
+  if (auto err = CheckPermuteArgs(tokens, routing_map, probs, &T, &E, &width, &has_probs);
+      err.failure())
+    return err;
   const int64_t N = sorted_indices->element_count();
   const int64_t row_bytes = width * ffi::ByteWidth(tokens.element_type());
   if (N > INT32_MAX || T > INT32_MAX) {

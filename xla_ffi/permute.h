@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "xla/ffi/api/ffi.h"
+
 namespace jax_ep {
 
 // Expert-major, token-ascending row plan of a [T, E] routing map into N rows (see permute.cc):
@@ -14,7 +16,8 @@ void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64
                  int32_t* num_dropped, std::vector<int64_t>* row_of_pair);
 
 // out[r] = x[idx[r]] for idx[r] in [0, num_src), else a zero row; rows are row_bytes wide.
-void GatherRowsBytes(const uint8_t* x, int64_t num_src, int64_t row_bytes, const int32_t* idx,
-                     int64_t num_rows, uint8_t* out);
+// Rows are copied in parallel on `pool`.
+void GatherRowsBytes(xla::ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
+                     int64_t row_bytes, const int32_t* idx, int64_t num_rows, uint8_t* out);
 
 }  // namespace jax_ep

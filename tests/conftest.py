@@ -1,0 +1,65 @@
+"""Shared test setup: 8 emulated CPU devices (for shard_map), a hypothesis profile and routing
+generators.
+
+XLA_FLAGS must be set before jax is imported anywhere, which is why it happens at the top of
+this file (pytest imports conftest.py before any test module).
+"""
+
+from __future__ import annotations
+
+import os
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from _helpers import random_routing, random_routing_map, random_tokens  # noqa: E402
+
+settings.register_profile(
+    "jax_ep",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("jax_ep_long", parent=settings.get_profile("jax_ep"),
+                          max_examples=300)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "jax_ep"))
+
+NUM_DEVICES = 8
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator seeded from the test's node id: reproducible per test, distinct across tests."""
+    seed = sum(request.node.nodeid.encode()) * 7919 % (2**31)
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def make_routing():
+    return random_routing
+
+
+@pytest.fixture(scope="session")
+def make_routing_map():
+    return random_routing_map
+
+
+@pytest.fixture(scope="session")
+def make_tokens():
+    return random_tokens
+
+
+@pytest.fixture(scope="session")
+def ep_mesh():
+    """A 1-D mesh of the 8 emulated CPU devices with axis "ep"."""
+    devices = jax.devices("cpu")
+    if len(devices) < NUM_DEVICES:
+        pytest.skip(f"needs {NUM_DEVICES} CPU devices, got {len(devices)} "
+                    "(was jax imported before tests/conftest.py set XLA_FLAGS?)")
+    return jax.sharding.Mesh(np.array(devices[:NUM_DEVICES]), ("ep",))

@@ -1,0 +1,343 @@
+"""Layer 1: per_token_cast_to_fp8 and per_token_cast_back (CPU).
+
+FFI against the pure-JAX reference (codes and scales bitwise), hand-computed e4m3 codes,
+scales and UE8M0 words, every rounding tie of the e4m3 grid, round trips within FP8 error,
+jit / vmap / shard_map, argument errors.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from _helpers import jit_op, ref
+from jax_ep import ops
+
+F32, BF16, F16 = np.float32, ml_dtypes.bfloat16, np.float16
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def codes(x_fp8) -> np.ndarray:
+    """The raw e4m3 bytes of a float8_e4m3fn array."""
+    return np.asarray(x_fp8).view(np.uint8)
+
+
+def _scaled_input(rng, T, H, dtype):
+    """Normal values with a different magnitude per token and per 128-channel group, a zero
+    group (amax floor 1e-4), tiny groups (FP8 subnormals) and exact powers of two."""
+    G = H // 128
+    mag = 10.0 ** rng.uniform(-6, 4, (T, G, 1))
+    x = (rng.standard_normal((T, G, 128)) * mag).reshape(T, H)
+    x[0, :128] = 0.0
+    if T > 1:
+        x[1, :5] = [448.0, -448.0, 1.0, 2.0**-9, -(2.0**-6)]
+    return x.astype(np.float32).astype(dtype)
+
+
+def _cast_both(x, **kw):
+    got = ops.per_token_cast_to_fp8(jnp.asarray(x), **kw)
+    want = ref(ops.per_token_cast_to_fp8, jnp.asarray(x), **kw)
+    return got, want
+
+
+# ----------------------------------------------------------------------------- FFI vs reference
+
+CAST_CASES = [
+    # T, H, dtype, round_scale, use_ue8m0
+    (1, 128, F32, False, False),
+    (4, 384, BF16, False, False),
+    (9, 256, F16, False, False),
+    (5, 512, F32, True, False),
+    (3, 640, BF16, True, True),     # G=5: the second UE8M0 word holds one byte
+    (8, 1024, F16, True, True),
+    (6, 512, F32, True, True),
+    (16, 128, BF16, True, False),
+]
+
+
+@pytest.mark.parametrize("T,H,dtype,round_scale,use_ue8m0", CAST_CASES,
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_cast_to_fp8_ffi_matches_reference(rng, T, H, dtype, round_scale, use_ue8m0):
+    x = _scaled_input(rng, T, H, dtype)
+    (q, s), (q_ref, s_ref) = _cast_both(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    assert q.dtype == q_ref.dtype == jnp.float8_e4m3fn and q.shape == (T, H)
+    np.testing.assert_array_equal(codes(q), codes(q_ref))
+    G = H // 128
+    if use_ue8m0:
+        assert s.dtype == s_ref.dtype == jnp.int32 and s.shape == (T, -(-G // 4))
+    else:
+        assert s.dtype == s_ref.dtype == jnp.float32 and s.shape == (T, G)
+    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), np.asarray(s_ref).view(np.uint32))
+    # Independent numpy check of the scales: max(1e-4, amax) / 448, power of two if rounded.
+    # "/ 448" is evaluated the way DeepEP's per_token_cast_to_fp8 (`x_amax / 448.0` on CUDA:
+    # PyTorch multiplies by the fp32 reciprocal of a scalar divisor) and XLA (which rewrites a
+    # division by a constant into the same product) both do: amax * fl(1/448). Exact IEEE
+    # division differs from it by one ulp for about half of all amax values.
+    amax = np.maximum(np.abs(np.asarray(x, np.float32)).reshape(T, G, 128).max(-1),
+                      np.float32(1e-4))
+    scale = (amax * (np.float32(1) / np.float32(448))).astype(np.float32)
+    if round_scale:
+        scale = np.float32(2.0) ** np.ceil(np.log2(scale.astype(np.float64))).astype(np.float32)
+    if use_ue8m0:
+        exps = (scale.view(np.uint32) >> 23).astype(np.uint8)
+        exps = np.pad(exps, ((0, 0), (0, -G % 4)))
+        np.testing.assert_array_equal(np.asarray(s).view(np.uint8).reshape(T, -1), exps)
+    else:
+        np.testing.assert_array_equal(np.asarray(s), scale)
+    # And of the codes: x * (1 / scale) rounded to nearest even by ml_dtypes.
+    inv = (np.float32(1) / scale).astype(np.float32)
+    want = (np.asarray(x, np.float32).reshape(T, G, 128) * inv[..., None]).astype(E4M3)
+    np.testing.assert_array_equal(codes(q), want.view(np.uint8).reshape(T, H))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("use_ue8m0", [False, True], ids=["f32scales", "ue8m0"])
+def test_cast_back_ffi_matches_reference(rng, dtype, use_ue8m0):
+    T, H = 6, 640
+    x = _scaled_input(rng, T, H, np.float32)
+    q, s = ops.per_token_cast_to_fp8(jnp.asarray(x), round_scale=use_ue8m0, use_ue8m0=use_ue8m0)
+    got = ops.per_token_cast_back(q, s, use_ue8m0=use_ue8m0, dtype=dtype)
+    want = ref(ops.per_token_cast_back, q, s, use_ue8m0=use_ue8m0, dtype=dtype)
+    assert got.dtype == want.dtype == np.dtype(dtype) and got.shape == (T, H)
+    np.testing.assert_array_equal(codes(got.astype(jnp.float32)),
+                                  codes(want.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+def test_every_rounding_tie_matches_reference():
+    """Scale 1 (a 448 in every row): the inputs are every e4m3 value and every midpoint between
+    neighbours, both signs; ties round to the even code, like XLA's convert and ml_dtypes."""
+    grid = np.arange(0x7F, dtype=np.uint8).view(E4M3).astype(np.float32)  # 0 .. 448
+    mids = (grid[:-1] + grid[1:]) / 2
+    vals = np.concatenate([grid, mids, -grid, -mids]).astype(np.float32)
+    vals = np.pad(vals, (0, -len(vals) % 128)).reshape(-1, 128)
+    vals[:, -1] = 448.0
+    (q, s), (q_ref, s_ref) = _cast_both(vals)
+    np.testing.assert_array_equal(np.asarray(s), np.ones_like(s_ref))
+    np.testing.assert_array_equal(codes(q), codes(q_ref))
+    np.testing.assert_array_equal(codes(q), vals.astype(E4M3).view(np.uint8))
+    # The exact grid values come back as themselves.
+    back = np.asarray(ops.per_token_cast_back(q, s, dtype=jnp.float32)).reshape(-1)
+    np.testing.assert_array_equal(back[:len(grid)], grid)
+
+
+# ----------------------------------------------------------------------------- hand-computed
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_cast_known_codes_scale_one(impl):
+    # amax 448 -> scale_inv 448 / 448 = 1: the codes are the plain e4m3 encodings.
+    row = np.zeros(128, np.float32)
+    row[:15] = [448, 1, -1, 0.5, 2**-9, 0, -448, 0.0625, 3, 240, 2**-7, 2**-6, 1.0625, 1.1875,
+                -3]
+    want = [0x7E, 0x38, 0xB8, 0x30, 0x01, 0x00, 0xFE, 0x18, 0x44, 0x77, 0x04, 0x08,
+            0x38,  # 1.0625 is the tie between 1 and 1.125: even code 0x38
+            0x3A,  # 1.1875 is the tie between 1.125 and 1.25: even code 0x3A
+            0xC4]
+    q, s = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(row[None]), impl=impl)
+    np.testing.assert_array_equal(codes(q)[0, :15], want)
+    assert not codes(q)[0, 15:].any()
+    np.testing.assert_array_equal(s, [[1.0]])
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_cast_known_scales(impl):
+    # Token 0: groups with amax 896 (scale 2), 1e-5 (floored to 1e-4), 1.0 (scale 1/448).
+    x = np.zeros((1, 384), np.float32)
+    x[0, 0], x[0, 1], x[0, 2] = 896.0, 2.0, -6.0
+    x[0, 128] = 1e-5
+    x[0, 256], x[0, 257] = 1.0, -0.5
+    q, s = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(x), impl=impl)
+    s = np.asarray(s)
+    assert s[0, 0] == np.float32(2.0)
+    assert s[0, 1] == np.float32(1e-4) / np.float32(448)   # the 1e-4 amax floor
+    assert s[0, 2] == np.float32(1.0) / np.float32(448)
+    c = codes(q)[0]
+    np.testing.assert_array_equal(c[:3], [0x7E, 0x38, 0xC4])   # 448, 1, -3 after scaling
+    assert c[128] == 0x63      # 1e-5 / (1e-4/448) = 44.8 -> 44 = 1.375 * 2^5
+    np.testing.assert_array_equal(c[256:258], [0x7E, 0xF6])  # 448, -224
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_round_scale_is_next_power_of_two(impl):
+    # amax 100: 100/448 = 0.2232 -> 0.25; amax 224: 0.5 exactly (already a power of two);
+    # amax 448: 1; amax 449: 1.0022 -> 2; amax 1e-9: floor 1e-4 -> 2.23e-7 -> 2^-22.
+    amaxes = [100.0, 224.0, 448.0, 449.0, 1e-9]
+    x = np.zeros((1, 128 * len(amaxes)), np.float32)
+    for g, a in enumerate(amaxes):
+        x[0, 128 * g] = a
+        x[0, 128 * g + 1] = 1.0 if a >= 1 else 0.0
+    q, s = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(x), round_scale=True, impl=impl)
+    np.testing.assert_array_equal(s, [[0.25, 0.5, 1.0, 2.0, 2.0**-22]])
+    for g, a in enumerate(amaxes):
+        scale = np.asarray(s)[0, g]
+        assert scale >= max(a, 1e-4) / 448 and scale / 2 < max(a, 1e-4) / 448
+    c = codes(q)[0]
+    # 100 / 0.25 = 400: tie between 384 and 416 -> even code 0x7C (384); 1 / 0.25 = 4 -> 0x48.
+    np.testing.assert_array_equal(c[0:2], [0x7C, 0x48])
+    np.testing.assert_array_equal(c[128:130], [0x7E, 0x40])    # 448, 2
+    np.testing.assert_array_equal(c[256:258], [0x7E, 0x38])    # 448, 1
+    np.testing.assert_array_equal(c[384:386], [0x76, 0x30])    # 224.5 -> 224, 0.5
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_ue8m0_packing_little_endian(impl):
+    # Token 0 group scales 1, 2, 0.25, 0.5 -> exponent bytes 0x7F, 0x80, 0x7D, 0x7E, packed
+    # little-endian into one int32: 0x7E7D807F. Token 1: 2, 1, 1, 2 -> 0x807F7F80 (negative),
+    # fifth group scale 4 -> byte 0x81 alone in the second word.
+    x = np.zeros((2, 640), np.float32)
+    for t, amaxes in enumerate([[448, 896, 100, 224, 1], [896, 448, 448, 896, 1792]]):
+        for g, a in enumerate(amaxes):
+            x[t, 128 * g + 3] = -a
+    q, s = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(x), round_scale=True, use_ue8m0=True,
+                  impl=impl)
+    s = np.asarray(s)
+    assert s.dtype == np.int32 and s.shape == (2, 2)
+    assert s[0, 0] == 0x7E7D807F == 2122154111
+    assert s[1, 0] == np.uint32(0x807F7F80).view(np.int32) == -2139127936
+    assert s[0, 1] == 0x77                 # scale of amax 1 rounds to 2^-8: byte 0x77
+    assert s[1, 1] == 0x81
+    # Cast back with the packed scales reproduces the amax values exactly.
+    back = np.asarray(jit_op(ops.per_token_cast_back, q, jnp.asarray(s), use_ue8m0=True,
+                             dtype=jnp.float32, impl=impl))
+    np.testing.assert_array_equal(back[:, 3::128], -np.array([[448, 896, 100 - 4, 224, 1],
+                                                              [896, 448, 448, 896, 1792]]))
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_cast_back_known_values(impl):
+    q = np.zeros((1, 256), np.uint8)
+    q[0, :4] = [0x7E, 0x38, 0x01, 0xC4]
+    q[0, 128:130] = [0x7E, 0x08]
+    scales = jnp.asarray([[2.0, 0.5]], jnp.float32)
+    out = jit_op(ops.per_token_cast_back, jnp.asarray(q.view(E4M3)), scales, dtype=jnp.float32,
+                 impl=impl)
+    np.testing.assert_array_equal(np.asarray(out)[0, :4], [896, 2, 2.0**-8, -6])
+    np.testing.assert_array_equal(np.asarray(out)[0, 128:130], [224, 2.0**-7])
+    out = jit_op(ops.per_token_cast_back, jnp.asarray(q.view(E4M3)), scales, impl=impl)
+    assert out.dtype == jnp.bfloat16   # the default dtype
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_round_trip_within_fp8_error(rng, dtype, round_scale, use_ue8m0):
+    T, H = 8, 512
+    x = _scaled_input(rng, T, H, dtype)
+    q, s = ops.per_token_cast_to_fp8(jnp.asarray(x), round_scale=round_scale, use_ue8m0=use_ue8m0)
+    back = np.asarray(ops.per_token_cast_back(q, s, use_ue8m0=use_ue8m0, dtype=jnp.float32))
+    xf = np.asarray(x, np.float32)
+    scale = np.maximum(np.abs(xf).reshape(T, H // 128, 128).max(-1), 1e-4) / 448
+    if round_scale:
+        scale = 2.0 ** np.ceil(np.log2(scale))
+    step = np.repeat(scale, 128, axis=1)
+    # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normals; absolute error <= half the
+    # subnormal spacing 2^-9 * scale below 2^-6 * scale.
+    bound = np.maximum(np.abs(xf) * 2.0**-4, step * 2.0**-10) * (1 + 1e-6)
+    assert (np.abs(back - xf) <= bound).all()
+    # The largest value of every group survives within 1/16 and never overflows.
+    assert np.isfinite(back).all()
+    back_dtype = ops.per_token_cast_back(q, s, use_ue8m0=use_ue8m0, dtype=dtype)
+    assert back_dtype.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(back_dtype), back.astype(dtype))
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_cast_no_tokens(impl):
+    q, s = ops.per_token_cast_to_fp8(jnp.zeros((0, 256)), impl=impl)
+    assert q.shape == (0, 256) and q.dtype == jnp.float8_e4m3fn and s.shape == (0, 2)
+    q, s = ops.per_token_cast_to_fp8(jnp.zeros((0, 256)), round_scale=True, use_ue8m0=True,
+                                     impl=impl)
+    assert s.shape == (0, 1) and s.dtype == jnp.int32
+    out = ops.per_token_cast_back(q, s, use_ue8m0=True, impl=impl)
+    assert out.shape == (0, 256)
+
+
+# ------------------------------------------------------------------------ jit / vmap / shard_map
+
+
+def test_fp8_under_jit_and_vmap(rng):
+    B, T, H = 3, 4, 256
+    x = jnp.asarray(np.stack([_scaled_input(rng, T, H, BF16) for _ in range(B)]))
+
+    def f(x, impl):
+        q, s = ops.per_token_cast_to_fp8(x, round_scale=True, use_ue8m0=True, impl=impl)
+        q2, s2 = ops.per_token_cast_to_fp8(x, impl=impl)
+        return (q, s, q2, s2, ops.per_token_cast_back(q, s, use_ue8m0=True, impl=impl),
+                ops.per_token_cast_back(q2, s2, dtype=jnp.float16, impl=impl))
+
+    got = jax.vmap(partial(f, impl="ffi"))(x)
+    got_jit = jax.jit(jax.vmap(partial(f, impl="ffi")))(x)
+    ref_f = jax.jit(partial(f, impl="xla"))
+    for b in range(B):
+        for u, v in zip(got, ref_f(x[b])):
+            np.testing.assert_array_equal(np.asarray(u)[b].view(np.uint8),
+                                          np.asarray(v).view(np.uint8))
+    for u, v in zip(got, got_jit):
+        np.testing.assert_array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
+
+
+def test_fp8_inside_shard_map(ep_mesh, rng):
+    D = ep_mesh.shape["ep"]
+    T, H = 3, 512
+    x = _scaled_input(rng, D * T, H, BF16)
+    xs = jax.device_put(x, NamedSharding(ep_mesh, P("ep")))
+
+    def local(x):
+        q, s = ops.per_token_cast_to_fp8(x, round_scale=True, use_ue8m0=True)
+        q2, s2 = ops.per_token_cast_to_fp8(x)
+        return q, s, q2, s2, ops.per_token_cast_back(q, s, use_ue8m0=True)
+
+    f = jax.jit(jax.shard_map(local, mesh=ep_mesh, in_specs=P("ep"), out_specs=P("ep")))
+    got = f(xs)
+    ref_q, ref_s = ref(ops.per_token_cast_to_fp8, jnp.asarray(x), round_scale=True,
+                       use_ue8m0=True)
+    ref_q2, ref_s2 = ref(ops.per_token_cast_to_fp8, jnp.asarray(x))
+    ref_back = ref(ops.per_token_cast_back, ref_q, ref_s, use_ue8m0=True)
+    for u, v in zip(got, (ref_q, ref_s, ref_q2, ref_s2, ref_back)):
+        np.testing.assert_array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_fp8_bad_arguments(impl):
+    cast = partial(ops.per_token_cast_to_fp8, impl=impl)
+    back = partial(ops.per_token_cast_back, impl=impl)
+    with pytest.raises(ValueError, match="x: .*128"):
+        cast(jnp.ones((2, 100)))
+    with pytest.raises(ValueError, match="x: .*128"):
+        cast(jnp.ones((2, 129)))
+    with pytest.raises(ValueError, match="x"):
+        cast(jnp.ones((256,)))
+    with pytest.raises(ValueError, match="x"):
+        cast(jnp.ones((1, 2, 256)))
+    with pytest.raises(ValueError, match="x"):
+        cast(jnp.ones((2, 256), jnp.int32))
+    with pytest.raises(ValueError, match="use_ue8m0"):
+        cast(jnp.ones((2, 256)), use_ue8m0=True)
+    q = jnp.zeros((2, 256), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="x_fp8"):
+        back(jnp.zeros((2, 256)), jnp.ones((2, 2)))
+    with pytest.raises(ValueError, match="x_fp8"):
+        back(jnp.zeros((256,), jnp.float8_e4m3fn), jnp.ones((2,)))
+    with pytest.raises(ValueError, match="128"):
+        back(jnp.zeros((2, 200), jnp.float8_e4m3fn), jnp.ones((2, 2)))
+    with pytest.raises(ValueError, match="scales"):
+        back(q, jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="scales"):
+        back(q, jnp.ones((2, 2), jnp.int32), use_ue8m0=True)   # packed: [2, 1]
+    with pytest.raises(ValueError, match="dtype"):
+        back(q, jnp.ones((2, 2)), dtype=jnp.int32)
+    with pytest.raises(ValueError, match="impl"):
+        ops.per_token_cast_to_fp8(jnp.ones((2, 256)), impl="numpy")

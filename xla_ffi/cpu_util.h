@@ -1,0 +1,82 @@
+// CPU helpers: dtype dispatch (float32, bfloat16 as raw bits, float16 as _Float16, with fp32
+// load/store, so each arithmetic handler is written once over a template type) and a
+// parallel-for over XLA's intra-op thread pool.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <thread>
+
+#include "common.h"
+
+namespace jax_ep {
+
+// Smallest amount of memory traffic worth handing to another thread.
+constexpr int64_t kParallelGrainBytes = 64 << 10;
+
+template <typename T>
+struct Fp32Io;
+template <>
+struct Fp32Io<float> {
+  static float Load(float v) { return v; }
+  static float Store(float v) { return v; }
+};
+template <>
+struct Fp32Io<uint16_t> {  // bfloat16 bits
+  static float Load(uint16_t v) { return Bf16ToFloat(v); }
+  static uint16_t Store(float v) { return FloatToBf16(v); }
+};
+template <>
+struct Fp32Io<_Float16> {
+  static float Load(_Float16 v) { return float(v); }
+  static _Float16 Store(float v) { return _Float16(v); }
+};
+
+// Calls fn(T{}) with the storage type of a float32 / bfloat16 / float16 buffer.
+template <typename Fn>
+inline ffi::Error DispatchFloat(ffi::DataType dtype, const char* name, Fn&& fn) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      return fn(float{});
+    case ffi::DataType::BF16:
+      return fn(uint16_t{});
+    case ffi::DataType::F16:
+      return fn(_Float16{});
+    default:
+      return UnsupportedDtype(name, dtype);
+  }
+}
+
+// Runs fn(begin, end) over [0, n) in chunks of at least `grain` items, on the calling thread
+// and on XLA's intra-op pool. The caller claims chunks too and only waits for chunks already
+// running, so a busy or missing pool can never deadlock it; tasks that start after the work
+// is done find nothing to claim and never touch fn.
+template <typename Fn>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t grain, const Fn& fn) {
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((n + grain - 1) / grain,
+                                                                4 * pool.num_threads()));
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
+  if (n <= 0) return;
+  if (helpers <= 0) {
+    fn(int64_t(0), n);
+    return;
+  }
+  struct Progress {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto progress = std::make_shared<Progress>();
+  const Fn* body = &fn;
+  auto drain = [progress, body, n, chunks]() {
+    for (int64_t c; (c = progress->next.fetch_add(1)) < chunks;) {
+      (*body)(c * n / chunks, (c + 1) * n / chunks);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([drain] { drain(); });
+  drain();
+  while (progress->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+}  // namespace jax_ep
