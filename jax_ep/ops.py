@@ -170,8 +170,9 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
     reports padded sizes). drop_and_pad gives every expert exactly c = N // E rows (rounded
     down to a multiple of m) holding its first c tokens. Rows past the last block are padding
     (zero, sorted_indices -1, prob 0). Tokens that fit nowhere are dropped (the later experts'
-    last tokens first) and the count of dropped (token, expert) pairs is appended to the
-    result with return_num_dropped=True.
+    last tokens first; a block cut by the end of the buffer keeps a whole multiple of m rows)
+    and the count of dropped (token, expert) pairs is appended to the result with
+    return_num_dropped=True.
     """
     _check_impl(impl)
     check_rank(tokens, 2, "tokens")

@@ -178,7 +178,8 @@ __global__ void CountRoutedKernel(const uint8_t* __restrict__ map, int64_t T, in
 
 // Start row and row capacity of expert e's block (PlanPermute in permute.cc): drop_and_pad gives
 // every expert c = (N / E) rounded down to a multiple of m rows; otherwise blocks are the routed
-// counts rounded up to m, laid end to end, and clamped to the N rows.
+// counts rounded up to m, laid end to end, and cut at the N-row end to whole multiples of m
+// (BlockCapacity in common.h).
 __device__ __forceinline__ int64_t DropCapacity(int64_t N, int64_t E, int64_t m) {
   return (E ? N / E : 0) / m * m;
 }
