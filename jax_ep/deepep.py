@@ -21,7 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import ops, transport as tp
-from jax_ep._checks import check_experts, check_positive, check_rank, check_routing
+from jax_ep._checks import (
+    check_experts,
+    check_positive,
+    check_rank,
+    check_routing,
+    check_shape,
+)
 
 __all__ = [
     "BACKENDS",
@@ -107,7 +113,7 @@ def _sizes(num_tokens, num_ranks, capacity, num_worst_tokens):
 
 
 def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
-                  expert_alignment, transport, impl, count_matrix=None):
+                  expert_alignment, transport, impl, count_matrix=None, send_counts=None):
     """Send layout + one count exchange (skipped when count_matrix i32[P,P] is given) + the
     local-id exchange -> DispatchHandle."""
     rank, num_ranks = tp.axis_rank_and_size(axis_name)
@@ -117,7 +123,10 @@ def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
     layout = ops.build_send_layout(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
                                    num_ranks=num_ranks, num_local_experts=num_local, impl=impl)
     if count_matrix is None:
-        count_matrix = tp.exchange_counts(layout.send_counts, axis_name)
+        # A precomputed get_dispatch_layout lets the count exchange start without waiting for
+        # the send layout kernel.
+        counts = layout.send_counts if send_counts is None else send_counts
+        count_matrix = tp.exchange_counts(counts, axis_name)
     plan = tp.make_plan(count_matrix, rank, capacity)
     # Compact rows past a destination's capacity are dropped (highest token index first).
     row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)
@@ -204,7 +213,7 @@ _combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
 
 def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name,
              backend="deepep", num_worst_tokens=None, expert_alignment=1, transport="auto",
-             capacity=None, handle=None):
+             capacity=None, handle=None, layout=None):
     """Send each token once to every rank owning one of its experts (DeepEP normal mode).
 
     Call inside `jax.shard_map` over `axis_name` (P ranks; P = 1 runs no collective).
@@ -219,6 +228,9 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         highest token indices; the count is handle.num_dropped.
       handle: a previous dispatch's handle to replay its layout (cached dispatch: topk_idx
         and topk_weights are then ignored, the routing is the cached one).
+      layout: a `get_dispatch_layout` result (num_tokens_per_rank i32[P], is_token_in_rank
+        bool[T,P], num_tokens_per_expert i32[E]) for the same topk_idx; its per-rank counts
+        feed the count exchange directly.
     Returns (recv_x [R,H], recv_topk_idx i32[R,K], recv_topk_weights f32[R,K], handle).
     """
     impl = check_backend(backend)
@@ -230,8 +242,13 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         if topk_idx.shape[0] != x.shape[0]:
             raise ValueError(f"topk_idx: expected {x.shape[0]} rows to match x {x.shape}, got "
                              f"shape {topk_idx.shape}")
+        send_counts = None
+        if layout is not None:
+            _, num_ranks = tp.axis_rank_and_size(axis_name)
+            send_counts = _check_layout(layout, x.shape[0], num_ranks, num_experts)
         handle = _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
-                               expert_alignment, tp.resolve_transport(transport), impl)
+                               expert_alignment, tp.resolve_transport(transport), impl,
+                               send_counts=send_counts)
     elif x.shape[0] != handle.num_tokens:
         raise ValueError(f"x: expected {handle.num_tokens} rows to match the handle, got "
                          f"shape {x.shape}")
@@ -239,6 +256,18 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         topk_weights = jnp.ones((x.shape[0], handle.recv_topk_idx.shape[1]), jnp.float32)
     recv_x, recv_w = _dispatch_rows(x, topk_weights, handle)
     return recv_x, handle.recv_topk_idx, recv_w, handle
+
+
+def _check_layout(layout, num_tokens, num_ranks, num_experts):
+    """Validates a get_dispatch_layout triple; returns its num_tokens_per_rank."""
+    if not isinstance(layout, (tuple, list)) or len(layout) != 3:
+        raise ValueError("layout: expected the (num_tokens_per_rank, is_token_in_rank, "
+                         "num_tokens_per_expert) triple of get_dispatch_layout")
+    per_rank, in_rank, per_expert = layout
+    check_shape(per_rank, (num_ranks,), "layout.num_tokens_per_rank")
+    check_shape(in_rank, (num_tokens, num_ranks), "layout.is_token_in_rank")
+    check_shape(per_expert, (num_experts,), "layout.num_tokens_per_expert")
+    return per_rank.astype(jnp.int32)
 
 
 def combine(y, handle, *, topk_weights=None):

@@ -179,6 +179,28 @@ def test_num_worst_tokens_and_expert_alignment():
     np.testing.assert_array_equal(per_expert, -(-raw // 4) * 4)
 
 
+def test_precomputed_layout_gives_the_same_dispatch():
+    num_ranks, T, H, K, E = 4, 5, 8, 3, 16
+    rng = np.random.default_rng(12)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+
+    def body(x, idx, w):
+        layout = jax_ep.ops.get_dispatch_layout(idx, num_experts=E, num_ranks=num_ranks)
+        a = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, layout=layout)
+        b = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)
+        return a[0], b[0], a[1], b[1]
+
+    a, b, ai, bi = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, idx, w))
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(ai, bi)
+    with pytest.raises(ValueError, match="layout.is_token_in_rank"):
+        run_ep(lambda x, i, w: jax_ep.dispatch(
+            x, i, w, num_experts=E, axis_name=AXIS,
+            layout=(jnp.zeros(num_ranks, jnp.int32), jnp.zeros((T, 2), bool),
+                    jnp.zeros(E, jnp.int32)))[0], ep_mesh(num_ranks), x, idx, w)
+
+
 def test_cached_dispatch_replays_the_handle():
     num_ranks, T, H, K, E = 4, 5, 8, 2, 8
     rng = np.random.default_rng(6)
