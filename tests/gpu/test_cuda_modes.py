@@ -1,0 +1,119 @@
+"""The EP modes and the MoE layer on the GPU (CUDA handlers end to end), one rank per GPU.
+
+With one GPU the expert axis has P = 1 (collective-free); with more, the "auto" transport is
+ragged_all_to_all, checked against the padded all_to_all transport bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+if jax.devices()[0].platform != "gpu":
+    pytest.skip("needs a GPU", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ep_utils import (  # noqa: E402
+    AXIS,
+    dense_moe,
+    ep_mesh,
+    local_experts,
+    owner_count,
+    random_routing,
+    run_ep,
+)
+
+import jax_ep  # noqa: E402
+from jax_ep import hybridep, ops  # noqa: E402
+
+NUM_RANKS = len(jax.devices())
+
+
+def test_deepep_ffi_equals_alltoall_and_dense_on_gpu():
+    T, H, F, K, E = 64, 128, 64, 4, 8 * NUM_RANKS
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((NUM_RANKS * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, NUM_RANKS * T, K, E)
+    w_in = (rng.standard_normal((E, H, F)) / np.sqrt(H)).astype(np.float32)
+    w_out = (rng.standard_normal((E, F, H)) / np.sqrt(F)).astype(np.float32)
+
+    def body(backend, transport):
+        def f(x, i, w, a, b):
+            rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                            backend=backend, transport=transport)
+            return rx, ri, jax_ep.combine(local_experts(rx, ri, rw, a, b), h)[0]
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    auto = run_ep(body("deepep", "auto"), mesh, x, idx, w, w_in, w_out)
+    padded = run_ep(body("alltoall", "all_to_all"), mesh, x, idx, w, w_in, w_out)
+    for a, b in zip(auto[:2], padded[:2]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(auto[2]), dense_moe(x, idx, w, w_in, w_out),
+                               rtol=2e-4, atol=2e-4)
+
+
+def test_combine_of_dispatch_bf16_on_gpu():
+    T, H, K, E = 128, 256, 8, 16 * NUM_RANKS
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((NUM_RANKS * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, NUM_RANKS * T, K, E)
+
+    def f(x, i, w):
+        rx, _, _, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS)
+        return jax_ep.combine(rx, h)[0]
+
+    y = np.asarray(run_ep(f, ep_mesh(NUM_RANKS), x, idx, w), np.float32)
+    want = np.asarray(x, np.float32) * owner_count(idx, E // NUM_RANKS)[:, None]
+    np.testing.assert_allclose(y, want, rtol=1e-2, atol=1e-2)
+
+
+def test_hybridep_and_low_latency_on_gpu():
+    T, H, K, E = 32, 256, 4, 8 * NUM_RANKS
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((NUM_RANKS * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, NUM_RANKS * T, K, E, unrouted=0.0)
+
+    def f(x, i, w):
+        px, pp, tpe, h = hybridep.hybridep_dispatch(x, topk_idx=i, probs=w, num_experts=E,
+                                                    axis_name=AXIS,
+                                                    num_permuted_tokens=NUM_RANKS * T * K)
+        (q, s), count, lh = jax_ep.low_latency_dispatch(
+            x, i, num_max_dispatch_tokens_per_rank=T, num_experts=E, axis_name=AXIS,
+            use_fp8=True, round_scale=True, use_ue8m0=True)
+        deq = ops.per_token_cast_back(q.reshape(-1, H), s.reshape(q.shape[0] * q.shape[1], -1),
+                                      use_ue8m0=True).reshape(q.shape)
+        return hybridep.hybridep_combine(px, h), jax_ep.low_latency_combine(deq, i, w, lh)
+
+    copies, weighted = run_ep(f, ep_mesh(NUM_RANKS), x, idx, w)
+    x32 = np.asarray(x, np.float32)
+    np.testing.assert_allclose(np.asarray(copies, np.float32), x32 * K, rtol=1e-2, atol=1e-2)
+    want = x32 * w.sum(1)[:, None]
+    got = np.asarray(weighted, np.float32)
+    diff = 1 - 2 * (got * want).sum() / ((got * got).sum() + (want * want).sum())
+    assert diff < 9e-4
+
+
+def test_moe_layer_trains_on_gpu():
+    from flax import nnx
+
+    from jax_ep.flax import MoELayer, dense_forward, shard_params
+
+    mesh = jax.make_mesh((1, NUM_RANKS), ("data", "expert"))
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8 * NUM_RANKS, moe_router_topk=2,
+                                       moe_permute_fusion=True)
+    layer = MoELayer(cfg, 128, 256, rngs=nnx.Rngs(0), mesh=mesh)
+    twin = MoELayer(cfg, 128, 256, rngs=nnx.Rngs(0), mesh=mesh)
+    shard_params(layer, mesh)
+    x = jax.random.normal(jax.random.key(0), (4 * NUM_RANKS, 32, 128))
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        ("data", "expert"))))
+    with jax.set_mesh(mesh):
+        y, _ = nnx.jit(lambda l, x: l(x))(layer, xs)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_forward(twin, x)[0]),
+                               rtol=2e-4, atol=2e-4)
