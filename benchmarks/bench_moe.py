@@ -1,0 +1,219 @@
+"""Training step of jax_ep.flax.MoELayer (forward + backward under jax.jit) on the (2, 4)
+("data", "expert") mesh of 8 emulated CPU devices, per dispatcher backend, vs a GShard-style
+one-hot einsum MoE with the same parameters.
+
+    python -m benchmarks.bench_moe [--tokens 64 --hidden 128 --ffn 128 --experts 64
+                                    --topk 8 --out benchmarks/out]
+
+Every variant computes loss = mean(y^2) of the layer output y (softmax router, top-k, SwiGLU
+experts, weighted sum) and its gradient with respect to all parameters; the jax_ep backends
+give the same loss (no token is dropped), GShard drops the slots past its capacity.
+"hybridep" is the config default (dense [T,E] routing map); "hybridep-compact" sets
+moe_hybridep_compact_routing=True (top-k ids on the wire).
+
+One more row times the layer's expert GEMMs alone (jax_ep.flax.swiglu_experts, i.e.
+jax.lax.ragged_dot, forward + backward) on the permuted buffer the deepep backend feeds them
+(N = P*T*min(K, L) rows per device, the no-drop worst case), to separate expert compute from
+dispatch: XLA:CPU lowers ragged_dot to one dense [N, L*H] matmul, L times the useful FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from benchmarks import common
+
+BACKENDS = ("deepep", "alltoall", "hybridep", "hybridep-compact")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=64, help="tokens per device")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--ffn", type=int, default=128, help="expert FFN hidden size F")
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--data", type=int, default=2, help="size of the data mesh axis")
+    p.add_argument("--expert-parallel", type=int, default=4, help="size of the expert axis")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity")
+    p.add_argument("--backends", default=",".join(BACKENDS) + ",gshard")
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/out")
+    return p.parse_args(argv)
+
+
+def gshard_layer(a, num_ranks):
+    """Per-device body of a GShard MoE layer (one-hot dispatch mask [T,E,C], all_to_all of
+    [E,C,H] over "expert", batched SwiGLU per local expert, all_to_all back, combine einsum).
+    Returns (body(x, router, w_gate_up, w_down) -> (y, dropped slots), capacity)."""
+    import jax
+    import jax.numpy as jnp
+
+    E, K = a.experts, a.topk
+    L = E // num_ranks
+    cap = max(1, math.ceil(a.tokens * K / E * a.capacity_factor))
+    f32 = jnp.float32
+
+    def body(x, router, w_gate_up, w_down):
+        tokens = x.reshape(-1, x.shape[-1])
+        T, H = tokens.shape
+        scores = jax.nn.softmax(tokens.astype(f32) @ router.astype(f32), axis=-1)
+        probs, ids = jax.lax.top_k(scores, K)
+        onehot = jax.nn.one_hot(ids.T, E, dtype=jnp.int32)  # [K,T,E], top-1 slots first
+        pos = ((jnp.cumsum(onehot.reshape(K * T, E), axis=0).reshape(K, T, E) - 1)
+               * onehot).sum(axis=-1)
+        keep = pos < cap
+        pos_oh = jax.nn.one_hot(jnp.where(keep, pos, cap), cap, dtype=f32)  # [K,T,C]
+        dispatch = jnp.einsum("kte,ktc->tec", onehot.astype(f32), pos_oh)
+        combine = jnp.einsum("kte,ktc,tk->tec", onehot.astype(f32), pos_oh, probs)
+        buf = jnp.einsum("tec,th->ech", dispatch.astype(x.dtype), tokens)
+        recv = jax.lax.all_to_all(buf.reshape(num_ranks, L, cap, H), "expert", 0, 0)
+        xin = recv.transpose(1, 0, 2, 3).reshape(L, num_ranks * cap, H)
+        gate, up = jnp.split(jnp.einsum("lnh,lhf->lnf", xin, w_gate_up), 2, axis=-1)
+        out = jnp.einsum("lnf,lfh->lnh", jax.nn.silu(gate) * up, w_down)
+        out = out.reshape(L, num_ranks, cap, H).transpose(1, 0, 2, 3)
+        back = jax.lax.all_to_all(out, "expert", 0, 0).reshape(E, cap, H)
+        y = jnp.einsum("tec,ech->th", combine.astype(x.dtype), back)
+        dropped = jax.lax.psum((~keep).sum(), ("data", "expert"))
+        return y.reshape(x.shape), dropped
+
+    return body, cap
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    common.force_cpu_devices(a.data * a.expert_parallel)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ep
+    from jax_ep.flax import MoELayer, shard_params
+
+    mesh = common.cpu_mesh((a.data, a.expert_parallel), ("data", "expert"))
+    dtype = jnp.dtype(a.dtype)
+    devices = a.data * a.expert_parallel
+    num_tokens = devices * a.tokens
+    x = jax.random.normal(jax.random.key(1), (devices, a.tokens, a.hidden), dtype)
+    x = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+    print(f"jax {jax.__version__}, mesh {dict(mesh.shape)} of {jax.devices()[0].device_kind} "
+          f"devices on {os.cpu_count()} cores; {num_tokens} tokens ({a.tokens}/device), "
+          f"H={a.hidden} F={a.ffn} E={a.experts} K={a.topk} {a.dtype}")
+
+    def make_layer(backend):
+        cfg = jax_ep.TokenDispatcherConfig(
+            num_moe_experts=a.experts, moe_router_topk=a.topk,
+            moe_flex_dispatcher_backend=backend.split("-")[0],
+            moe_hybridep_compact_routing=backend.endswith("-compact"),
+            moe_permute_fusion=backend != "alltoall", moe_share_token_dispatcher=False)
+        layer = MoELayer(cfg, a.hidden, a.ffn, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype)
+        return shard_params(layer, mesh)
+
+    results = {"config": vars(a), "num_tokens": num_tokens, "runs": {}}
+    wanted = [b.strip() for b in a.backends.split(",")]
+    for backend in wanted:
+        if backend == "gshard":
+            layer = make_layer("deepep")  # same parameters (same seed)
+            body, cap = gshard_layer(a, a.expert_parallel)
+            spec = P(("data", "expert"))
+            fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, P(), P("expert"), P("expert")),
+                               out_specs=(spec, P()))
+            params = (layer.router[...], layer.w_gate_up[...], layer.w_down[...])
+
+            def loss(params, x, fn=fn):
+                y, dropped = fn(x, *params)
+                return jnp.mean(y.astype(jnp.float32) ** 2), dropped
+
+            step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+            args = (params, x)
+            extra = {"capacity": cap}
+        else:
+            layer = make_layer(backend)
+            graphdef, state = nnx.split(layer)
+
+            def loss(state, x, graphdef=graphdef):
+                y, aux = nnx.merge(graphdef, state)(x)
+                return jnp.mean(y.astype(jnp.float32) ** 2), aux["num_dropped"]
+
+            step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+            args = (state, x)
+            extra = {}
+        with jax.set_mesh(mesh):
+            t, ((value, dropped), _) = common.time_fn(step, *args, warmup=a.warmup,
+                                                      iters=a.iters, jit=False,
+                                                      keep_output=True)
+        t.update(extra, loss=float(value), dropped_slots=int(dropped),
+                 dropped_fraction=int(dropped) / (num_tokens * a.topk),
+                 tokens_per_s=num_tokens / t["median_s"])
+        results["runs"][backend] = t
+        print(f"  {backend:16s} {t['median_s'] * 1e3:9.1f} ms/step  {t['tokens_per_s']:9.0f} "
+              f"tokens/s  loss {t['loss']:.6f}  dropped {t['dropped_fraction']:.1%}  "
+              f"(first call {t['compile_s']:.1f} s)", flush=True)
+
+    # The expert GEMMs alone at the deepep backend's permuted-buffer size.
+    from jax_ep.flax import swiglu_experts
+    P_ = a.expert_parallel
+    L = a.experts // P_
+    n_rows = P_ * a.tokens * min(a.topk, L)
+    per_expert = a.tokens * a.topk // P_ // L * P_  # balanced routing: T*K slots per rank
+    layer = make_layer("deepep")
+    spec = P(("data", "expert"))
+
+    def experts_loss(w_gate_up, w_down, rows):
+        tpe = jnp.full((L,), per_expert, jnp.int32)
+        y = swiglu_experts(rows, tpe, w_gate_up, w_down)
+        return jax.lax.pmean(jnp.mean(y.astype(jnp.float32) ** 2), ("data", "expert"))
+
+    experts_fn = jax.shard_map(experts_loss, mesh=mesh, in_specs=(P("expert"), P("expert"), spec),
+                               out_specs=P())
+    rows = jax.device_put(jax.random.normal(jax.random.key(2), (devices * n_rows, a.hidden),
+                                            dtype), NamedSharding(mesh, spec))
+    with jax.set_mesh(mesh):
+        t = common.time_fn(jax.value_and_grad(experts_fn, argnums=(0, 1)), layer.w_gate_up[...],
+                           layer.w_down[...], rows, warmup=a.warmup, iters=a.iters)
+    t.update(rows_per_device=n_rows, loss=float("nan"), dropped_fraction=float("nan"),
+             tokens_per_s=num_tokens / t["median_s"])
+    name = f"experts only (ragged_dot, N={n_rows})"
+    results["runs"][name] = t
+    print(f"  {name} {t['median_s'] * 1e3:9.1f} ms", flush=True)
+
+    runs = results["runs"]
+    ref = runs.get("gshard", {}).get("median_s")
+    rows = [[name, t["median_s"] * 1e3, t["min_s"] * 1e3, t["tokens_per_s"],
+             ref / t["median_s"] if ref else "n/a",
+             "" if math.isnan(t["loss"]) else f"{t['loss']:.6f}",
+             "" if math.isnan(t["dropped_fraction"]) else f"{100 * t['dropped_fraction']:.1f}%"]
+            for name, t in runs.items()]
+    md = common.print_table(
+        f"MoELayer forward + backward under jax.jit, mesh (data={a.data}, "
+        f"expert={a.expert_parallel}), {num_tokens} tokens, median of {a.iters}",
+        ["backend", "step ms", "min ms", "tokens/s", "speedup vs gshard", "loss",
+         "dropped slots"], rows)
+    jax_ep_losses = [runs[n]["loss"] for n in BACKENDS if n in runs]
+    if len(jax_ep_losses) > 1:
+        spread = float(np.ptp(jax_ep_losses) / abs(np.mean(jax_ep_losses)))
+        results["jax_ep_loss_rel_spread"] = spread
+        print(f"relative spread of the jax_ep backends' losses: {spread:.2e}")
+    os.makedirs(a.out, exist_ok=True)
+    path = common.write_json(os.path.join(a.out, "bench_moe.json"), results)
+    with open(os.path.join(a.out, "bench_moe.md"), "w") as f:
+        f.write(md)
+    names = list(runs)
+    common.bar_plot(os.path.join(a.out, "bench_moe.png"), names,
+                    {"step ms (median)": [runs[n]["median_s"] * 1e3 for n in names]},
+                    ylabel="ms per forward + backward step (log)", log=True,
+                    title=f"MoELayer train step, {num_tokens} tokens, E={a.experts} K={a.topk} "
+                          f"on {devices} emulated CPU devices")
+    print(f"wrote {path}, bench_moe.md, bench_moe.png under {a.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

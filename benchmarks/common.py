@@ -1,0 +1,186 @@
+"""Shared helpers of the jax_ep benchmarks: emulated CPU devices, timing, tables, JSON, plots.
+
+jax is imported inside the functions, so a benchmark can call `force_cpu_devices` before its
+first `import jax`. rich and matplotlib are optional (the GPU machine may lack them): tables
+fall back to plain text and plots are skipped with a message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+__all__ = ["force_cpu_devices", "cpu_mesh", "time_fn", "print_table", "write_json", "env_info",
+           "bar_plot", "line_plot", "fmt_bytes"]
+
+
+def force_cpu_devices(count: int = 8) -> None:
+    """Make XLA:CPU expose `count` devices; call before jax is imported."""
+    flag = f"--xla_force_host_platform_device_count={count}"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [flag])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def cpu_mesh(shape=(8,), axes=("ep",)):
+    """A jax Mesh over the first prod(shape) devices (emulated CPU devices by default)."""
+    import math
+
+    import jax
+    n = math.prod(shape)
+    if len(jax.devices()) < n:
+        raise RuntimeError(f"need {n} devices, have {len(jax.devices())}: call "
+                           "force_cpu_devices() before importing jax")
+    return jax.make_mesh(tuple(shape), tuple(axes), devices=jax.devices()[:n])
+
+
+def time_fn(fn, *args, warmup: int = 2, iters: int = 10, jit: bool = True,
+            keep_output: bool = False):
+    """Median wall time of fn(*args) in seconds (jitted unless jit=False), after `warmup`
+    calls (the first compiles); every call is closed by jax.block_until_ready. Returns
+    {"median_s", "min_s", "max_s", "iters", "compile_s"} (compile_s: the first call,
+    compilation included), or (that dict, the last output) with keep_output=True."""
+    import jax
+    f = jax.jit(fn) if jit else fn
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(f(*args))
+    compile_s = time.perf_counter() - t0
+    for _ in range(max(0, warmup - 1)):
+        out = jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(max(1, iters)):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    stats = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+             "iters": len(times), "compile_s": compile_s}
+    return (stats, out) if keep_output else stats
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def print_table(title: str, columns, rows) -> str:
+    """Prints a table (rich when installed, plain text otherwise) and returns it as Markdown
+    (for RESULTS.md). Floats are shown with 3 significant digits."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        table = Table(title=title)
+        for c in columns:
+            table.add_column(str(c), justify="left" if c == columns[0] else "right")
+        for row in cells:
+            table.add_row(*row)
+        Console(width=max(100, sum(len(str(c)) + 5 for c in columns))).print(table)
+    except ImportError:
+        widths = [max(len(str(c)), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+        print(title)
+        print("  ".join(str(c).rjust(w) for c, w in zip(columns, widths)))
+        for row in cells:
+            print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+    md = [f"**{title}**", "", "| " + " | ".join(map(str, columns)) + " |",
+          "|" + "|".join(" --- " for _ in columns) + "|"]
+    md += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(md) + "\n"
+
+
+def env_info() -> dict:
+    """Where and when a benchmark ran."""
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    try:
+        import jax
+        info.update(jax=jax.__version__, backend=jax.default_backend(),
+                    devices=[str(d) for d in jax.devices()][:16],
+                    device_kind=jax.devices()[0].device_kind)
+    except Exception as err:  # noqa: BLE001 - informational only
+        info["jax_error"] = repr(err)
+    return info
+
+
+def write_json(path: str, payload: dict) -> str:
+    """Writes payload plus env_info() under "env" to path (folders created); returns path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"env": env_info(), **payload}, f, indent=2, default=str)
+    return path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("matplotlib not installed: plot skipped")
+        return None
+
+
+def bar_plot(path: str, labels, series: dict, *, ylabel: str, title: str, log: bool = False):
+    """Grouped bars: one group per label, one bar per series {name: [value per label]}.
+    Returns path, or None when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    n = len(series)
+    width = 0.8 / max(n, 1)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.4 * len(labels) * max(n, 1) + 3), 4.5))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [j + (i - (n - 1) / 2) * width for j in range(len(labels))]
+        ax.bar(xs, [float("nan") if v is None else v for v in values], width, label=name)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if log:
+        ax.set_yscale("log")
+    if n > 1:
+        ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def line_plot(path: str, xs, series: dict, *, xlabel: str, ylabel: str, title: str,
+              logx: bool = False):
+    """One line per series {name: [y per x]}. Returns path, or None without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, ys in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if logx:
+        ax.set_xscale("log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
