@@ -11,7 +11,8 @@
 #if defined(__CUDACC__)
 #define JAX_EP_HD __host__ __device__ __forceinline__
 #else
-#define JAX_EP_HD inline
+// Forced inline: the CPU row loops only vectorise when the conversions are inlined into them.
+#define JAX_EP_HD inline __attribute__((always_inline))
 #endif
 
 namespace jax_ep {
@@ -57,36 +58,33 @@ JAX_EP_HD uint16_t FloatToBf16(float f) {
 
 // float8_e4m3fn (bias 7, no infinities, 0x7f/0xff are NaN, max 448), round to nearest even;
 // magnitudes that round past 448 become NaN, as XLA's non-saturating convert does.
+// Branch-free (every candidate computed, then integer selects) so loops over it vectorise.
 JAX_EP_HD uint8_t FloatToE4m3(float f) {
-  uint32_t b = FloatBits(f);
-  uint8_t sign = uint8_t((b >> 24) & 0x80u);
-  uint32_t mag = b & 0x7fffffffu;
-  if (mag > 0x7f800000u) return uint8_t(sign | 0x7fu);
-  float a = BitsFloat(mag);
-  if (a < 0.015625f) {  // below 2^-6: subnormal grid of 2^-9, m == 8 is the smallest normal
-    float q = a * 512.0f;
-    uint32_t m = uint32_t(q);
-    float frac = q - float(m);
-    if (frac > 0.5f || (frac == 0.5f && (m & 1u))) ++m;
-    return uint8_t(sign | m);
-  }
-  uint32_t rounded = (mag + 0x7ffffu + ((mag >> 20) & 1u)) & 0xfff00000u;
-  int32_t exp = int32_t(rounded >> 23) - 127;
-  if (exp > 8) return uint8_t(sign | 0x7fu);
-  uint32_t code = (uint32_t(exp + 7) << 3) | ((rounded >> 20) & 7u);
-  if (code > 0x7eu) return uint8_t(sign | 0x7fu);
-  return uint8_t(sign | code);
+  const uint32_t b = FloatBits(f);
+  const uint32_t sign = (b >> 24) & 0x80u;
+  const uint32_t mag = b & 0x7fffffffu;
+  // Below 2^-6 the grid is m * 2^-9, m in [0, 8] (8 is the smallest normal): adding 2^23
+  // rounds |f| * 2^9 (exact) to an integer, to nearest even.
+  const uint32_t subnormal = FloatBits(BitsFloat(mag) * 512.0f + 8388608.0f) - 0x4b000000u;
+  // Normal: round the mantissa to 3 bits (nearest even); (exp + 7) << 3 | mantissa.
+  const uint32_t rounded = mag + 0x7ffffu + ((mag >> 20) & 1u);
+  const uint32_t normal = (rounded >> 20) - (120u << 3);
+  const uint32_t is_sub = 0u - uint32_t(mag < 0x3c800000u);
+  const uint32_t is_nan = 0u - (uint32_t(mag > 0x7f800000u) | (~is_sub & uint32_t(normal > 0x7eu)));
+  const uint32_t code = (subnormal & is_sub) | (normal & ~is_sub);
+  return uint8_t(sign | (code & ~is_nan) | (0x7fu & is_nan));
 }
 
-// Branch-free decode (normal, subnormal and NaN candidates, then selects) so it vectorises.
 JAX_EP_HD float E4m3ToFloat(uint8_t v) {
   const uint32_t sign = uint32_t(v & 0x80u) << 24;
   const uint32_t exp = (v >> 3) & 0xfu;
   const uint32_t man = v & 7u;
-  const float normal = BitsFloat(sign | ((exp + 120u) << 23) | (man << 20));
-  const float subnormal = BitsFloat(FloatBits(float(man) * 0.001953125f) | sign);  // man * 2^-9
-  const float nan = BitsFloat(sign | 0x7fc00000u);
-  return (v & 0x7fu) == 0x7fu ? nan : (exp == 0 ? subnormal : normal);
+  const uint32_t normal = sign | ((exp + 120u) << 23) | (man << 20);
+  const uint32_t subnormal = FloatBits(float(int32_t(man)) * 0.001953125f) | sign;  // man*2^-9
+  const uint32_t is_sub = 0u - uint32_t(exp == 0);
+  const uint32_t is_nan = 0u - uint32_t((v & 0x7fu) == 0x7fu);
+  const uint32_t bits = (normal & ~is_sub) | (subnormal & is_sub);
+  return BitsFloat((bits & ~is_nan) | ((sign | 0x7fc00000u) & is_nan));
 }
 
 // The smallest power of two >= v (v > 0, finite): DeepEP's ceil_to_ue8m0, computed on bits.

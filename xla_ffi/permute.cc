@@ -69,6 +69,17 @@ void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64
   *num_dropped = int32_t(total - kept);
 }
 
+// acc[h] += row[h] * w over one row (restrict pointers: vectorised).
+template <typename T>
+void AccumulateRow(const T* __restrict row, float w, int64_t H, float* __restrict acc) {
+  for (int64_t h = 0; h < H; ++h) acc[h] += Fp32Io<T>::Load(row[h]) * w;
+}
+
+template <typename T>
+void StoreRow(const float* __restrict acc, int64_t H, T* __restrict out) {
+  for (int64_t h = 0; h < H; ++h) out[h] = Fp32Io<T>::Store(acc[h]);
+}
+
 void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
                      int64_t row_bytes, const int32_t* idx, int64_t num_rows, uint8_t* out) {
   const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(row_bytes, 1));
@@ -193,12 +204,9 @@ ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, 
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t i = offset[t]; i < offset[t + 1]; ++i) {
           const int64_t r = rows_of_token[i];
-          const float w = p ? p[r] : 1.0f;
-          const T_* row = src + r * H;
-          for (int64_t h = 0; h < H; ++h) acc[h] += Fp32Io<T_>::Load(row[h]) * w;
+          AccumulateRow(src + r * H, p ? p[r] : 1.0f, H, acc.data());
         }
-        T_* dst_row = dst + t * H;
-        for (int64_t h = 0; h < H; ++h) dst_row[h] = Fp32Io<T_>::Store(acc[h]);
+        StoreRow(acc.data(), H, dst + t * H);
       }
     });
     return ffi::Error::Success();
