@@ -54,13 +54,8 @@ def _exchange(buf, h, name):
     _, num_ranks = tp.axis_rank_and_size(h.axis_name)
     if num_ranks == 1:
         return buf
-    dtype = buf.dtype
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8:
-        buf = jax.lax.bitcast_convert_type(buf, jnp.uint8)  # XLA:CPU would widen FP8 to f16
-    blocks = buf.reshape((num_ranks, -1) + buf.shape[1:])
-    out = jax.lax.all_to_all(blocks, h.axis_name, 0, 0).reshape(buf.shape)
-    if out.dtype != dtype:
-        out = jax.lax.bitcast_convert_type(out, dtype)
+    blocks = tp.as_bits(buf).reshape((num_ranks, -1) + buf.shape[1:])
+    out = tp.from_bits(jax.lax.all_to_all(blocks, h.axis_name, 0, 0).reshape(buf.shape), buf.dtype)
     return jax.ad_checkpoint.checkpoint_name(out, name)
 
 

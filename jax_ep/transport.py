@@ -28,6 +28,8 @@ from jax_ep import ops
 
 __all__ = [
     "TRANSPORTS",
+    "as_bits",
+    "from_bits",
     "ExchangePlan",
     "axis_rank_and_size",
     "exchange_counts",
@@ -133,17 +135,30 @@ def _compact_slots(counts, offsets, capacity, num_rows):
     return jnp.where(j < counts[p], p * capacity + j, -1).astype(jnp.int32)
 
 
+def as_bits(x):
+    """Sub-32-bit floats as same-width unsigned ints, for the wire: XLA:CPU widens bf16/f16/FP8
+    collectives to f32 (twice the bytes, plus converts); the bits move unchanged anywhere."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{jnp.finfo(x.dtype).bits}"))
+    return x
+
+
+def from_bits(x, dtype):
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def _all_to_all(buf, axis_name, num_ranks, capacity, name):
-    blocks = buf.reshape((num_ranks, capacity) + buf.shape[1:])
+    blocks = as_bits(buf).reshape((num_ranks, capacity) + buf.shape[1:])
     out = jax.lax.all_to_all(blocks, axis_name, 0, 0)
-    return checkpoint_name(out.reshape(buf.shape), name)
+    return checkpoint_name(from_bits(out.reshape(buf.shape), buf.dtype), name)
 
 
 def _ragged(rows, out_rows, in_offsets, in_sizes, out_offsets, out_sizes, axis_name, name):
-    output = jnp.zeros((out_rows,) + rows.shape[1:], rows.dtype)
-    out = jax.lax.ragged_all_to_all(rows, output, in_offsets, in_sizes, out_offsets, out_sizes,
+    bits = as_bits(rows)
+    output = jnp.zeros((out_rows,) + rows.shape[1:], bits.dtype)
+    out = jax.lax.ragged_all_to_all(bits, output, in_offsets, in_sizes, out_offsets, out_sizes,
                                     axis_name=axis_name)
-    return checkpoint_name(out, name)
+    return checkpoint_name(from_bits(out, rows.dtype), name)
 
 
 def receive_buffer(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):

@@ -53,9 +53,9 @@ def test_deepep_dispatch_combine_collectives(backend, capacity):
     assert found == [
         ("all_gather", f"tensor<1x{NUM_RANKS}xi32>"),                # the one count exchange
         ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{K}xi32>"),          # local expert ids
-        ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{H}xbf16>"),         # tokens
+        ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{H}xui16>"),         # tokens
         ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{K}xf32>"),          # routing weights
-        ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{H}xbf16>"),         # combine
+        ("all_to_all", f"tensor<{NUM_RANKS}x{c}x{H}xui16>"),         # combine
     ], found
 
 
@@ -83,8 +83,8 @@ def test_hybridep_collectives_compact_routing_sends_only_indices():
     assert [kind for kind, _ in found] == ["all_gather"] + ["all_to_all"] * 4
     assert found[1][1] == f"tensor<{NUM_RANKS}x{tp}x{K}xi32>"   # top-k ids, not a [T,E] map
     assert found[2][1] == f"tensor<{NUM_RANKS}x{tp}x{K}xf32>"   # top-k probs
-    assert found[3][1] == f"tensor<{NUM_RANKS}x{tp}x{H}xbf16>"  # tokens (fused permute)
-    assert found[4][1] == f"tensor<{NUM_RANKS}x{tp}x{H}xbf16>"  # combine
+    assert found[3][1] == f"tensor<{NUM_RANKS}x{tp}x{H}xui16>"  # tokens (fused permute)
+    assert found[4][1] == f"tensor<{NUM_RANKS}x{tp}x{H}xui16>"  # combine
 
 
 def test_low_latency_buffer_sizes():
@@ -98,5 +98,5 @@ def test_low_latency_buffer_sizes():
     L = E // NUM_RANKS
     found = _collectives(f, *_inputs())
     shapes = [s for k, s in found if k == "all_to_all"]
-    assert f"tensor<{NUM_RANKS}x{L * tmax}x{H}xbf16>" in shapes     # [P, L*Tmax, H] fixed
+    assert f"tensor<{NUM_RANKS}x{L * tmax}x{H}xui16>" in shapes     # [P, L*Tmax, H] fixed
     assert not [k for k, _ in found if k == "all_gather"]

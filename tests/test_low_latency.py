@@ -108,8 +108,8 @@ def test_fp8_halves_the_wire_bytes():
         return " ".join(line for line in text.splitlines() if "all_to_all" in line)
 
     rows = f"tensor<{num_ranks}x{E // num_ranks * tmax}x{H}x"
-    assert rows + "ui8>" in wire(True) and rows + "bf16>" not in wire(True)
-    assert rows + "bf16>" in wire(False)
+    assert rows + "ui8>" in wire(True) and rows + "ui16>" not in wire(True)
+    assert rows + "ui16>" in wire(False)  # bf16 rows travel as their bits
 
 
 def test_gradients_match_dense_reference():

@@ -146,8 +146,9 @@ class MoEFlexTokenDispatcher(nnx.Module):
         cfg = self.config
         if self.backend == "hybridep":
             num_tokens = hybridep.equalized_num_tokens(hidden_states.shape[0])
+            # A dense map from top-k routing selects at most moe_router_topk experts per token.
             top_k = (state.token_indices.shape[1] if state.token_indices is not None
-                     else self.num_local_experts)
+                     else cfg.moe_router_topk)
             n = cfg.num_permuted_tokens or self._num_permuted(self.ep_size * num_tokens, top_k)
             routing = (dict(topk_idx=state.token_indices, probs=state.token_probs)
                        if state.token_indices is not None
