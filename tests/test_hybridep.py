@@ -36,9 +36,10 @@ def hybridep_oracle(x, routing_map, probs, num_ranks, num_permuted, pad_multiple
             members = [p * num_tokens + t for p in range(num_ranks) for t in range(num_tokens)
                        if routing_map[p * num_tokens + t, e]]
             block = -(-len(members) // m) * m
-            kept = max(0, min(block, num_permuted - row))
+            # a block cut by the buffer end keeps a whole multiple of m rows
+            kept = max(0, min(block, (num_permuted - row) // m * m))
             for j, g in enumerate(members):
-                if row + j < num_permuted:
+                if j < kept:
                     px[row + j] = x[g]
                     pp[row + j] = probs[g, e]
                 else:
