@@ -75,4 +75,20 @@ inline ffi::Error CheckPermuteArgs(const Any& tokens, const Pred& routing_map, c
   return ffi::Error::Success();
 }
 
+// sorted_indices i32[N] (one per permuted row) and probs f32[N] or f32[0].
+inline ffi::Error CheckUnpermuteArgs(const I32& sorted_indices, const F32& probs, int64_t N,
+                                     bool* has_probs) {
+  if (int64_t(sorted_indices.element_count()) != N) {
+    return ffi::Error::InvalidArgument("sorted_indices: expected " + std::to_string(N) +
+                                       " entries (rows of permuted), got shape " +
+                                       ShapeString(sorted_indices.dimensions()));
+  }
+  *has_probs = probs.element_count() != 0;
+  if (*has_probs && int64_t(probs.element_count()) != N) {
+    return ffi::Error::InvalidArgument("probs: expected [" + std::to_string(N) + "], got " +
+                                       ShapeString(probs.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_ep

@@ -14,6 +14,22 @@ namespace jax_ep {
 
 namespace {
 
+// Calls fn(t, k, owning rank r, first) for every routed slot, tokens ascending; `first` is
+// true for the first slot of token t owned by rank r (one send row per (token, rank)).
+template <typename Fn>
+void ForEachRoutedSlot(const int32_t* idx, int64_t T, int64_t K, int64_t L, int64_t P, Fn&& fn) {
+  std::vector<int64_t> last_token(P, -1);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = idx[t * K + k];
+      if (e < 0) continue;
+      const int64_t r = e / L;
+      fn(t, k, r, last_token[r] != t);
+      last_token[r] = t;
+    }
+  }
+}
+
 ffi::Error DispatchLayoutCpu(I32 topk_idx, int64_t num_experts, int64_t num_ranks,
                              I32Out tokens_per_rank, PredOut token_in_rank,
                              I32Out tokens_per_expert, I32Out num_invalid) {
@@ -29,19 +45,13 @@ ffi::Error DispatchLayoutCpu(I32 topk_idx, int64_t num_experts, int64_t num_rank
   std::fill(per_rank, per_rank + num_ranks, 0);
   std::fill(per_expert, per_expert + num_experts, 0);
   std::fill(in_rank, in_rank + T * num_ranks, false);
-  for (int64_t t = 0; t < T; ++t) {
-    bool* row = in_rank + t * num_ranks;
-    for (int64_t k = 0; k < K; ++k) {
-      int32_t e = idx[t * K + k];
-      if (e < 0) continue;
-      ++per_expert[e];
-      int64_t r = e / L;
-      if (!row[r]) {
-        row[r] = true;
-        ++per_rank[r];
-      }
+  ForEachRoutedSlot(idx, T, K, L, num_ranks, [&](int64_t t, int64_t k, int64_t r, bool first) {
+    ++per_expert[idx[t * K + k]];
+    if (first) {
+      in_rank[t * num_ranks + r] = true;
+      ++per_rank[r];
     }
-  }
+  });
   *num_invalid->typed_data() = 0;
   return ffi::Error::Success();
 }
@@ -61,18 +71,9 @@ ffi::Error SendLayoutCpu(I32 topk_idx, F32 topk_weights, int64_t num_ranks,
   // Pass 1: rows per destination rank (a token counts once per owning rank).
   int32_t* counts = send_counts->typed_data();
   std::fill(counts, counts + P, 0);
-  std::vector<int64_t> last_token(P, -1);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t k = 0; k < K; ++k) {
-      int32_t e = idx[t * K + k];
-      if (e < 0) continue;
-      int64_t r = e / L;
-      if (last_token[r] != t) {
-        last_token[r] = t;
-        ++counts[r];
-      }
-    }
-  }
+  ForEachRoutedSlot(idx, T, K, L, P, [&](int64_t, int64_t, int64_t r, bool first) {
+    counts[r] += first;
+  });
   std::vector<int64_t> cursor(P + 1);
   ExclusiveScan(counts, P, cursor.data());
   const int64_t total = cursor[P];
@@ -86,25 +87,17 @@ ffi::Error SendLayoutCpu(I32 topk_idx, F32 topk_weights, int64_t num_ranks,
   std::fill(out_rank, out_rank + T * P, -1);
   std::fill(out_local, out_local + T * P * K, -1);
   std::fill(out_w, out_w + T * P * K, 0.0f);
-  std::fill(last_token.begin(), last_token.end(), -1);
   std::vector<int64_t> row_of_rank(P);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t k = 0; k < K; ++k) {
-      int32_t e = idx[t * K + k];
-      if (e < 0) continue;
-      int64_t r = e / L;
-      if (last_token[r] != t) {
-        last_token[r] = t;
-        int64_t row = cursor[r]++;
-        row_of_rank[r] = row;
-        out_tok[row] = int32_t(t);
-        out_rank[row] = int32_t(r);
-      }
-      int64_t row = row_of_rank[r];
-      out_local[row * K + k] = int32_t(e - r * L);
-      out_w[row * K + k] = w[t * K + k];
+  ForEachRoutedSlot(idx, T, K, L, P, [&](int64_t t, int64_t k, int64_t r, bool first) {
+    if (first) {
+      row_of_rank[r] = cursor[r]++;
+      out_tok[row_of_rank[r]] = int32_t(t);
+      out_rank[row_of_rank[r]] = int32_t(r);
     }
-  }
+    const int64_t row = row_of_rank[r];
+    out_local[row * K + k] = int32_t(idx[t * K + k] - r * L);
+    out_w[row * K + k] = w[t * K + k];
+  });
   *num_send->typed_data() = int32_t(total);
   return ffi::Error::Success();
 }

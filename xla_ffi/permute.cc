@@ -163,16 +163,9 @@ ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, 
   RowsAndWidth(permuted, &N, &H);
   int64_t T, out_width;
   RowsAndWidth(*out, &T, &out_width);
-  if (int64_t(sorted_indices.element_count()) != N) {
-    return ffi::Error::InvalidArgument("sorted_indices: expected " + std::to_string(N) +
-                                       " entries (rows of permuted), got shape " +
-                                       ShapeString(sorted_indices.dimensions()));
-  }
-  const bool has_probs = probs.element_count() != 0;
-  if (has_probs && int64_t(probs.element_count()) != N) {
-    return ffi::Error::InvalidArgument("probs: expected [" + std::to_string(N) + "], got " +
-                                       ShapeString(probs.dimensions()));
-  }
+  bool has_probs;
+  if (auto err = CheckUnpermuteArgs(sorted_indices, probs, N, &has_probs); err.failure())
+    return err;
   const int32_t* idx = sorted_indices.typed_data();
   for (int64_t r = 0; r < N; ++r) {
     if (idx[r] < -1 || idx[r] >= T) {

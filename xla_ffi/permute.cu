@@ -426,16 +426,9 @@ ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, Any
   RowsAndWidth(permuted, &N, &H);
   int64_t T, out_width;
   RowsAndWidth(*out, &T, &out_width);
-  if (int64_t(sorted_indices.element_count()) != N) {
-    return ffi::Error::InvalidArgument("sorted_indices: expected " + std::to_string(N) +
-                                       " entries (rows of permuted), got shape " +
-                                       ShapeString(sorted_indices.dimensions()));
-  }
-  const bool has_probs = probs.element_count() != 0;
-  if (has_probs && int64_t(probs.element_count()) != N) {
-    return ffi::Error::InvalidArgument("probs: expected [" + std::to_string(N) + "], got " +
-                                       ShapeString(probs.dimensions()));
-  }
+  bool has_probs;
+  if (auto err = CheckUnpermuteArgs(sorted_indices, probs, N, &has_probs); err.failure())
+    return err;
   if (out_width != H || out->element_type() != permuted.element_type()) {
     return ffi::Error::InvalidArgument("unpermute: out " + ShapeString(out->dimensions()) +
                                        " must have the row width and dtype of permuted " +
