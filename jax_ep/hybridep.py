@@ -262,7 +262,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         src = jnp.where(routing.send_token_idx >= 0,
                         routing.send_token_idx * num_ranks + _send_ranks(routing), -1)
         recv_map = tp.send_rows(by_rank, src, routing.plan, **kwargs).astype(bool)
-    plan = ops.permute(jnp.zeros((routing.num_recv, 0), jnp.float32), recv_map,
+    # The plan alone: one-column dummy rows (the data rows are gathered below, fused).
+    plan = ops.permute(jnp.zeros((routing.num_recv, 1), jnp.float32), recv_map,
                        num_out_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
                        impl=impl, return_num_dropped=True)
     _, _, sorted_rows, tokens_per_expert, num_dropped = plan

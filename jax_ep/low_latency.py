@@ -124,7 +124,7 @@ def _plan(topk_idx, num_experts, tmax, axis_name, impl):
     num_tokens = topk_idx.shape[0]
     routing_map, _ = ops.indices_to_multihot(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
                                              num_experts=num_experts, impl=impl)
-    _, _, send_token, _ = ops.permute(jnp.zeros((num_tokens, 0), jnp.float32), routing_map,
+    _, _, send_token, _ = ops.permute(jnp.zeros((num_tokens, 1), jnp.float32), routing_map,
                                       num_out_tokens=num_experts * tmax, drop_and_pad=True,
                                       impl=impl)
     counts = routing_map.sum(axis=0, dtype=jnp.int32).reshape(num_ranks, num_local)

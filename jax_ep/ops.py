@@ -40,7 +40,12 @@ __all__ = [
 ]
 
 _IMPLS = ("ffi", "xla")
-_NO_PROBS = np.zeros((0,), np.float32)
+
+
+def _unit_weights(n):
+    """f32[n] of ones: the weights of an unweighted unpermute (x * 1.0 is exact). FFI calls
+    never get zero-sized operands: XLA:CPU (jax 0.11) crashes compiling them in shard_map."""
+    return jnp.ones((n,), jnp.float32)
 
 
 def _check_impl(impl: str) -> None:
@@ -62,7 +67,7 @@ def get_dispatch_layout(topk_idx, *, num_experts, num_ranks, impl="ffi"):
     _check_impl(impl)
     check_experts(num_experts, num_ranks)
     topk_idx, _ = check_routing(topk_idx, None, num_experts)
-    if impl == "xla":
+    if impl == "xla" or topk_idx.size == 0:
         return reference.get_dispatch_layout(topk_idx, num_experts=num_experts,
                                              num_ranks=num_ranks)
     per_rank, in_rank, per_expert, _ = _dispatch_layout_ffi(topk_idx, num_experts, num_ranks)
@@ -87,7 +92,7 @@ def build_send_layout(topk_idx, topk_weights, *, num_ranks, num_local_experts, i
     num_experts = num_ranks * num_local_experts
     check_experts(num_experts, num_ranks)
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
-    if impl == "xla":
+    if impl == "xla" or topk_idx.size == 0:
         return reference.build_send_layout(topk_idx, topk_weights, num_ranks=num_ranks,
                                            num_local_experts=num_local_experts)
     num_tokens, top_k = topk_idx.shape
@@ -110,7 +115,7 @@ def indices_to_multihot(topk_idx, topk_probs, *, num_experts, impl="ffi"):
     _check_impl(impl)
     check_positive(num_experts, "num_experts")
     topk_idx, topk_probs = check_routing(topk_idx, topk_probs, num_experts)
-    if impl == "xla":
+    if impl == "xla" or topk_idx.size == 0:
         return reference.indices_to_multihot(topk_idx, topk_probs, num_experts=num_experts)
     return _multihot(topk_idx, topk_probs, num_experts)
 
@@ -154,7 +159,7 @@ def gather_rows(x, row_idx, *, impl="ffi"):
 
 
 def _gather_rows_ffi(x, row_idx):
-    if x.shape[0] == 0 or row_idx.shape[0] == 0:
+    if x.size == 0 or row_idx.size == 0:
         return jnp.zeros(row_idx.shape + x.shape[1:], x.dtype)
     results = _sds(row_idx.shape + x.shape[1:], x.dtype)
     return _ffi.call("jax_ep_gather_rows", results, x, row_idx)
@@ -188,7 +193,7 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
         probs = probs.astype(jnp.float32)
     num_out_tokens = check_positive(num_out_tokens, "num_out_tokens", allow_zero=True)
     pad = 0 if pad_multiple is None else check_positive(pad_multiple, "pad_multiple")
-    if impl == "xla":
+    if impl == "xla" or tokens.size == 0 or routing_map.size == 0 or num_out_tokens == 0:
         out = reference.permute(tokens, routing_map, probs, num_out_tokens=num_out_tokens,
                                 pad_multiple=pad_multiple, drop_and_pad=drop_and_pad)
         if return_num_dropped:
@@ -199,35 +204,39 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
         return out
     has_probs = probs is not None
     permuted, permuted_probs, sorted_indices, tokens_per_expert, dropped = _permute(
-        tokens, routing_map, probs if has_probs else jnp.asarray(_NO_PROBS),
-        num_out_tokens, pad, bool(drop_and_pad))
+        tokens, routing_map, probs if has_probs else jnp.zeros(routing_map.shape, jnp.float32),
+        num_out_tokens, pad, bool(drop_and_pad), has_probs)
     out = (permuted, permuted_probs if has_probs else None, sorted_indices, tokens_per_expert)
     return out + (dropped,) if return_num_dropped else out
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _permute(tokens, routing_map, probs, num_out_tokens, pad_multiple, drop_and_pad):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _permute(tokens, routing_map, probs, num_out_tokens, pad_multiple, drop_and_pad, has_probs):
     num_experts = routing_map.shape[1]
     n = num_out_tokens
     results = (_sds((n,) + tokens.shape[1:], tokens.dtype), _sds((n,), jnp.float32),
                _sds((n,), jnp.int32), _sds((num_experts,), jnp.int32), _sds((), jnp.int32))
+    del has_probs  # zero probs stand in for none; the caller drops permuted_probs
     return tuple(_ffi.call("jax_ep_permute", results, tokens, routing_map, probs,
                            pad_multiple=np.int64(pad_multiple), drop_and_pad=drop_and_pad))
 
 
-def _permute_fwd(tokens, routing_map, probs, num_out_tokens, pad_multiple, drop_and_pad):
-    out = _permute(tokens, routing_map, probs, num_out_tokens, pad_multiple, drop_and_pad)
+def _permute_fwd(tokens, routing_map, probs, num_out_tokens, pad_multiple, drop_and_pad,
+                 has_probs):
+    out = _permute(tokens, routing_map, probs, num_out_tokens, pad_multiple, drop_and_pad,
+                   has_probs)
     _, _, sorted_indices, tokens_per_expert, _ = out
-    return out, (sorted_indices, tokens_per_expert, routing_map, probs.shape[0] > 0)
+    return out, (sorted_indices, tokens_per_expert, routing_map)
 
 
-def _permute_bwd(num_out_tokens, pad_multiple, drop_and_pad, residuals, cotangents):
-    sorted_indices, tokens_per_expert, routing_map, has_probs = residuals
+def _permute_bwd(num_out_tokens, pad_multiple, drop_and_pad, has_probs, residuals, cotangents):
+    sorted_indices, tokens_per_expert, routing_map = residuals
     d_permuted, d_permuted_probs = cotangents[0], cotangents[1]
     num_tokens = routing_map.shape[0]
-    d_tokens = _unpermute_ffi(d_permuted, sorted_indices, jnp.asarray(_NO_PROBS), num_tokens)
+    d_tokens = _unpermute_ffi(d_permuted, sorted_indices, _unit_weights(num_out_tokens),
+                              num_tokens)
     if not has_probs:
-        return d_tokens, None, jnp.zeros((0,), jnp.float32)
+        return d_tokens, None, jnp.zeros(routing_map.shape, jnp.float32)
     # Row r of the permuted buffer belongs to the expert whose block contains it.
     row_expert = jnp.searchsorted(jnp.cumsum(tokens_per_expert), jnp.arange(num_out_tokens),
                                   side="right")
@@ -260,7 +269,7 @@ def unpermute(permuted, sorted_indices, *, num_tokens, probs=None, impl="ffi"):
 
 
 def _unpermute_ffi(permuted, sorted_indices, probs, num_tokens):
-    if num_tokens == 0 or permuted.shape[0] == 0:
+    if num_tokens == 0 or permuted.size == 0:
         return jnp.zeros((num_tokens,) + permuted.shape[1:], permuted.dtype)
     results = _sds((num_tokens,) + permuted.shape[1:], permuted.dtype)
     return _ffi.call("jax_ep_unpermute", results, permuted, sorted_indices, probs)
@@ -268,7 +277,7 @@ def _unpermute_ffi(permuted, sorted_indices, probs, num_tokens):
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _unpermute_unweighted(permuted, sorted_indices, num_tokens):
-    return _unpermute_ffi(permuted, sorted_indices, jnp.asarray(_NO_PROBS), num_tokens)
+    return _unpermute_ffi(permuted, sorted_indices, _unit_weights(permuted.shape[0]), num_tokens)
 
 
 def _unpermute_unweighted_fwd(permuted, sorted_indices, num_tokens):
