@@ -24,7 +24,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ep import deepep, ops, transport as tp
+from jax_ep import deepep, ops, reference, transport as tp
 from jax_ep._checks import check_experts, check_positive, check_rank, check_shape
 
 __all__ = [
@@ -132,10 +132,7 @@ def _recv_probs(probs, h):
     num_local = h.recv_map.shape[1]
     if h.compact:
         recv_w = tp.send_rows(probs, r.send_token_idx, r.plan, **kwargs)
-        ids = jnp.where(r.recv_topk_idx >= 0, r.recv_topk_idx, num_local)
-        rows = jnp.arange(ids.shape[0])[:, None]
-        return jnp.zeros((ids.shape[0], num_local), jnp.float32).at[rows, ids].add(
-            recv_w, mode="drop")
+        return reference.indices_to_multihot(r.recv_topk_idx, recv_w, num_experts=num_local)[1]
     num_ranks = r.plan.send_counts.shape[0]
     by_rank = probs.reshape(probs.shape[0] * num_ranks, num_local)
     send_rank = _send_ranks(r)
@@ -175,12 +172,7 @@ def _hybrid_rows_bwd(h, cotangents):
         ids = r.recv_topk_idx
         picked = jnp.take_along_axis(d_recv, jnp.clip(ids, 0, num_local - 1), axis=1)
         d_recv_w = jnp.where(ids >= 0, picked, 0.0)
-        back, owner, _ = tp.return_rows(d_recv_w, r.send_token_idx, r.plan,
-                                        num_send=r.send_token_idx.shape[0],
-                                        capacity=r.capacity, axis_name=r.axis_name,
-                                        transport=r.transport, impl="xla")
-        d_probs = ops.unpermute(back, owner, num_tokens=r.num_tokens, impl="xla")
-        return d_x, d_probs, None
+        return d_x, deepep._reduce_back(d_recv_w, r), None
     back, owner, src_rank = tp.return_rows(d_recv, r.send_token_idx, r.plan,
                                            num_send=r.send_token_idx.shape[0],
                                            capacity=r.capacity, axis_name=r.axis_name,
@@ -251,10 +243,9 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
     routing = deepep._routing_plan(layout_idx, num_experts, axis_name, None, None, 1,
                                    tp.resolve_transport(transport), impl)
     if compact:
-        recv_ids = routing.recv_topk_idx
-        rows = jnp.arange(recv_ids.shape[0])[:, None]
-        recv_map = jnp.zeros((recv_ids.shape[0], num_local), bool).at[
-            rows, jnp.where(recv_ids >= 0, recv_ids, num_local)].set(True, mode="drop")
+        recv_map, _ = reference.indices_to_multihot(
+            routing.recv_topk_idx, jnp.zeros(routing.recv_topk_idx.shape, jnp.float32),
+            num_experts=num_local)
     else:
         kwargs = dict(num_recv=routing.num_recv, capacity=routing.capacity,
                       axis_name=axis_name, transport=routing.transport, impl=impl)
