@@ -2,11 +2,12 @@
 in one process, next to a plain device copy of the same number of bytes.
 
     python -m benchmarks.bench_ops                         # T=4096, H=2048, K=8, E=64, bf16
-    python -m benchmarks.bench_ops --hidden 2048 7168 --tokens 4096 --iters 10
+    python -m benchmarks.bench_ops --hidden 2048 7168 --tokens 4096 --iters 20
 
-For each op and hidden size: the jitted FFI call (impl="ffi") and the jitted reference
-(impl="xla") are timed as the median of --iters calls after --warmup calls, each call closed by
-jax.block_until_ready; FFI, reference and copy are measured back to back, op by op.
+For each op and hidden size: the jitted FFI call (impl="ffi"), the jitted reference
+(impl="xla") and the copy below are each timed as the median of --iters calls after --warmup
+calls, each call closed by jax.block_until_ready. The three are timed round-robin (one call of
+each per round), so the shared machine's slow stretches fall on all of them alike.
 
 Effective bandwidth. Every op is counted by its compulsory memory traffic:
 
@@ -49,15 +50,19 @@ def _nbytes(tree) -> int:
                    for x in jax.tree.leaves(tree)))
 
 
-def _median_time(fn, args, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
+def _median_times(calls, warmup: int, iters: int) -> list[float]:
+    """Median seconds of each (fn, args) in `calls`, timed round-robin (one call of each per
+    round) so that a slow stretch of this shared machine weighs on every candidate alike."""
+    for fn, args in calls:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    times = [[] for _ in calls]
     for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for (fn, args), samples in zip(calls, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            samples.append(time.perf_counter() - t0)
+    return [statistics.median(samples) for samples in times]
 
 
 def _unpermute_weighted(permuted, sorted_indices, probs, *, num_tokens, impl):
@@ -116,9 +121,8 @@ def bench_shape(T, H, K, E, P, dtype, warmup, iters, only=None):
         nbytes = _nbytes(args) + _nbytes(jax.eval_shape(ffi, *args))
         words = jnp.zeros((max(1, nbytes // 8),), jnp.uint32)  # nbytes / 2 bytes, copied once
         zero = jnp.uint32(0)
-        t_ffi = _median_time(ffi, args, warmup, iters)
-        t_ref = _median_time(ref, args, warmup, iters)
-        t_copy = _median_time(_copy, (words, zero), warmup, iters)
+        t_ffi, t_ref, t_copy = _median_times([(ffi, args), (ref, args), (_copy, (words, zero))],
+                                             warmup, iters)
         gbs = lambda t: nbytes / t / 1e9  # noqa: E731
         rows.append(dict(op=name, hidden=H, bytes=nbytes, ffi_ms=t_ffi * 1e3,
                          ref_ms=t_ref * 1e3, copy_ms=t_copy * 1e3, ffi_gbs=gbs(t_ffi),
@@ -137,8 +141,8 @@ def main(argv=None):
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--ranks", type=int, default=8, help="P for the dispatch/send layouts")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--ops", nargs="*", help="only ops whose name contains one of these")
     p.add_argument("--out", default=os.path.join("benchmarks", "out"))
     a = p.parse_args(argv)

@@ -131,6 +131,22 @@ def test_every_rounding_tie_matches_reference():
 # ----------------------------------------------------------------------------- hand-computed
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+def test_nan_poisons_only_its_block(rng, dtype):
+    # A NaN makes its block's amax NaN (jnp.max propagates it; the FFI max runs on bit
+    # patterns, where NaN is the largest |x|): NaN scale, NaN codes; other blocks untouched.
+    x = _scaled_input(rng, 3, 384, dtype)
+    x[1, 130] = np.nan
+    (q, s), (q_ref, s_ref) = _cast_both(x)
+    for scales in (np.asarray(s), np.asarray(s_ref)):
+        assert np.isnan(scales[1, 1]) and not np.isnan(np.delete(scales.ravel(), 4)).any()
+    for c in (codes(q), codes(q_ref)):
+        np.testing.assert_array_equal(c[1, 128:256] & 0x7F, 0x7F)
+    keep = np.ones(x.shape, bool)
+    keep[1, 128:256] = False
+    np.testing.assert_array_equal(codes(q)[keep], codes(q_ref)[keep])
+
+
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
 def test_cast_known_codes_scale_one(impl):
     # amax 448 -> scale_inv 448 / 448 = 1: the codes are the plain e4m3 encodings.

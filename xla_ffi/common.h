@@ -154,7 +154,13 @@ inline void ExclusiveScan(const int32_t* counts, int64_t n, int64_t* offsets) {
 }
 
 // CPU only: expert ids must lie in [-1, num_experts); GPU handlers count them as unrouted.
+// A branch-free scan first (it vectorises: -1 + 1 = 0 and every id outside [-1, E) maps above
+// E as unsigned); the search for the first bad id runs only when there is one.
 inline ffi::Error CheckExpertIds(const int32_t* idx, int64_t n, int64_t num_experts, const char* name) {
+  uint32_t any_bad = 0;
+  const uint32_t limit = uint32_t(num_experts);
+  for (int64_t i = 0; i < n; ++i) any_bad |= uint32_t(uint32_t(idx[i]) + 1u > limit);
+  if (!any_bad) return ffi::Error::Success();
   for (int64_t i = 0; i < n; ++i) {
     if (idx[i] < -1 || idx[i] >= num_experts) {
       return ffi::Error::InvalidArgument(std::string(name) + ": expert id " +

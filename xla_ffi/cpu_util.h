@@ -8,12 +8,39 @@
 #include <memory>
 #include <thread>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "common.h"
 
 namespace jax_ep {
 
 // Smallest amount of memory traffic worth handing to another thread.
 constexpr int64_t kParallelGrainBytes = 64 << 10;
+
+// Outputs at least this large are worth backing with transparent huge pages.
+constexpr int64_t kHugePageBytes = 2 << 20;
+
+// Asks the kernel to back the whole 2 MiB pages inside a freshly allocated output buffer with
+// transparent huge pages before the handler first writes it. XLA:CPU hands out large outputs
+// as new anonymous mappings, so a write-heavy handler otherwise spends most of its time in
+// one page fault per 4 KiB (measured: 94 ms of a 128 MiB row gather, 13 ms of which is the
+// copy itself). Only a hint: pages outside the buffer are never touched, failures are
+// ignored, and without Linux (or with THP set to "never") it does nothing.
+inline void AdviseHugePages(void* data, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes < 2 * kHugePageBytes) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHugePageBytes - 1) &
+                          ~uintptr_t(kHugePageBytes - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + uintptr_t(bytes)) &
+                        ~uintptr_t(kHugePageBytes - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
 
 template <typename T>
 struct Fp32Io;

@@ -16,14 +16,18 @@ namespace jax_ep {
 namespace {
 
 // Per-128-channel row kernels with restrict pointers, so the compiler vectorises them.
+// LoadBlock widens one block to fp32 and returns max(1e-4, max|x|). The max runs on the bit
+// patterns of |x|: for non-negative floats integer order is float order, so the reduction
+// vectorises (a float max does not without -ffast-math) and a NaN, the largest pattern,
+// propagates as it does through the reference's jnp.max.
 template <typename T>
 float LoadBlock(const T* __restrict in, float* __restrict out) {
-  float amax = kFp8MinAmax;
+  uint32_t amax_bits = FloatBits(kFp8MinAmax);
   for (int64_t i = 0; i < kFp8Block; ++i) {
     out[i] = Fp32Io<T>::Load(in[i]);
-    amax = std::max(amax, std::fabs(out[i]));
+    amax_bits = std::max(amax_bits, FloatBits(out[i]) & 0x7fffffffu);
   }
-  return amax;
+  return BitsFloat(amax_bits);
 }
 
 inline void QuantizeBlock(const float* __restrict in, float inv, uint8_t* __restrict out) {
@@ -46,6 +50,7 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
   uint8_t* ue8m0 = static_cast<uint8_t*>(scales->untyped_data());
   const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
   if (use_ue8m0) std::memset(ue8m0, 0, T * ue8m0_row_bytes);
+  AdviseHugePages(q, T * H);
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T_ = decltype(tag);
     const T_* src = static_cast<const T_*>(x.untyped_data());
@@ -85,6 +90,7 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
   return DispatchFloat(out->element_type(), "out", [&](auto tag) {
     using T_ = decltype(tag);
     T_* dst = static_cast<T_*>(out->untyped_data());
+    AdviseHugePages(dst, T * H * int64_t(sizeof(T_)));
     const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / (H * sizeof(T_)));
     ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {

@@ -2,7 +2,8 @@
 // of fp8.cc, bit-exact (same FP8 codes, same scales; the conversions are common.h's).
 //
 // One warp per (token, 128-channel group): each lane holds 4 consecutive channels, the group's
-// amax is a warp max-reduction (fmaxf, like the CPU's std::max, ignores NaN), and each lane
+// amax is a warp max-reduction over the bit patterns of |x| (as on the CPU: integer order is
+// float order for non-negative floats, and a NaN propagates as in the reference), and each lane
 // writes its 4 FP8 codes as one 32-bit store. scale_inv = amax * fl(1/448) (see fp8.cc); the
 // products and the division 1 / scale_inv are the correctly rounded __fmul_rn / __fdiv_rn,
 // matching the CPU's plain float arithmetic. Vector loads and stores are
@@ -61,15 +62,16 @@ __global__ void __launch_bounds__(kThreads)
     S raw[4];
     Load4<S, kAligned>(x + base, raw);
     float v[4];
-    float amax = kFp8MinAmax;
+    uint32_t amax_bits = FloatBits(kFp8MinAmax);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       v[i] = DeviceFloat<Tag>::Load(raw[i]);
-      amax = fmaxf(amax, fabsf(v[i]));
+      amax_bits = max(amax_bits, FloatBits(v[i]) & 0x7fffffffu);
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, offset));
+    const float amax = BitsFloat(amax_bits);
     // amax * fl(1/448), as the CPU handler (and XLA's rewrite of the reference's amax / 448).
     float scale_inv = __fmul_rn(amax, 1.0f / kFp8Max);
     if (round_scale) scale_inv = CeilPow2(scale_inv);

@@ -82,6 +82,7 @@ void StoreRow(const float* __restrict acc, int64_t H, T* __restrict out) {
 
 void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
                      int64_t row_bytes, const int32_t* idx, int64_t num_rows, uint8_t* out) {
+  AdviseHugePages(out, num_rows * row_bytes);
   const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(row_bytes, 1));
   ParallelFor(pool, num_rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -108,9 +109,9 @@ ffi::Error MultihotCpu(I32 topk_idx, F32 topk_probs, int64_t num_experts, PredOu
   const float* p = topk_probs.typed_data();
   bool* map = routing_map->typed_data();
   float* dense = probs->typed_data();
-  std::fill(map, map + T * E, false);
-  std::fill(dense, dense + T * E, 0.0f);
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t) {  // clear a row, then scatter its slots while it is cached
+    std::fill(map + t * E, map + (t + 1) * E, false);
+    std::fill(dense + t * E, dense + (t + 1) * E, 0.0f);
     for (int64_t k = 0; k < K; ++k) {
       const int32_t e = idx[t * K + k];
       if (e < 0) continue;
@@ -190,6 +191,7 @@ ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, 
     using T_ = decltype(tag);
     const T_* src = static_cast<const T_*>(permuted.untyped_data());
     T_* dst = static_cast<T_*>(out->untyped_data());
+    AdviseHugePages(dst, T * H * int64_t(sizeof(T_)));
     const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(4 * H, 1));
     ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(H);

@@ -500,6 +500,19 @@ def test_fp8_cast(dtype, T, H, round_scale, use_ue8m0):
     _check_fp8_codes(q, q_xla)
 
 
+def test_fp8_cast_nan_block():
+    # A NaN poisons only its own 128-channel block (NaN scale, NaN codes), as on the CPU.
+    x = _fp8_input(np.random.default_rng(5), 4, 384, np.float32)
+    x[2, 200] = np.nan
+    q, s = run(ops.per_token_cast_to_fp8, x)
+    q_cpu, s_cpu = run(ops.per_token_cast_to_fp8, x, device=CPU)
+    assert_bitwise(q, q_cpu, "fp8 codes vs CPU handler")
+    assert_bitwise(s, s_cpu, "scales vs CPU handler")
+    s = np.asarray(s)
+    assert np.isnan(s[2, 1]) and np.isnan(s).sum() == 1
+    np.testing.assert_array_equal(bits(q)[2, 128:256] & 0x7F, 0x7F)
+
+
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("use_ue8m0", [False, True])
 def test_fp8_cast_back(out_dtype, use_ue8m0):
