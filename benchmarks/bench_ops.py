@@ -1,7 +1,7 @@
 """Layer-1 op benchmark: every jax_ep.ops kernel, FFI handler against the pure-JAX reference,
 in one process, next to a plain device copy of the same number of bytes.
 
-    python -m benchmarks.bench_ops                         # T=4096, H=2048, K=8, E=64, bf16
+    python -m benchmarks.bench_ops                         # T=4096, H=2048 and 7168, K=8, E=64, bf16
     python -m benchmarks.bench_ops --hidden 2048 7168 --tokens 4096 --iters 20
 
 For each op and hidden size: the jitted FFI call (impl="ffi"), the jitted reference
@@ -136,7 +136,7 @@ def bench_shape(T, H, K, E, P, dtype, warmup, iters, only=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, nargs="+", default=[2048])
+    p.add_argument("--hidden", type=int, nargs="+", default=[2048, 7168])
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--ranks", type=int, default=8, help="P for the dispatch/send layouts")

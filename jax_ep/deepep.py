@@ -4,7 +4,8 @@
 Each token is sent once to every rank owning at least one of its experts. On the receiving
 rank, rows are grouped by source rank ascending, source token ascending inside; recv_topk_idx
 holds local expert ids (-1 for slots owned elsewhere, weight 0 there); R = num_worst_tokens
-rows, the tail is padding (zero rows, -1 ids, 0 weights). combine sums every returned copy of
+rows, the tail is padding (zero rows, -1 ids, 0 weights); rows past a per-destination
+`capacity` or past R are dropped by their senders and counted. combine sums every returned copy of
 a token (unweighted, fp32 accumulation). "deepep" (and its alias "uccl_ep") run the FFI
 kernels for the send layout, row packing and the combine reduction; "alltoall" gives the same
 results from XLA ops only. Gradients: dispatch's backward is a combine of the cotangents,
@@ -100,16 +101,9 @@ def capacity_from_factor(num_tokens, top_k, num_ranks, capacity_factor):
 def _sizes(num_tokens, num_ranks, capacity, num_worst_tokens):
     capacity = num_tokens if capacity is None else check_positive(capacity, "capacity")
     capacity = min(capacity, num_tokens)
-    worst = num_ranks * capacity
     if num_worst_tokens is None:
-        return capacity, worst
-    num_worst_tokens = check_positive(num_worst_tokens, "num_worst_tokens", allow_zero=True)
-    if num_worst_tokens < worst:
-        raise ValueError(
-            f"num_worst_tokens: {num_worst_tokens} is smaller than the {worst} rows this rank "
-            f"may receive ({num_ranks} ranks x {capacity} rows each); raise it or bound the "
-            "per-destination capacity")
-    return capacity, num_worst_tokens
+        return capacity, num_ranks * capacity
+    return capacity, check_positive(num_worst_tokens, "num_worst_tokens")
 
 
 def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
@@ -127,7 +121,8 @@ def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
         # the send layout kernel.
         counts = layout.send_counts if send_counts is None else send_counts
         count_matrix = tp.exchange_counts(counts, axis_name)
-    plan = tp.make_plan(count_matrix, rank, capacity)
+    plan = tp.make_plan(count_matrix, rank, capacity,
+                        num_recv=None if num_recv >= num_ranks * capacity else num_recv)
     # Compact rows past a destination's capacity are dropped (highest token index first).
     row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)
     dest = jnp.clip(layout.rank, 0, num_ranks - 1)
@@ -221,7 +216,10 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
       topk_idx: [T,K] int32/int64 global expert ids, -1 = unrouted.
       topk_weights: [T,K] float routing weights (None: ones).
       num_experts: E, a multiple of P; rank r owns experts [r*L, (r+1)*L).
-      num_worst_tokens: R, rows of the receive buffers (default P*C, at least P*C).
+      num_worst_tokens: R, rows of the receive buffers (default P*C: no drop). A smaller R
+        bounds them: each rank fills its R rows with its sources' blocks in rank order, and
+        the rows that do not fit are dropped by their senders (highest token indices of each
+        block first) and counted in handle.num_dropped.
       expert_alignment: num_recv_tokens_per_expert is rounded up to a multiple of it.
       transport: "auto", "all_to_all" or "ragged" (see jax_ep.transport).
       capacity: C, rows sent per destination (default T: no drop). Blocks beyond it drop their

@@ -337,7 +337,7 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     groups = hidden // reference.FP8_BLOCK
     scales = (_sds((num_tokens, -(-groups // 4)), jnp.int32) if use_ue8m0
               else _sds((num_tokens, groups), jnp.float32))
-    if num_tokens == 0:
+    if x.size == 0:
         return jnp.zeros(x.shape, jnp.float8_e4m3fn), jnp.zeros(scales.shape, scales.dtype)
     results = (_sds(x.shape, jnp.float8_e4m3fn), scales)
     return tuple(_ffi.call("jax_ep_cast_to_fp8", results, x, round_scale=bool(round_scale),
@@ -360,7 +360,7 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
         raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
     if impl == "xla":
         return reference.per_token_cast_back(x_fp8, scales, use_ue8m0=use_ue8m0, dtype=dtype)
-    if num_tokens == 0:
+    if x_fp8.size == 0:
         return jnp.zeros(x_fp8.shape, dtype)
     return _ffi.call("jax_ep_cast_back", _sds(x_fp8.shape, dtype), x_fp8, scales,
                      use_ue8m0=bool(use_ue8m0))

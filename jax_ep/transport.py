@@ -104,13 +104,17 @@ def _exclusive_cumsum(x, axis=-1):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def make_plan(count_matrix, rank, capacity):
+def make_plan(count_matrix, rank, capacity, num_recv=None):
     """count_matrix i32[P_src, P_dst] of uncapped block sizes -> ExchangePlan of `rank`.
 
     Blocks larger than `capacity` keep their first `capacity` rows (the rest are dropped by
-    the sender); send offsets stay those of the uncapped compact send buffer.
+    the sender); send offsets stay those of the uncapped compact send buffer. With `num_recv`
+    (R, the receive buffer's rows) every destination fills its R rows source by source, in
+    rank order, and each sender drops the rows of its block that no longer fit.
     """
     capped = jnp.minimum(count_matrix, capacity)
+    if num_recv is not None:
+        capped = jnp.clip(num_recv - _exclusive_cumsum(capped, axis=0), 0, capped)
     offsets_in_source = _exclusive_cumsum(count_matrix, axis=1)
     offsets_in_dest = _exclusive_cumsum(capped, axis=0)
     recv_counts = capped[:, rank]

@@ -166,6 +166,37 @@ def test_capacity_overflow_drops_highest_tokens_and_counts(backend):
     np.testing.assert_array_equal(per_expert, [12, 0, 12, 0])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_num_worst_tokens_fills_by_source_rank_and_counts_drops(backend):
+    # Every token goes to rank 0 (expert 0). R = 10 receive rows: all 8 rows of source 0, the
+    # first 2 of source 1, none of sources 2 and 3; the senders count what they dropped.
+    num_ranks, T, H, K, E, R = 4, 8, 4, 1, 4, 10
+    idx = np.zeros((num_ranks * T, K), np.int32)
+    x = np.arange(num_ranks * T, dtype=np.float32)[:, None].repeat(H, 1) + 1
+    w = np.full(idx.shape, 0.5, np.float32)
+    mesh = ep_mesh(num_ranks)
+    rx, ri, rw, n, per_expert, dropped = _dispatch_outputs(mesh, x, idx, w, E, backend,
+                                                           num_worst_tokens=R)
+    assert rx.shape == (num_ranks * R, H)
+    np.testing.assert_array_equal(n, [R, 0, 0, 0])
+    np.testing.assert_array_equal(dropped, [0, 6, 8, 8])
+    np.testing.assert_array_equal(rx[:R, 0], np.r_[np.arange(T), T, T + 1] + 1)
+    np.testing.assert_array_equal(ri[:R, 0], 0)
+    np.testing.assert_array_equal(rw[:R, 0], 0.5)
+    assert not rx[R:].any() and (ri[R:] == -1).all() and not rw[R:].any()
+    np.testing.assert_array_equal(per_expert, [R, 0, 0, 0])
+
+    # Combine returns the kept copies; the dropped tokens come back as zero rows.
+    def round_trip(x, idx, w):
+        rx, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                      backend=backend, num_worst_tokens=R)
+        return jax_ep.combine(rx, h)[0]
+    kept = np.zeros(num_ranks * T, bool)
+    kept[:T + 2] = True
+    np.testing.assert_array_equal(np.asarray(run_ep(round_trip, mesh, x, idx, w)),
+                                  np.where(kept[:, None], x, 0))
+
+
 def test_num_worst_tokens_and_expert_alignment():
     num_ranks, T, H, K, E = 2, 4, 8, 2, 4
     rng = np.random.default_rng(5)
@@ -316,7 +347,7 @@ def test_jitted_train_step_has_no_host_transfers():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_experts=6), "divisible"),
-    (dict(num_experts=8, num_worst_tokens=3), "num_worst_tokens"),
+    (dict(num_experts=8, num_worst_tokens=0), "num_worst_tokens"),
     (dict(num_experts=8, backend="nccl"), "backend"),
     (dict(num_experts=8, transport="nvshmem"), "transport"),
     (dict(num_experts=8, axis_name="experts"), "axis_name"),

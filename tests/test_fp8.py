@@ -132,19 +132,29 @@ def test_every_rounding_tie_matches_reference():
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
-def test_nan_poisons_only_its_block(rng, dtype):
-    # A NaN makes its block's amax NaN (jnp.max propagates it; the FFI max runs on bit
-    # patterns, where NaN is the largest |x|): NaN scale, NaN codes; other blocks untouched.
-    x = _scaled_input(rng, 3, 384, dtype)
-    x[1, 130] = np.nan
-    (q, s), (q_ref, s_ref) = _cast_both(x)
-    for scales in (np.asarray(s), np.asarray(s_ref)):
-        assert np.isnan(scales[1, 1]) and not np.isnan(np.delete(scales.ravel(), 4)).any()
-    for c in (codes(q), codes(q_ref)):
-        np.testing.assert_array_equal(c[1, 128:256] & 0x7F, 0x7F)
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_non_finite_poisons_only_its_block(rng, dtype, round_scale, use_ue8m0, bad):
+    # An inf or NaN poisons its block and nothing else: NaN scale (UE8M0 byte 0xff), every
+    # code NaN (0x7f in the FFI handlers, a NaN of either sign in XLA's convert).
+    x = _scaled_input(rng, 3, 768, dtype)
+    x[1, 130] = bad
+    kw = dict(round_scale=round_scale, use_ue8m0=use_ue8m0)
+    (q, s), (q_ref, s_ref) = _cast_both(x, **kw)
+    np.testing.assert_array_equal(codes(q)[1, 128:256], 0x7F)
+    np.testing.assert_array_equal(codes(q_ref)[1, 128:256] & 0x7F, 0x7F)
     keep = np.ones(x.shape, bool)
     keep[1, 128:256] = False
     np.testing.assert_array_equal(codes(q)[keep], codes(q_ref)[keep])
+    for scales in (np.asarray(s), np.asarray(s_ref)):
+        if use_ue8m0:
+            exps = scales.view(np.uint8).reshape(3, -1)
+            assert exps[1, 1] == 0xFF and (np.delete(exps[:, :6].ravel(), 7) < 0xFF).all()
+        else:
+            assert np.isnan(scales[1, 1]) and np.isfinite(np.delete(scales.ravel(), 7)).all()
+    back = ops.per_token_cast_back(q, s, use_ue8m0=use_ue8m0, dtype=dtype)
+    assert np.isnan(np.asarray(back, np.float32)[1, 128:256]).all()
+    assert np.isfinite(np.asarray(back, np.float32)[keep]).all()
 
 
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
@@ -276,6 +286,14 @@ def test_cast_no_tokens(impl):
     assert s.shape == (0, 1) and s.dtype == jnp.int32
     out = ops.per_token_cast_back(q, s, use_ue8m0=True, impl=impl)
     assert out.shape == (0, 256)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_cast_no_channels(impl):
+    # H = 0 is a multiple of 128: empty codes and scales, no crash.
+    q, s = ops.per_token_cast_to_fp8(jnp.zeros((4, 0), jnp.bfloat16), impl=impl)
+    assert q.shape == (4, 0) and s.shape == (4, 0)
+    assert ops.per_token_cast_back(q, s, impl=impl).shape == (4, 0)
 
 
 # ------------------------------------------------------------------------ jit / vmap / shard_map

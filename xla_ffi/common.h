@@ -87,6 +87,20 @@ JAX_EP_HD float E4m3ToFloat(uint8_t v) {
   return BitsFloat((bits & ~is_nan) | ((sign | 0x7fc00000u) & is_nan));
 }
 
+// Non-finite values, made identical on every platform (hardware NaN results are not: x86
+// passes an operand's NaN through, 0 * inf gives the negative default NaN, CUDA always returns
+// 0x7fffffff). An FP8 block whose amax is inf or NaN is poisoned: NaN scale (UE8M0 byte 0xff),
+// every code NaN; a cast back that yields NaN stores this NaN.
+constexpr uint32_t kCanonicalNanBits = 0x7fc00000u;
+constexpr uint8_t kE4m3NanCode = 0x7f;
+
+JAX_EP_HD bool IsFiniteAmax(float amax) { return FloatBits(amax) < 0x7f800000u; }  // amax >= 0
+
+JAX_EP_HD float CanonicalNan(float v) {  // branch-free, so the CPU loops stay vectorised
+  const uint32_t b = FloatBits(v);
+  return BitsFloat((b & 0x7fffffffu) > 0x7f800000u ? kCanonicalNanBits : b);
+}
+
 // The smallest power of two >= v (v > 0, finite): DeepEP's ceil_to_ue8m0, computed on bits.
 JAX_EP_HD float CeilPow2(float v) {
   uint32_t b = FloatBits(v);

@@ -4,8 +4,10 @@
 //   token and each 128 channels, amax = max(1e-4, max|x|), scale_inv = amax / 448 (rounded up
 //   to a power of two with round_scale), x_fp8 = x * (1 / scale_inv). scales are f32[T,H/128],
 //   or with use_ue8m0 the exponent bytes of scale_inv packed four per int32 little-endian,
-//   i32[T, ceil(H/512)] (unused bytes zero).
-// per_token_cast_back: x_fp8 [T,H], scales -> out [T,H] = x_fp8 * scale_inv in the out dtype.
+//   i32[T, ceil(H/512)] (unused bytes zero). A block holding an inf or NaN gets a NaN scale and
+//   NaN codes (common.h).
+// per_token_cast_back: x_fp8 [T,H], scales -> out [T,H] = x_fp8 * scale_inv in the out dtype
+//   (NaN products stored as one canonical NaN).
 #include <algorithm>
 #include <cmath>
 
@@ -36,7 +38,8 @@ inline void QuantizeBlock(const float* __restrict in, float inv, uint8_t* __rest
 
 template <typename T>
 void DequantizeBlock(const uint8_t* __restrict in, float scale, T* __restrict out) {
-  for (int64_t i = 0; i < kFp8Block; ++i) out[i] = Fp32Io<T>::Store(E4m3ToFloat(in[i]) * scale);
+  for (int64_t i = 0; i < kFp8Block; ++i)
+    out[i] = Fp32Io<T>::Store(CanonicalNan(E4m3ToFloat(in[i]) * scale));
 }
 
 ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_ue8m0,
@@ -54,18 +57,25 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T_ = decltype(tag);
     const T_* src = static_cast<const T_*>(x.untyped_data());
-    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / (H * sizeof(T_)));
+    const int64_t row_bytes = std::max<int64_t>(1, H * sizeof(T_));  // H = 0 is legal
+    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / row_bytes);
     ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
       float block[kFp8Block];
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t g = 0; g < G; ++g) {
           const float amax = LoadBlock(src + t * H + g * kFp8Block, block);
+          uint8_t* codes = q + t * H + g * kFp8Block;
           // amax * fl(1/448), not amax / 448: the reference's `amax / 448.0` is rewritten by
           // XLA into this product (as PyTorch does for DeepEP's `x_amax / 448.0`); true
           // division differs by one ulp for about half of all amax values.
           float scale_inv = amax * (1.0f / kFp8Max);
-          if (round_scale) scale_inv = CeilPow2(scale_inv);
-          QuantizeBlock(block, 1.0f / scale_inv, q + t * H + g * kFp8Block);
+          if (!IsFiniteAmax(amax)) {  // an inf or NaN poisons the block (common.h)
+            scale_inv = BitsFloat(kCanonicalNanBits);
+            std::memset(codes, kE4m3NanCode, kFp8Block);
+          } else {
+            if (round_scale) scale_inv = CeilPow2(scale_inv);
+            QuantizeBlock(block, 1.0f / scale_inv, codes);
+          }
           if (use_ue8m0) {
             ue8m0[t * ue8m0_row_bytes + g] = Ue8m0Byte(scale_inv);
           } else {
@@ -91,7 +101,8 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
     using T_ = decltype(tag);
     T_* dst = static_cast<T_*>(out->untyped_data());
     AdviseHugePages(dst, T * H * int64_t(sizeof(T_)));
-    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / (H * sizeof(T_)));
+    const int64_t row_bytes = std::max<int64_t>(1, H * sizeof(T_));  // H = 0 is legal
+    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / row_bytes);
     ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t g = 0; g < G; ++g) {

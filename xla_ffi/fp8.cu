@@ -74,11 +74,16 @@ __global__ void __launch_bounds__(kThreads)
     const float amax = BitsFloat(amax_bits);
     // amax * fl(1/448), as the CPU handler (and XLA's rewrite of the reference's amax / 448).
     float scale_inv = __fmul_rn(amax, 1.0f / kFp8Max);
-    if (round_scale) scale_inv = CeilPow2(scale_inv);
-    const float inv = __fdiv_rn(1.0f, scale_inv);
     uint32_t codes = 0;
+    if (!IsFiniteAmax(amax)) {  // warp-uniform: an inf or NaN poisons the block (common.h)
+      scale_inv = BitsFloat(kCanonicalNanBits);
+      codes = 0x01010101u * kE4m3NanCode;
+    } else {
+      if (round_scale) scale_inv = CeilPow2(scale_inv);
+      const float inv = __fdiv_rn(1.0f, scale_inv);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) codes |= uint32_t(FloatToE4m3(__fmul_rn(v[i], inv))) << (8 * i);
+      for (int i = 0; i < 4; ++i) codes |= uint32_t(FloatToE4m3(__fmul_rn(v[i], inv))) << (8 * i);
+    }
     if (kAligned) {
       *reinterpret_cast<uint32_t*>(q + base) = codes;
     } else {
@@ -126,7 +131,8 @@ __global__ void __launch_bounds__(kThreads)
     S o[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      o[i] = DeviceFloat<Tag>::Store(__fmul_rn(E4m3ToFloat(uint8_t(codes >> (8 * i))), s));
+      o[i] = DeviceFloat<Tag>::Store(
+          CanonicalNan(__fmul_rn(E4m3ToFloat(uint8_t(codes >> (8 * i))), s)));
     Store4<S, kAligned>(out + base, o);
   }
 }

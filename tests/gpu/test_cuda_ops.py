@@ -500,17 +500,24 @@ def test_fp8_cast(dtype, T, H, round_scale, use_ue8m0):
     _check_fp8_codes(q, q_xla)
 
 
-def test_fp8_cast_nan_block():
-    # A NaN poisons only its own 128-channel block (NaN scale, NaN codes), as on the CPU.
+@pytest.mark.parametrize("round_scale,use_ue8m0", FP8_MODES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_fp8_non_finite_block(bad, round_scale, use_ue8m0):
+    # An inf or NaN poisons only its own 128-channel block (NaN scale, NaN codes), bitwise as
+    # on the CPU; casting back gives the same canonical NaN on both.
     x = _fp8_input(np.random.default_rng(5), 4, 384, np.float32)
-    x[2, 200] = np.nan
-    q, s = run(ops.per_token_cast_to_fp8, x)
-    q_cpu, s_cpu = run(ops.per_token_cast_to_fp8, x, device=CPU)
+    x[2, 200] = bad
+    kw = dict(round_scale=round_scale, use_ue8m0=use_ue8m0)
+    q, s = run(ops.per_token_cast_to_fp8, x, **kw)
+    q_cpu, s_cpu = run(ops.per_token_cast_to_fp8, x, device=CPU, **kw)
     assert_bitwise(q, q_cpu, "fp8 codes vs CPU handler")
     assert_bitwise(s, s_cpu, "scales vs CPU handler")
-    s = np.asarray(s)
-    assert np.isnan(s[2, 1]) and np.isnan(s).sum() == 1
-    np.testing.assert_array_equal(bits(q)[2, 128:256] & 0x7F, 0x7F)
+    np.testing.assert_array_equal(bits(q)[2, 128:256], 0x7F)
+    for dtype in FLOAT_DTYPES:
+        back_kw = dict(use_ue8m0=use_ue8m0, dtype=dtype)
+        assert_bitwise(run(ops.per_token_cast_back, q, s, **back_kw),
+                       run(ops.per_token_cast_back, q, s, device=CPU, **back_kw),
+                       f"cast back to {dtype} vs CPU handler")
 
 
 @pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
