@@ -18,6 +18,7 @@ from jax_ep.deepep import (
 )
 from jax_ep.hybridep import HybridEPHandle, hybridep_combine, hybridep_dispatch
 from jax_ep.low_latency import LowLatencyHandle, low_latency_combine, low_latency_dispatch
+from jax_ep.ops import compute_send_counts
 
 __all__ = [
     "WITH_CUDA",
@@ -27,6 +28,7 @@ __all__ = [
     "TokenDispatcherConfig",
     "chunk_bounds",
     "combine",
+    "compute_send_counts",
     "dispatch",
     "dispatch_chunked_forward",
     "hybridep_combine",

@@ -30,6 +30,7 @@ from jax_ep.reference import SendLayout
 __all__ = [
     "SendLayout",
     "build_send_layout",
+    "compute_send_counts",
     "gather_rows",
     "get_dispatch_layout",
     "indices_to_multihot",
@@ -81,6 +82,23 @@ def _dispatch_layout_ffi(topk_idx, num_experts, num_ranks):
                _sds((num_experts,), jnp.int32), _sds((), jnp.int32))
     return _ffi.call("jax_ep_dispatch_layout", results, topk_idx,
                      num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
+
+
+def compute_send_counts(topk_idx, num_ranks, num_local_experts, *, impl="ffi"):
+    """topk_idx [T,K] int (global ids, -1 = unrouted) -> (dest i32[T,K], is_in_rank bool[T,P],
+    send_counts i32[P]): the owning rank of each slot (-1 where unrouted), whether each token
+    goes to each rank, and how many tokens each rank gets (a token once per rank). The counts
+    come from the dispatch-layout kernel."""
+    _check_impl(impl)
+    check_positive(num_ranks, "num_ranks")
+    check_positive(num_local_experts, "num_local_experts")
+    num_experts = num_ranks * num_local_experts
+    topk_idx, _ = check_routing(topk_idx, None, num_experts)
+    if impl == "xla" or topk_idx.size == 0:
+        return reference.compute_send_counts(topk_idx, num_ranks, num_local_experts)
+    send_counts, is_in_rank, _, _ = _dispatch_layout_ffi(topk_idx, num_experts, num_ranks)
+    dest = jnp.where(topk_idx >= 0, topk_idx // num_local_experts, -1).astype(jnp.int32)
+    return dest, is_in_rank, send_counts
 
 
 def build_send_layout(topk_idx, topk_weights, *, num_ranks, num_local_experts, impl="ffi"):

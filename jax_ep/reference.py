@@ -15,6 +15,7 @@ import jax.numpy as jnp
 __all__ = [
     "SendLayout",
     "build_send_layout",
+    "compute_send_counts",
     "gather_rows",
     "get_dispatch_layout",
     "indices_to_multihot",
@@ -59,6 +60,14 @@ def get_dispatch_layout(topk_idx, *, num_experts, num_ranks):
     num_tokens_per_expert = slot_expert.sum(axis=(0, 1), dtype=jnp.int32)
     num_tokens_per_rank = is_token_in_rank.sum(axis=0, dtype=jnp.int32)
     return num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
+
+
+def compute_send_counts(topk_idx, num_ranks, num_local_experts):
+    """topk_idx i32[T,K] -> (dest i32[T,K] owning rank of each slot, -1 where unrouted,
+    is_in_rank bool[T,P], send_counts i32[P] tokens sent to each rank, once per token)."""
+    dest = _owner_rank(topk_idx, num_local_experts).astype(jnp.int32)
+    is_in_rank = (dest[:, :, None] == jnp.arange(num_ranks)).any(axis=1)
+    return dest, is_in_rank, is_in_rank.sum(axis=0, dtype=jnp.int32)
 
 
 def build_send_layout(topk_idx, topk_weights, *, num_ranks, num_local_experts):

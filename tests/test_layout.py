@@ -174,6 +174,46 @@ def test_send_layout_spec_example():
         assert lay.num_send.shape == ()
 
 
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_compute_send_counts_hand_example(impl):
+    # The spec's send-layout routing plus an unrouted slot: P=2, L=4.
+    idx = np.array([[0, 1], [2, 5], [-1, 7]], np.int64)
+    dest, in_rank, counts = jit_op(ops.compute_send_counts, idx, num_ranks=2,
+                                   num_local_experts=4, impl=impl)
+    np.testing.assert_array_equal(dest, [[0, 0], [0, 1], [-1, 1]])
+    np.testing.assert_array_equal(in_rank, [[True, False], [True, True], [False, True]])
+    np.testing.assert_array_equal(counts, [2, 2])
+    assert dest.dtype == jnp.int32 and in_rank.dtype == jnp.bool_ and counts.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("T,K,E,num_ranks", LAYOUT_CASES)
+def test_compute_send_counts_ffi_matches_reference_and_layouts(rng, make_routing, T, K, E,
+                                                              num_ranks):
+    idx = jnp.asarray(make_routing(rng, T, K, E))
+    L = E // num_ranks
+    got = ops.compute_send_counts(idx, num_ranks, L)
+    want = ref(ops.compute_send_counts, idx, num_ranks=num_ranks, num_local_experts=L)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    per_rank, in_rank, _ = ops.get_dispatch_layout(idx, num_experts=E, num_ranks=num_ranks)
+    np.testing.assert_array_equal(got[1], in_rank)
+    np.testing.assert_array_equal(got[2], per_rank)
+    lay = ops.build_send_layout(idx, jnp.ones(idx.shape, jnp.float32), num_ranks=num_ranks,
+                                num_local_experts=L)
+    np.testing.assert_array_equal(got[2], lay.send_counts)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_compute_send_counts_bad_arguments(impl):
+    idx = jnp.zeros((2, 2), jnp.int32)
+    with pytest.raises(ValueError, match="num_ranks"):
+        ops.compute_send_counts(idx, 0, 4, impl=impl)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        ops.compute_send_counts(idx, 2, -1, impl=impl)
+    with pytest.raises(ValueError, match="topk_idx"):
+        ops.compute_send_counts(jnp.zeros((2,), jnp.int32), 2, 4, impl=impl)
+
+
 @pytest.mark.parametrize("T,K,E,num_ranks", LAYOUT_CASES)
 def test_send_layout_ffi_matches_reference(rng, make_routing, T, K, E, num_ranks):
     idx = make_routing(rng, T, K, E)
