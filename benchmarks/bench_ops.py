@@ -3,6 +3,7 @@ in one process, next to a plain device copy of the same number of bytes.
 
     python -m benchmarks.bench_ops                         # T=4096, H=2048 and 7168, K=8, E=64, bf16
     python -m benchmarks.bench_ops --hidden 2048 7168 --tokens 4096 --iters 20
+    python -m benchmarks.bench_ops --sweep                 # data-moving ops vs T and vs H
 
 For each op and hidden size: the jitted FFI call (impl="ffi"), the jitted reference
 (impl="xla") and the copy below are each timed as the median of --iters calls after --warmup
@@ -24,7 +25,10 @@ the output to the input: the copy reads bytes/2 and writes bytes/2, the same tra
 "ffi/ref" = reference time / FFI time (> 1: the FFI kernel is faster).
 
 Writes <out>/bench_ops.json (all numbers and the environment), <out>/bench_ops.png (GB/s per op)
-and <out>/bench_ops.md (the tables as Markdown).
+and <out>/bench_ops.md (the tables as Markdown). With --sweep, the data-moving ops instead run
+over --sweep-tokens (at H = the first --hidden) and over --sweep-hidden (at T = --tokens) and
+the results go to <out>/bench_ops_sweep.{json,md} and four line plots,
+bench_ops_{gbs,time}_vs_{tokens,hidden}.png (FFI solid vs reference, plus the copy).
 """
 
 from __future__ import annotations
@@ -39,10 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import bar_plot, env_info, print_table, write_json
+from benchmarks.common import bar_plot, env_info, line_plot, print_table, write_json
 from jax_ep import ops
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+DATA_OPS = ("permute", "unpermute", "gather_rows", "per_token_cast_to_fp8", "per_token_cast_back")
+COLUMNS = ["op", "T", "H", "MB moved", "ffi ms", "ref ms", "ffi/ref", "copy ms", "ffi GB/s",
+           "ref GB/s", "copy GB/s", "ffi % copy", "ref % copy"]
 
 
 def _nbytes(tree) -> int:
@@ -124,13 +131,60 @@ def bench_shape(T, H, K, E, P, dtype, warmup, iters, only=None):
         t_ffi, t_ref, t_copy = _median_times([(ffi, args), (ref, args), (_copy, (words, zero))],
                                              warmup, iters)
         gbs = lambda t: nbytes / t / 1e9  # noqa: E731
-        rows.append(dict(op=name, hidden=H, bytes=nbytes, ffi_ms=t_ffi * 1e3,
+        rows.append(dict(op=name, tokens=T, hidden=H, bytes=nbytes, ffi_ms=t_ffi * 1e3,
                          ref_ms=t_ref * 1e3, copy_ms=t_copy * 1e3, ffi_gbs=gbs(t_ffi),
                          ref_gbs=gbs(t_ref), copy_gbs=gbs(t_copy), ffi_over_ref=t_ref / t_ffi,
                          ffi_pct_copy=100 * t_copy / t_ffi, ref_pct_copy=100 * t_copy / t_ref))
         print(f"  {name:24s} H={H}: ffi {t_ffi * 1e3:9.3f} ms  ref {t_ref * 1e3:9.3f} ms  "
               f"copy {t_copy * 1e3:8.3f} ms", flush=True)
     return rows
+
+
+def _table_rows(rows):
+    return [[r["op"], r["tokens"], r["hidden"], r["bytes"] / 1e6, r["ffi_ms"], r["ref_ms"],
+             r["ffi_over_ref"], r["copy_ms"], r["ffi_gbs"], r["ref_gbs"], r["copy_gbs"],
+             r["ffi_pct_copy"], r["ref_pct_copy"]] for r in rows]
+
+
+def sweep(a, dtype, out):
+    """Data-moving ops over a token sweep and a hidden sweep -> JSON, Markdown, 4 line plots."""
+    H0 = a.hidden[0]
+    runs = {"tokens": [(T, H0) for T in a.sweep_tokens],
+            "hidden": [(a.tokens, H) for H in a.sweep_hidden]}
+    results, md = {}, ""
+    for axis, shapes in runs.items():
+        rows = []
+        for T, H in shapes:
+            rows += bench_shape(T, H, a.topk, a.experts, a.ranks, dtype, a.warmup, a.iters,
+                                DATA_OPS)
+        results[axis] = rows
+        fixed = f"H={H0}" if axis == "tokens" else f"T={a.tokens}"
+        title = (f"data-moving ops vs {axis}, {jax.default_backend()}: {fixed} K={a.topk} "
+                 f"E={a.experts} {a.dtype} (median of {a.iters})")
+        md += print_table(title, COLUMNS, _table_rows(rows)) + "\n"
+        xs = [T if axis == "tokens" else H for T, H in shapes]
+        ops_run = list(dict.fromkeys(r["op"] for r in rows))
+        styles = {"copy": dict(color="black", linestyle=":")}
+        for i, op in enumerate(ops_run):  # one colour per op: FFI solid, reference dashed
+            styles[f"{op} ffi"] = dict(color=f"C{i}")
+            styles[f"{op} ref"] = dict(color=f"C{i}", linestyle="--")
+        for metric, unit in (("gbs", "effective GB/s"), ("ms", "ms")):
+            series = {}
+            for op in ops_run:
+                mine = [r for r in rows if r["op"] == op]
+                series[f"{op} ffi"] = [r[f"ffi_{metric}"] for r in mine]
+                series[f"{op} ref"] = [r[f"ref_{metric}"] for r in mine]
+            if metric == "gbs":  # one copy line: the copy of the first op's bytes
+                series["copy"] = [r["copy_gbs"] for r in rows if r["op"] == ops_run[0]]
+            line_plot(os.path.join(out, f"bench_ops_{'time' if metric == 'ms' else 'gbs'}"
+                                        f"_vs_{axis}.png"), xs, series,
+                      xlabel="tokens T" if axis == "tokens" else "hidden H",
+                      ylabel=unit, title=title, logx=True, styles=styles)
+    write_json(os.path.join(out, "bench_ops_sweep.json"), {"config": vars(a), "results": results})
+    with open(os.path.join(out, "bench_ops_sweep.md"), "w") as f:
+        f.write(md)
+    print(f"wrote {out}/bench_ops_sweep.json, bench_ops_sweep.md and "
+          "bench_ops_{gbs,time}_vs_{tokens,hidden}.png")
 
 
 def main(argv=None):
@@ -145,6 +199,10 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--ops", nargs="*", help="only ops whose name contains one of these")
     p.add_argument("--out", default=os.path.join("benchmarks", "out"))
+    p.add_argument("--sweep", action="store_true",
+                   help="data-moving ops over --sweep-tokens and --sweep-hidden, line plots")
+    p.add_argument("--sweep-tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--sweep-hidden", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
     a = p.parse_args(argv)
     dtype = DTYPES[a.dtype]
     env = env_info()
@@ -152,21 +210,18 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs; T={a.tokens} K={a.topk} E={a.experts} P={a.ranks} "
           f"{a.dtype}; median of {a.iters} after {a.warmup} warm-up", flush=True)
 
+    os.makedirs(a.out, exist_ok=True)
+    if a.sweep:
+        return sweep(a, dtype, a.out)
     rows = []
     for H in a.hidden:
         rows += bench_shape(a.tokens, H, a.topk, a.experts, a.ranks, dtype, a.warmup, a.iters,
                             a.ops)
 
-    columns = ["op", "H", "MB moved", "ffi ms", "ref ms", "ffi/ref", "copy ms", "ffi GB/s",
-               "ref GB/s", "copy GB/s", "ffi % copy", "ref % copy"]
-    table = [[r["op"], r["hidden"], r["bytes"] / 1e6, r["ffi_ms"], r["ref_ms"],
-              r["ffi_over_ref"], r["copy_ms"], r["ffi_gbs"], r["ref_gbs"], r["copy_gbs"],
-              r["ffi_pct_copy"], r["ref_pct_copy"]] for r in rows]
     title = (f"jax_ep layer-1 ops, {jax.default_backend()}: T={a.tokens} K={a.topk} "
              f"E={a.experts} P={a.ranks} {a.dtype} (median of {a.iters})")
-    md = print_table(title, columns, table)
+    md = print_table(title, COLUMNS, _table_rows(rows))
 
-    os.makedirs(a.out, exist_ok=True)
     config = dict(tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts=a.experts,
                   ranks=a.ranks, dtype=a.dtype, warmup=a.warmup, iters=a.iters,
                   bytes_formula="sum(input nbytes) + sum(output nbytes)",

@@ -156,14 +156,15 @@ def bar_plot(path: str, labels, series: dict, *, ylabel: str, title: str, log: b
 
 
 def line_plot(path: str, xs, series: dict, *, xlabel: str, ylabel: str, title: str,
-              logx: bool = False):
-    """One line per series {name: [y per x]}. Returns path, or None without matplotlib."""
+              logx: bool = False, styles: dict | None = None):
+    """One line per series {name: [y per x]}; styles {name: matplotlib line kwargs} (color,
+    linestyle, ...). Returns path, or None without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for name, ys in series.items():
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, marker="o", label=name, **(styles or {}).get(name, {}))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -3,8 +3,9 @@
     python -m benchmarks.run [--out benchmarks/out] [--only bench_dispatch,bench_moe]
 
 Each benchmark runs in its own process (so its XLA_FLAGS device count takes effect before jax
-starts) with its defaults: bench_ops, bench_dispatch, bench_moe, each as
-`python -m benchmarks.<name>` (plus `--out OUT` when OUT is not the default).
+starts) with its defaults: bench_ops, bench_ops_sweep (`bench_ops --sweep`), bench_dispatch,
+bench_moe, each as `python -m benchmarks.<module> [args]` (plus `--out OUT` when OUT is not the
+default).
 A benchmark that is missing or fails is recorded and the others still run. Every *.json a
 benchmark wrote under OUT during the run is merged into OUT/results.json, keyed by file name.
 """
@@ -19,7 +20,9 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ("bench_ops", "bench_dispatch", "bench_moe")
+# name -> (module under benchmarks/, extra arguments)
+BENCHMARKS = {"bench_ops": ("bench_ops", []), "bench_ops_sweep": ("bench_ops", ["--sweep"]),
+              "bench_dispatch": ("bench_dispatch", []), "bench_moe": ("bench_moe", [])}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,13 +43,14 @@ def main(argv=None):
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [v for v in [env.get("PYTHONPATH")] if v])
     runs = {}
     for name in [n.strip() for n in a.only.split(",") if n.strip()]:
-        if not os.path.exists(os.path.join(ROOT, "benchmarks", f"{name}.py")):
+        module, extra = BENCHMARKS.get(name, (name, []))
+        if not os.path.exists(os.path.join(ROOT, "benchmarks", f"{module}.py")):
             print(f"== {name}: not found, skipped", flush=True)
             runs[name] = {"status": "missing"}
             continue
         print(f"== {name}", flush=True)
         start, t0 = time.time(), time.perf_counter()
-        cmd = [sys.executable, "-m", f"benchmarks.{name}"]
+        cmd = [sys.executable, "-m", f"benchmarks.{module}", *extra]
         if out != os.path.join(ROOT, default_out):
             cmd += ["--out", out]
         proc = subprocess.run(cmd, cwd=ROOT, env=env)
