@@ -44,8 +44,9 @@ def ragged(monkeypatch):
                         lambda t: "ragged" if t == "ragged" else real(t))
 
 
-@pytest.mark.parametrize("num_ranks,capacity", [(4, None), (8, None), (4, 3)])
-def test_deepep_ragged_equals_all_to_all(ragged, num_ranks, capacity):
+@pytest.mark.parametrize("num_ranks,capacity,num_worst", [(4, None, None), (8, None, None),
+                                                          (4, 3, None), (4, None, 9)])
+def test_deepep_ragged_equals_all_to_all(ragged, num_ranks, capacity, num_worst):
     T, H, K, E = 6, 8, 3, 16
     rng = np.random.default_rng(num_ranks)
     x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
@@ -54,11 +55,13 @@ def test_deepep_ragged_equals_all_to_all(ragged, num_ranks, capacity):
     def body(t):
         def f(x, i, w):
             rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
-                                            transport=t, capacity=capacity)
+                                            transport=t, capacity=capacity,
+                                            num_worst_tokens=num_worst)
             y, cw = jax_ep.combine(rx * 2, h, topk_weights=rw)
             grad = jax.grad(lambda x: jnp.sum(jax_ep.combine(
                 jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS, transport=t,
-                                capacity=capacity)[0] ** 2, h)[0]))(x)
+                                capacity=capacity, num_worst_tokens=num_worst)[0] ** 2,
+                h)[0]))(x)
             return rx, ri, rw, y, cw, grad, h.num_dropped[None]
         return f
 
@@ -67,6 +70,8 @@ def test_deepep_ragged_equals_all_to_all(ragged, num_ranks, capacity):
     b = run_ep(body("all_to_all"), mesh, x, idx, w)
     for u, v in zip(a, b):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    if capacity or num_worst:  # the bounded cases really drop rows
+        assert np.asarray(a[-1]).sum() > 0
 
 
 @pytest.mark.parametrize("compact", [False, True])
