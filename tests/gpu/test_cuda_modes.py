@@ -58,6 +58,29 @@ def test_deepep_ffi_equals_alltoall_and_dense_on_gpu():
                                rtol=2e-4, atol=2e-4)
 
 
+def test_small_receive_budget_on_gpu():
+    # num_worst_tokens below the worst case: the FFI backend drops and counts exactly like the
+    # XLA-only one (sources fill the budget in rank order, highest token indices dropped).
+    T, H, K, E, R = 64, 128, 2, 4 * NUM_RANKS, 40
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((NUM_RANKS * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, NUM_RANKS * T, K, E, unrouted=0.0)
+
+    def body(backend):
+        def f(x, i, w):
+            rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                            backend=backend, num_worst_tokens=R)
+            return rx, ri, rw, jax_ep.combine(rx, h)[0], h.num_dropped[None]
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    ffi = run_ep(body("deepep"), mesh, x, idx, w)
+    xla = run_ep(body("alltoall"), mesh, x, idx, w)
+    for a, b in zip(ffi, xla):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(ffi[-1]).sum() > 0
+
+
 def test_combine_of_dispatch_bf16_on_gpu():
     T, H, K, E = 128, 256, 8, 16 * NUM_RANKS
     rng = np.random.default_rng(1)
