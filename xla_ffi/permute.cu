@@ -489,14 +489,19 @@ ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, Any
         sorted_indices.typed_data(), N, int32_t(T), keys, rows, count);
     if (auto err = CheckLaunch("UnpermuteKeysKernel"); err.failure()) return err;
     size_t bytes = temp_bytes;
-    if (auto err = CheckCuda(cub::DeviceScan::ExclusiveSum(temp, bytes, count, begin,
-                                                           int(T + 1), stream),
+    // The same template instances (const inputs) as the size queries above.
+    if (auto err = CheckCuda(cub::DeviceScan::ExclusiveSum(temp, bytes,
+                                                           static_cast<const int32_t*>(count),
+                                                           begin, int(T + 1), stream),
                              "cub::DeviceScan::ExclusiveSum");
         err.failure())
       return err;
     bytes = temp_bytes;
     // LSD radix sort is stable: rows stay ascending inside each token.
-    if (auto err = CheckCuda(cub::DeviceRadixSort::SortPairs(temp, bytes, keys, keys_sorted, rows,
+    if (auto err = CheckCuda(cub::DeviceRadixSort::SortPairs(temp, bytes,
+                                                             static_cast<const int32_t*>(keys),
+                                                             keys_sorted,
+                                                             static_cast<const int32_t*>(rows),
                                                              rows_sorted, num_items, 0, end_bit,
                                                              stream),
                              "cub::DeviceRadixSort::SortPairs");
