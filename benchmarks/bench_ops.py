@@ -135,7 +135,7 @@ def bench_shape(T, H, K, E, P, dtype, warmup, iters, only=None):
                          ref_ms=t_ref * 1e3, copy_ms=t_copy * 1e3, ffi_gbs=gbs(t_ffi),
                          ref_gbs=gbs(t_ref), copy_gbs=gbs(t_copy), ffi_over_ref=t_ref / t_ffi,
                          ffi_pct_copy=100 * t_copy / t_ffi, ref_pct_copy=100 * t_copy / t_ref))
-        print(f"  {name:24s} H={H}: ffi {t_ffi * 1e3:9.3f} ms  ref {t_ref * 1e3:9.3f} ms  "
+        print(f"  {name:24s} T={T} H={H}: ffi {t_ffi * 1e3:9.3f} ms  ref {t_ref * 1e3:9.3f} ms  "
               f"copy {t_copy * 1e3:8.3f} ms", flush=True)
     return rows
 
@@ -156,7 +156,7 @@ def sweep(a, dtype, out):
         rows = []
         for T, H in shapes:
             rows += bench_shape(T, H, a.topk, a.experts, a.ranks, dtype, a.warmup, a.iters,
-                                DATA_OPS)
+                                [o for o in DATA_OPS if not a.ops or any(f in o for f in a.ops)])
         results[axis] = rows
         fixed = f"H={H0}" if axis == "tokens" else f"T={a.tokens}"
         title = (f"data-moving ops vs {axis}, {jax.default_backend()}: {fixed} K={a.topk} "
@@ -174,8 +174,8 @@ def sweep(a, dtype, out):
                 mine = [r for r in rows if r["op"] == op]
                 series[f"{op} ffi"] = [r[f"ffi_{metric}"] for r in mine]
                 series[f"{op} ref"] = [r[f"ref_{metric}"] for r in mine]
-            if metric == "gbs":  # one copy line: the copy of the first op's bytes
-                series["copy"] = [r["copy_gbs"] for r in rows if r["op"] == ops_run[0]]
+            # one copy line: the copy of the first op's bytes
+            series["copy"] = [r[f"copy_{metric}"] for r in rows if r["op"] == ops_run[0]]
             line_plot(os.path.join(out, f"bench_ops_{'time' if metric == 'ms' else 'gbs'}"
                                         f"_vs_{axis}.png"), xs, series,
                       xlabel="tokens T" if axis == "tokens" else "hidden H",

@@ -49,13 +49,14 @@ def main(argv=None):
             runs[name] = {"status": "missing"}
             continue
         print(f"== {name}", flush=True)
-        start, t0 = time.time(), time.perf_counter()
+        before = {f: os.path.getmtime(f) for f in glob.glob(os.path.join(out, "*.json"))}
+        t0 = time.perf_counter()
         cmd = [sys.executable, "-m", f"benchmarks.{module}", *extra]
         if out != os.path.join(ROOT, default_out):
             cmd += ["--out", out]
         proc = subprocess.run(cmd, cwd=ROOT, env=env)
         wrote = sorted(os.path.basename(f) for f in glob.glob(os.path.join(out, "*.json"))
-                       if os.path.getmtime(f) >= start - 1
+                       if os.path.getmtime(f) != before.get(f)
                        and os.path.basename(f) != "results.json")
         runs[name] = {"status": "ok" if proc.returncode == 0 else "failed",
                       "returncode": proc.returncode,

@@ -60,7 +60,8 @@ class DispatchHandle:
     recv_topk_idx i32[R,K]: local expert ids of the received rows (-1 elsewhere / padding).
     num_recv_tokens i32[]: received rows (the rest of R is padding).
     num_recv_tokens_per_expert i32[L]: rows per local expert, aligned up to expert_alignment.
-    num_dropped i32[]: (token, destination) rows this rank dropped to the capacity bound.
+    num_dropped i32[]: (token, destination) rows this rank dropped to the capacity bound or
+      to a destination's num_worst_tokens budget.
     num_invalid i32[]: expert ids outside [-1, E) seen (GPU only; the CPU kernels raise).
     """
 

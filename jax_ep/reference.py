@@ -65,7 +65,8 @@ def get_dispatch_layout(topk_idx, *, num_experts, num_ranks):
 def compute_send_counts(topk_idx, num_ranks, num_local_experts):
     """topk_idx i32[T,K] -> (dest i32[T,K] owning rank of each slot, -1 where unrouted,
     is_in_rank bool[T,P], send_counts i32[P] tokens sent to each rank, once per token)."""
-    dest = _owner_rank(topk_idx, num_local_experts).astype(jnp.int32)
+    valid = topk_idx < num_ranks * num_local_experts  # ids >= E (GPU only) count as unrouted
+    dest = jnp.where(valid, _owner_rank(topk_idx, num_local_experts), -1).astype(jnp.int32)
     is_in_rank = (dest[:, :, None] == jnp.arange(num_ranks)).any(axis=1)
     return dest, is_in_rank, is_in_rank.sum(axis=0, dtype=jnp.int32)
 
@@ -220,4 +221,6 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16):
     groups = hidden // FP8_BLOCK
     scale_inv = _unpack_ue8m0(scales, groups) if use_ue8m0 else scales.astype(jnp.float32)
     blocks = x_fp8.astype(jnp.float32).reshape(num_tokens, groups, FP8_BLOCK)
-    return (blocks * scale_inv[..., None]).reshape(num_tokens, hidden).astype(dtype)
+    out = blocks * scale_inv[..., None]
+    out = jnp.where(jnp.isnan(out), jnp.float32(jnp.nan), out)  # one NaN, as the handlers store
+    return out.reshape(num_tokens, hidden).astype(dtype)

@@ -83,9 +83,9 @@ def exchange_counts(send_counts, axis_name):
 class ExchangePlan(NamedTuple):
     """Counts and offsets of one exchange (all i32[P]); see the module docstring.
 
-    send_counts: rows sent to each destination (capacity applied).
+    send_counts: rows sent to each destination (capacity and receive budget applied).
     send_offsets: start of each destination's block in the compact send buffer.
-    recv_counts: rows received from each source (capacity applied).
+    recv_counts: rows received from each source (capacity and receive budget applied).
     recv_offsets: start of each source's block in the compact receive buffer.
     remote_recv_offsets: where this rank's rows start in each destination's receive buffer.
     remote_send_offsets: where each source's block for this rank starts in that source's send

@@ -203,6 +203,16 @@ def test_compute_send_counts_ffi_matches_reference_and_layouts(rng, make_routing
     np.testing.assert_array_equal(got[2], lay.send_counts)
 
 
+def test_compute_send_counts_out_of_range_ids_are_unrouted_in_the_reference():
+    # The GPU kernels and the reference count ids >= E as unrouted (the CPU kernels raise):
+    # dest stays a valid rank or -1.
+    idx = jnp.array([[8, 1], [-1, 5]], jnp.int32)
+    dest, in_rank, counts = ops.compute_send_counts(idx, 2, 4, impl="xla")
+    np.testing.assert_array_equal(dest, [[-1, 0], [-1, 1]])
+    np.testing.assert_array_equal(in_rank, [[True, False], [False, True]])
+    np.testing.assert_array_equal(counts, [1, 1])
+
+
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
 def test_compute_send_counts_bad_arguments(impl):
     idx = jnp.zeros((2, 2), jnp.int32)

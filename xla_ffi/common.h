@@ -172,7 +172,9 @@ inline void ExclusiveScan(const int32_t* counts, int64_t n, int64_t* offsets) {
 // E as unsigned); the search for the first bad id runs only when there is one.
 inline ffi::Error CheckExpertIds(const int32_t* idx, int64_t n, int64_t num_experts, const char* name) {
   uint32_t any_bad = 0;
-  const uint32_t limit = uint32_t(num_experts);
+  // Ids are int32, so E >= 2^31 admits every id >= -1 (-2 and below still map above 2^31).
+  const int64_t bound = num_experts < (int64_t(1) << 31) ? num_experts : int64_t(1) << 31;
+  const uint32_t limit = uint32_t(bound);
   for (int64_t i = 0; i < n; ++i) any_bad |= uint32_t(uint32_t(idx[i]) + 1u > limit);
   if (!any_bad) return ffi::Error::Success();
   for (int64_t i = 0; i < n; ++i) {

@@ -19,7 +19,7 @@ namespace jax_ep {
 // Smallest amount of memory traffic worth handing to another thread.
 constexpr int64_t kParallelGrainBytes = 64 << 10;
 
-// Outputs at least this large are worth backing with transparent huge pages.
+// The transparent huge page size; outputs of two pages or more get the hint below.
 constexpr int64_t kHugePageBytes = 2 << 20;
 
 // Asks the kernel to back the whole 2 MiB pages inside a freshly allocated output buffer with
