@@ -122,8 +122,7 @@ def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
         # the send layout kernel.
         counts = layout.send_counts if send_counts is None else send_counts
         count_matrix = tp.exchange_counts(counts, axis_name)
-    plan = tp.make_plan(count_matrix, rank, capacity,
-                        num_recv=None if num_recv >= num_ranks * capacity else num_recv)
+    plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
     # Compact rows past a destination's capacity are dropped (highest token index first).
     row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)
     dest = jnp.clip(layout.rank, 0, num_ranks - 1)
@@ -191,20 +190,7 @@ def _dispatch_rows_bwd(handle, cotangents):
 _dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
 
 
-@jax.custom_vjp
-def _combine_rows(y, handle):
-    return _reduce_back(y, handle)
-
-
-def _combine_rows_fwd(y, handle):
-    return _combine_rows(y, handle), handle
-
-
-def _combine_rows_bwd(handle, d_out):
-    return _send(d_out, handle), None
-
-
-_combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+_combine_rows = tp.with_transpose(_reduce_back, _send)
 
 
 def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name,

@@ -187,20 +187,7 @@ def _hybrid_rows_bwd(h, cotangents):
 _hybrid_rows.defvjp(_hybrid_rows_fwd, _hybrid_rows_bwd)
 
 
-@jax.custom_vjp
-def _hybrid_combine_rows(y, h):
-    return _return_unpermuted(y, h)
-
-
-def _hybrid_combine_rows_fwd(y, h):
-    return _hybrid_combine_rows(y, h), h
-
-
-def _hybrid_combine_rows_bwd(h, d_out):
-    return _send_permuted(d_out, h), None
-
-
-_hybrid_combine_rows.defvjp(_hybrid_combine_rows_fwd, _hybrid_combine_rows_bwd)
+_hybrid_combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted)
 
 
 def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts, axis_name,

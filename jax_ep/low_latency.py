@@ -73,21 +73,12 @@ def _return(y, h):
     return _exchange(ops.gather_rows(flat, h.return_slot, impl=h.impl), h, tp.COMBINE_NAME)
 
 
-@jax.custom_vjp
-def _ll_rows(x, h):
-    return _send(x, h)
+def _sum_back(y, h):
+    """y [L, P*Tmax, ...] -> [T, ...]: every slot's row returned and summed per source token."""
+    return ops.unpermute(_return(y, h), h.send_token, num_tokens=h.num_tokens, impl=h.impl)
 
 
-def _ll_rows_fwd(x, h):
-    return _send(x, h), h
-
-
-def _ll_rows_bwd(h, d_recv):
-    back = _return(d_recv, h)
-    return ops.unpermute(back, h.send_token, num_tokens=h.num_tokens, impl=h.impl), None
-
-
-_ll_rows.defvjp(_ll_rows_fwd, _ll_rows_bwd)
+_ll_rows = tp.with_transpose(_send, _sum_back)
 
 
 @jax.custom_vjp

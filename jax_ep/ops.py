@@ -97,9 +97,7 @@ def compute_send_counts(topk_idx, num_ranks, num_local_experts, *, impl="ffi"):
     if impl == "xla" or topk_idx.size == 0:
         return reference.compute_send_counts(topk_idx, num_ranks, num_local_experts)
     send_counts, is_in_rank, _, _ = _dispatch_layout_ffi(topk_idx, num_experts, num_ranks)
-    routed = (topk_idx >= 0) & (topk_idx < num_experts)  # ids >= E (GPU only): unrouted
-    dest = jnp.where(routed, topk_idx // num_local_experts, -1).astype(jnp.int32)
-    return dest, is_in_rank, send_counts
+    return reference.slot_ranks(topk_idx, num_ranks, num_local_experts), is_in_rank, send_counts
 
 
 def build_send_layout(topk_idx, topk_weights, *, num_ranks, num_local_experts, impl="ffi"):

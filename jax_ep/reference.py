@@ -62,11 +62,17 @@ def get_dispatch_layout(topk_idx, *, num_experts, num_ranks):
     return num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
 
 
+def slot_ranks(topk_idx, num_ranks, num_local_experts):
+    """topk_idx [T,K] -> i32[T,K] owning rank of each slot, -1 where unrouted (ids >= E, which
+    only the GPU kernels accept, count as unrouted)."""
+    valid = topk_idx < num_ranks * num_local_experts
+    return jnp.where(valid, _owner_rank(topk_idx, num_local_experts), -1).astype(jnp.int32)
+
+
 def compute_send_counts(topk_idx, num_ranks, num_local_experts):
     """topk_idx i32[T,K] -> (dest i32[T,K] owning rank of each slot, -1 where unrouted,
     is_in_rank bool[T,P], send_counts i32[P] tokens sent to each rank, once per token)."""
-    valid = topk_idx < num_ranks * num_local_experts  # ids >= E (GPU only) count as unrouted
-    dest = jnp.where(valid, _owner_rank(topk_idx, num_local_experts), -1).astype(jnp.int32)
+    dest = slot_ranks(topk_idx, num_ranks, num_local_experts)
     is_in_rank = (dest[:, :, None] == jnp.arange(num_ranks)).any(axis=1)
     return dest, is_in_rank, is_in_rank.sum(axis=0, dtype=jnp.int32)
 

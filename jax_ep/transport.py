@@ -28,6 +28,7 @@ from jax_ep import ops
 
 __all__ = [
     "TRANSPORTS",
+    "with_transpose",
     "as_bits",
     "from_bits",
     "ExchangePlan",
@@ -80,6 +81,20 @@ def exchange_counts(send_counts, axis_name):
     return checkpoint_name(jax.lax.all_gather(send_counts, axis_name), COUNTS_NAME)
 
 
+def with_transpose(forward, transpose):
+    """A map rows -> forward(rows, handle) that is linear in rows, with `jax.custom_vjp` so its
+    VJP is transpose(cotangent, handle) (e.g. a dispatch and the combine that returns its
+    rows); the handle gets no cotangent."""
+
+    @jax.custom_vjp
+    def linear(rows, handle):
+        return forward(rows, handle)
+
+    linear.defvjp(lambda rows, handle: (forward(rows, handle), handle),
+                  lambda handle, d_out: (transpose(d_out, handle), None))
+    return linear
+
+
 class ExchangePlan(NamedTuple):
     """Counts and offsets of one exchange (all i32[P]); see the module docstring.
 
@@ -104,17 +119,16 @@ def _exclusive_cumsum(x, axis=-1):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def make_plan(count_matrix, rank, capacity, num_recv=None):
+def make_plan(count_matrix, rank, capacity, num_recv):
     """count_matrix i32[P_src, P_dst] of uncapped block sizes -> ExchangePlan of `rank`.
 
     Blocks larger than `capacity` keep their first `capacity` rows (the rest are dropped by
-    the sender); send offsets stay those of the uncapped compact send buffer. With `num_recv`
-    (R, the receive buffer's rows) every destination fills its R rows source by source, in
-    rank order, and each sender drops the rows of its block that no longer fit.
+    the sender); send offsets stay those of the uncapped compact send buffer. Every
+    destination fills its `num_recv` receive rows (R) source by source, in rank order, and
+    each sender drops the rows of its block that no longer fit (none when R >= P*capacity).
     """
     capped = jnp.minimum(count_matrix, capacity)
-    if num_recv is not None:
-        capped = jnp.clip(num_recv - _exclusive_cumsum(capped, axis=0), 0, capped)
+    capped = jnp.clip(num_recv - _exclusive_cumsum(capped, axis=0), 0, capped)
     offsets_in_source = _exclusive_cumsum(count_matrix, axis=1)
     offsets_in_dest = _exclusive_cumsum(capped, axis=0)
     recv_counts = capped[:, rank]
