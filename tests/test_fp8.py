@@ -1,12 +1,16 @@
 """Layer 1: per_token_cast_to_fp8 and per_token_cast_back (CPU).
 
-FFI against the pure-JAX reference (codes and scales bitwise), hand-computed e4m3 codes,
-scales and UE8M0 words, every rounding tie of the e4m3 grid, round trips within FP8 error,
+FFI against the pure-JAX reference (codes and scales bitwise; on AVX-512 CPUs for both the
+AVX-512 and the portable handler loops), hand-computed e4m3 codes, scales and UE8M0 words,
+every rounding tie of the e4m3 grid, all 256 codes cast back, round trips within FP8 error,
 jit / vmap / shard_map, argument errors.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from functools import partial
 
 import jax
@@ -126,6 +130,46 @@ def test_every_rounding_tie_matches_reference():
     # The exact grid values come back as themselves.
     back = np.asarray(ops.per_token_cast_back(q, s, dtype=jnp.float32)).reshape(-1)
     np.testing.assert_array_equal(back[:len(grid)], grid)
+
+
+def test_every_finite_bit_pattern_range_matches_reference(rng):
+    """Scale 1 again, inputs drawn uniformly over the fp32 bit patterns of [0, 448] of both
+    signs: every binade from fp32 subnormals up, so every branch of the e4m3 rounding (FP8
+    subnormal grid, normal mantissa rounding, the 448 cap) and the sign are hit many times."""
+    bits = rng.integers(0, np.float32(448).view(np.uint32), (64, 128), dtype=np.uint32)
+    bits |= rng.integers(0, 2, bits.shape, dtype=np.uint32) << 31
+    vals = bits.view(np.float32)
+    vals[:, -1] = 448.0
+    (q, s), (q_ref, _) = _cast_both(vals)
+    np.testing.assert_array_equal(np.asarray(s), 1.0)
+    np.testing.assert_array_equal(codes(q), codes(q_ref))
+
+
+# Scales for the every-code cast back: ordinary, negative, products that are fp32 subnormals
+# (XLA:CPU flushes them), products that overflow, zero, and the non-finite ones.
+CAST_BACK_SCALES = [1.0, 3.0, -0.375, 1e-3, 2.0**-130, 1e-38, 3e37, 0.0, np.inf, -np.inf, np.nan]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+def test_cast_back_every_code_matches_reference(dtype):
+    """All 256 e4m3 codes (NaN codes included) under every scale in CAST_BACK_SCALES, bitwise."""
+    S = len(CAST_BACK_SCALES)
+    q = np.tile(np.arange(256, dtype=np.uint8), (S, 1)).view(E4M3)
+    scales = np.repeat(np.asarray(CAST_BACK_SCALES, np.float32)[:, None], 2, axis=1)
+    got = ops.per_token_cast_back(jnp.asarray(q), jnp.asarray(scales), dtype=dtype)
+    want = ref(ops.per_token_cast_back, jnp.asarray(q), jnp.asarray(scales), dtype=dtype)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+def test_portable_cpu_path_matches_reference():
+    """The CPU handlers pick AVX-512 loops at run time where the CPU has them; JAX_EP_CPU_SIMD=0
+    selects the portable loops. Run this file's bitwise FFI-vs-reference tests that way too."""
+    tests = ("matches_reference and not portable")
+    env = dict(os.environ, JAX_EP_CPU_SIMD="0")
+    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-k", tests, "-p",
+                           "no:cacheprovider"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert " passed" in done.stdout
 
 
 # ----------------------------------------------------------------------------- hand-computed

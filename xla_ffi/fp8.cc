@@ -10,6 +10,12 @@
 //   (NaN products stored as one canonical NaN).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define JAX_EP_HAS_AVX512_PATH 1
+#endif
 
 #include "checks.h"
 #include "cpu_util.h"
@@ -42,6 +48,98 @@ void DequantizeBlock(const uint8_t* __restrict in, float scale, T* __restrict ou
     out[i] = Fp32Io<T>::Store(CanonicalNan(E4m3ToFloat(in[i]) * scale));
 }
 
+#if JAX_EP_HAS_AVX512_PATH
+// AVX-512 versions of QuantizeBlock and DequantizeBlock, picked at run time on CPUs that have
+// AVX-512BW and F16C. Both give the same bits as the portable loops above, under any MXCSR
+// (XLA:CPU runs handlers with denormals flushed). They only spend fewer instructions:
+// the compiler's vectorisation of the portable conversions is port-5 bound on permutes.
+#define JAX_EP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+#define JAX_EP_AVX512_INLINE JAX_EP_AVX512 inline __attribute__((always_inline))
+
+// FloatToE4m3 on 16 lanes. The one NaN test `code > 0x7e` covers the portable version's two:
+// subnormal-grid codes are at most 8, and an inf or NaN input gives a normal code above 0x7e.
+JAX_EP_AVX512_INLINE __m128i FloatToE4m3x16(__m512 y) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __m512 on_grid = _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(512.0f)),
+                                       _mm512_set1_ps(8388608.0f));
+  const __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(on_grid), _mm512_set1_epi32(0x4b000000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7ffff)), odd);
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3));
+  const __mmask16 is_sub = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(0x3c800000));
+  __m512i code = _mm512_mask_mov_epi32(normal, is_sub, subnormal);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(code, _mm512_set1_epi32(0x7e)),
+                               _mm512_set1_epi32(kE4m3NanCode));
+  // code | ((bits >> 24) & 0x80): ternary-logic table 0xf8 is A | (B & C).
+  code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xf8);
+  return _mm512_cvtepi32_epi8(code);
+}
+
+JAX_EP_AVX512 void QuantizeBlockAvx512(const float* in, float inv, uint8_t* out) {
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < kFp8Block; i += 16) {
+    const __m128i codes = FloatToE4m3x16(_mm512_mul_ps(_mm512_loadu_ps(in + i), scale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
+  }
+}
+
+// 16 fp32 lanes to the output type: float as is, float16 by the hardware convert (round to
+// nearest even, as _Float16(v)), bfloat16 by FloatToBf16's integer rounding (the hardware
+// bf16 convert would flush denormals). Lanes are finite or the canonical NaN, which both
+// roundings keep.
+JAX_EP_AVX512_INLINE void StoreRow16(__m512 v, float* out) { _mm512_storeu_ps(out, v); }
+JAX_EP_AVX512_INLINE void StoreRow16(__m512 v, _Float16* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+JAX_EP_AVX512_INLINE void StoreRow16(__m512 v, uint16_t* out) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// DequantizeBlock for a finite scale. Each code goes through float16: sign to bit 15, the
+// seven magnitude bits to bits 7..13 is the code's value / 2^8 exactly (subnormal codes land
+// on float16 subnormals, which the hardware widening never flushes), NaN codes become the
+// float16 NaN that widens to the canonical NaN. Then * 2^8 (exact) * scale: the portable
+// product. A finite scale keeps the canonical NaN and makes no new one.
+template <typename T>
+JAX_EP_AVX512 void DequantizeBlockAvx512(const uint8_t* in, float scale, T* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m512 two_pow_8 = _mm512_set1_ps(256.0f);
+  for (int64_t i = 0; i < kFp8Block; i += 32) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    __m512i half = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7),
+                                    _mm512_set1_epi16(int16_t(0xbf80)));
+    const __mmask32 is_nan = _mm256_cmpeq_epi8_mask(
+        _mm256_and_si256(codes, _mm256_set1_epi8(0x7f)), _mm256_set1_epi8(0x7f));
+    half = _mm512_mask_mov_epi16(half, is_nan, _mm512_set1_epi16(0x7e00));
+    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+    const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+    StoreRow16(_mm512_mul_ps(_mm512_mul_ps(lo, two_pow_8), s), out + i);
+    StoreRow16(_mm512_mul_ps(_mm512_mul_ps(hi, two_pow_8), s), out + i + 16);
+  }
+}
+
+// The AVX-512 path runs when the CPU has it, unless JAX_EP_CPU_SIMD=0 (read once per
+// process; the tests use it to run the portable path on the same machine).
+bool UseAvx512() {
+  static const bool use = [] {
+    const char* env = std::getenv("JAX_EP_CPU_SIMD");
+    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c") &&
+           !(env && std::string(env) == "0");
+  }();
+  return use;
+}
+#else
+bool UseAvx512() { return false; }
+void QuantizeBlockAvx512(const float*, float, uint8_t*) {}
+template <typename T>
+void DequantizeBlockAvx512(const uint8_t*, float, T*) {}
+#endif
+
 ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_ue8m0,
                         AnyOut x_fp8, AnyOut scales) {
   int64_t T, H;
@@ -54,6 +152,7 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
   const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
   if (use_ue8m0) std::memset(ue8m0, 0, T * ue8m0_row_bytes);
   AdviseHugePages(q, T * H);
+  const bool avx512 = UseAvx512();
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T_ = decltype(tag);
     const T_* src = static_cast<const T_*>(x.untyped_data());
@@ -74,7 +173,11 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
             std::memset(codes, kE4m3NanCode, kFp8Block);
           } else {
             if (round_scale) scale_inv = CeilPow2(scale_inv);
-            QuantizeBlock(block, 1.0f / scale_inv, codes);
+            if (avx512) {
+              QuantizeBlockAvx512(block, 1.0f / scale_inv, codes);
+            } else {
+              QuantizeBlock(block, 1.0f / scale_inv, codes);
+            }
           }
           if (use_ue8m0) {
             ue8m0[t * ue8m0_row_bytes + g] = Ue8m0Byte(scale_inv);
@@ -97,6 +200,7 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
   const uint8_t* q = static_cast<const uint8_t*>(x_fp8.untyped_data());
   const float* f32_scales = static_cast<const float*>(scales.untyped_data());
   const uint8_t* ue8m0 = static_cast<const uint8_t*>(scales.untyped_data());
+  const bool avx512 = UseAvx512();
   return DispatchFloat(out->element_type(), "out", [&](auto tag) {
     using T_ = decltype(tag);
     T_* dst = static_cast<T_*>(out->untyped_data());
@@ -109,7 +213,11 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
           const float s = use_ue8m0 ? Ue8m0Scale(ue8m0[t * ue8m0_row_bytes + g])
                                     : f32_scales[t * G + g];
           const int64_t base = t * H + g * kFp8Block;
-          DequantizeBlock(q + base, s, dst + base);
+          if (avx512 && std::isfinite(s)) {
+            DequantizeBlockAvx512(q + base, s, dst + base);
+          } else {
+            DequantizeBlock(q + base, s, dst + base);
+          }
         }
       }
     });
