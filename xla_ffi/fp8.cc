@@ -84,31 +84,42 @@ JAX_EP_AVX512 void QuantizeBlockAvx512(const float* in, float inv, uint8_t* out)
   }
 }
 
-// 16 fp32 lanes to the output type: float as is, float16 by the hardware convert (round to
-// nearest even, as _Float16(v)), bfloat16 by FloatToBf16's integer rounding (the hardware
-// bf16 convert would flush denormals). Lanes are finite or the canonical NaN, which both
-// roundings keep.
-JAX_EP_AVX512_INLINE void StoreRow16(__m512 v, float* out) { _mm512_storeu_ps(out, v); }
-JAX_EP_AVX512_INLINE void StoreRow16(__m512 v, _Float16* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+// 32 fp32 lanes (lo = the first 16) to the output type: float as is, float16 by the hardware
+// convert (round to nearest even, as _Float16(v)), bfloat16 by FloatToBf16's integer
+// rounding, then one permute picks the 32 upper halves. Lanes are finite, inf or the
+// canonical NaN, which every rounding here keeps.
+JAX_EP_AVX512_INLINE void Store32(__m512 lo, __m512 hi, float* out) {
+  _mm512_storeu_ps(out, lo);
+  _mm512_storeu_ps(out + 16, hi);
 }
-JAX_EP_AVX512_INLINE void StoreRow16(__m512 v, uint16_t* out) {
+JAX_EP_AVX512_INLINE void Store32(__m512 lo, __m512 hi, _Float16* out) {
+  constexpr int kRoundNearestEven = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(lo, kRoundNearestEven));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm512_cvtps_ph(hi, kRoundNearestEven));
+}
+JAX_EP_AVX512_INLINE __m512i RoundToBf16Bits(__m512 v) {  // bf16 bits in the upper halves
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  return _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+}
+JAX_EP_AVX512_INLINE void Store32(__m512 lo, __m512 hi, uint16_t* out) {
+  const __m512i upper_halves = _mm512_set_epi16(
+      63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+      31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi16(RoundToBf16Bits(lo), upper_halves,
+                                                     RoundToBf16Bits(hi)));
 }
 
-// DequantizeBlock for a finite scale. Each code goes through float16: sign to bit 15, the
-// seven magnitude bits to bits 7..13 is the code's value / 2^8 exactly (subnormal codes land
-// on float16 subnormals, which the hardware widening never flushes), NaN codes become the
-// float16 NaN that widens to the canonical NaN. Then * 2^8 (exact) * scale: the portable
-// product. A finite scale keeps the canonical NaN and makes no new one.
+// DequantizeBlock for a scale with scale * 2^8 finite. Each code goes through float16: sign
+// to bit 15, the seven magnitude bits to bits 7..13 is the code's value / 2^8 exactly
+// (subnormal codes land on float16 subnormals, which the hardware widening never flushes),
+// NaN codes become the float16 NaN that widens to the canonical NaN. Then one product with
+// scale * 2^8, which is exact (also when DAZ makes a subnormal scale 0 in both), so it rounds
+// the same real number as the portable E4m3ToFloat(code) * scale. A finite factor keeps the
+// canonical NaN and makes no new one.
 template <typename T>
-JAX_EP_AVX512 void DequantizeBlockAvx512(const uint8_t* in, float scale, T* out) {
-  const __m512 s = _mm512_set1_ps(scale);
-  const __m512 two_pow_8 = _mm512_set1_ps(256.0f);
+JAX_EP_AVX512 void DequantizeBlockAvx512(const uint8_t* in, float scale_x256, T* out) {
+  const __m512 s = _mm512_set1_ps(scale_x256);
   for (int64_t i = 0; i < kFp8Block; i += 32) {
     const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
     __m512i half = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7),
@@ -118,8 +129,7 @@ JAX_EP_AVX512 void DequantizeBlockAvx512(const uint8_t* in, float scale, T* out)
     half = _mm512_mask_mov_epi16(half, is_nan, _mm512_set1_epi16(0x7e00));
     const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
     const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
-    StoreRow16(_mm512_mul_ps(_mm512_mul_ps(lo, two_pow_8), s), out + i);
-    StoreRow16(_mm512_mul_ps(_mm512_mul_ps(hi, two_pow_8), s), out + i + 16);
+    Store32(_mm512_mul_ps(lo, s), _mm512_mul_ps(hi, s), out + i);
   }
 }
 
@@ -213,8 +223,8 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
           const float s = use_ue8m0 ? Ue8m0Scale(ue8m0[t * ue8m0_row_bytes + g])
                                     : f32_scales[t * G + g];
           const int64_t base = t * H + g * kFp8Block;
-          if (avx512 && std::isfinite(s)) {
-            DequantizeBlockAvx512(q + base, s, dst + base);
+          if (avx512 && std::isfinite(s * 256.0f)) {
+            DequantizeBlockAvx512(q + base, s * 256.0f, dst + base);
           } else {
             DequantizeBlock(q + base, s, dst + base);
           }
