@@ -42,6 +42,30 @@ inline void QuantizeBlock(const float* __restrict in, float inv, uint8_t* __rest
   for (int64_t i = 0; i < kFp8Block; ++i) out[i] = FloatToE4m3(in[i] * inv);
 }
 
+// The scale of a block from its amax: amax * fl(1/448), not amax / 448 (the reference's
+// `amax / 448.0` is rewritten by XLA into this product, as PyTorch does for DeepEP's
+// `x_amax / 448.0`; true division differs by one ulp for about half of all amax values),
+// rounded up to a power of two with round_scale. An inf or NaN amax poisons the block
+// (common.h): the canonical NaN scale, and every code NaN.
+inline float BlockScaleOrPoison(float amax, bool round_scale, uint8_t* codes) {
+  if (!IsFiniteAmax(amax)) {
+    std::memset(codes, kE4m3NanCode, kFp8Block);
+    return BitsFloat(kCanonicalNanBits);
+  }
+  const float scale_inv = amax * (1.0f / kFp8Max);
+  return round_scale ? CeilPow2(scale_inv) : scale_inv;
+}
+
+// One block of 128 channels: codes, and the scale returned.
+template <typename T>
+float CastBlock(const T* in, bool round_scale, uint8_t* codes) {
+  float block[kFp8Block];
+  const float amax = LoadBlock(in, block);
+  const float scale_inv = BlockScaleOrPoison(amax, round_scale, codes);
+  if (IsFiniteAmax(amax)) QuantizeBlock(block, 1.0f / scale_inv, codes);
+  return scale_inv;
+}
+
 template <typename T>
 void DequantizeBlock(const uint8_t* __restrict in, float scale, T* __restrict out) {
   for (int64_t i = 0; i < kFp8Block; ++i)
@@ -49,7 +73,7 @@ void DequantizeBlock(const uint8_t* __restrict in, float scale, T* __restrict ou
 }
 
 #if JAX_EP_HAS_AVX512_PATH
-// AVX-512 versions of QuantizeBlock and DequantizeBlock, picked at run time on CPUs that have
+// AVX-512 versions of CastBlock and DequantizeBlock, picked at run time on CPUs that have
 // AVX-512BW and F16C. Both give the same bits as the portable loops above, under any MXCSR
 // (XLA:CPU runs handlers with denormals flushed). They only spend fewer instructions:
 // the compiler's vectorisation of the portable conversions is port-5 bound on permutes.
@@ -76,12 +100,36 @@ JAX_EP_AVX512_INLINE __m128i FloatToE4m3x16(__m512 y) {
   return _mm512_cvtepi32_epi8(code);
 }
 
-JAX_EP_AVX512 void QuantizeBlockAvx512(const float* in, float inv, uint8_t* out) {
-  const __m512 scale = _mm512_set1_ps(inv);
-  for (int64_t i = 0; i < kFp8Block; i += 16) {
-    const __m128i codes = FloatToE4m3x16(_mm512_mul_ps(_mm512_loadu_ps(in + i), scale));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
+// 16 channels widened to fp32, as Fp32Io<T>::Load.
+JAX_EP_AVX512_INLINE __m512 Load16(const float* in) { return _mm512_loadu_ps(in); }
+JAX_EP_AVX512_INLINE __m512 Load16(const _Float16* in) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in)));
+}
+JAX_EP_AVX512_INLINE __m512 Load16(const uint16_t* in) {  // bfloat16 bits
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// CastBlock with the block held in eight registers between its amax and its codes.
+template <typename T>
+JAX_EP_AVX512 float CastBlockAvx512(const T* in, bool round_scale, uint8_t* codes) {
+  constexpr int kVectors = kFp8Block / 16;
+  __m512 block[kVectors];
+  __m512i amax_bits = _mm512_set1_epi32(int32_t(FloatBits(kFp8MinAmax)));
+  for (int v = 0; v < kVectors; ++v) {
+    block[v] = Load16(in + 16 * v);
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(block[v]), _mm512_set1_epi32(0x7fffffff));
+    amax_bits = _mm512_max_epu32(amax_bits, magnitude);
   }
+  const float amax = BitsFloat(_mm512_reduce_max_epu32(amax_bits));
+  const float scale_inv = BlockScaleOrPoison(amax, round_scale, codes);
+  if (!IsFiniteAmax(amax)) return scale_inv;
+  const __m512 inv = _mm512_set1_ps(1.0f / scale_inv);
+  for (int v = 0; v < kVectors; ++v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * v),
+                     FloatToE4m3x16(_mm512_mul_ps(block[v], inv)));
+  }
+  return scale_inv;
 }
 
 // 32 fp32 lanes (lo = the first 16) to the output type: float as is, float16 by the hardware
@@ -145,7 +193,8 @@ bool UseAvx512() {
 }
 #else
 bool UseAvx512() { return false; }
-void QuantizeBlockAvx512(const float*, float, uint8_t*) {}
+template <typename T>
+float CastBlockAvx512(const T*, bool, uint8_t*) { return 0.0f; }
 template <typename T>
 void DequantizeBlockAvx512(const uint8_t*, float, T*) {}
 #endif
@@ -169,26 +218,12 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
     const int64_t row_bytes = std::max<int64_t>(1, H * sizeof(T_));  // H = 0 is legal
     const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / row_bytes);
     ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
-      float block[kFp8Block];
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t g = 0; g < G; ++g) {
-          const float amax = LoadBlock(src + t * H + g * kFp8Block, block);
+          const T_* block = src + t * H + g * kFp8Block;
           uint8_t* codes = q + t * H + g * kFp8Block;
-          // amax * fl(1/448), not amax / 448: the reference's `amax / 448.0` is rewritten by
-          // XLA into this product (as PyTorch does for DeepEP's `x_amax / 448.0`); true
-          // division differs by one ulp for about half of all amax values.
-          float scale_inv = amax * (1.0f / kFp8Max);
-          if (!IsFiniteAmax(amax)) {  // an inf or NaN poisons the block (common.h)
-            scale_inv = BitsFloat(kCanonicalNanBits);
-            std::memset(codes, kE4m3NanCode, kFp8Block);
-          } else {
-            if (round_scale) scale_inv = CeilPow2(scale_inv);
-            if (avx512) {
-              QuantizeBlockAvx512(block, 1.0f / scale_inv, codes);
-            } else {
-              QuantizeBlock(block, 1.0f / scale_inv, codes);
-            }
-          }
+          const float scale_inv = avx512 ? CastBlockAvx512(block, round_scale, codes)
+                                         : CastBlock(block, round_scale, codes);
           if (use_ue8m0) {
             ue8m0[t * ue8m0_row_bytes + g] = Ue8m0Byte(scale_inv);
           } else {

@@ -283,8 +283,10 @@ ffi::Error PermuteCuda(cudaStream_t stream, Any tokens, Pred routing_map, F32 pr
     return err;
   const int64_t N = sorted_indices->element_count();
   const int64_t row_bytes = width * ffi::ByteWidth(tokens.element_type());
-  if (N > INT32_MAX || T > INT32_MAX) {
-    return ffi::Error::InvalidArgument("permute: token and row counts must fit in int32");
+  if (N > INT32_MAX || T > INT32_MAX || E > INT32_MAX) {  // E: one block per expert below
+    return ffi::Error::InvalidArgument("permute: token, row and expert counts must fit in int32, got T = " +
+                                       std::to_string(T) + ", N = " + std::to_string(N) +
+                                       ", E = " + std::to_string(E));
   }
   if (permuted_probs->element_count() != size_t(N) ||
       permuted->size_bytes() != size_t(N * row_bytes) ||
