@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from _helpers import jit_op, ref
-from jax_ep import ops
+from jax_ep import _jax_ep, ops
 
 F32, BF16, F16 = np.float32, ml_dtypes.bfloat16, np.float16
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -116,11 +116,13 @@ def test_cast_back_ffi_matches_reference(rng, dtype, use_ue8m0):
 
 
 def test_every_rounding_tie_matches_reference():
-    """Scale 1 (a 448 in every row): the inputs are every e4m3 value and every midpoint between
-    neighbours, both signs; ties round to the even code, like XLA's convert and ml_dtypes."""
+    """Scale 1 (a 448 in every row): the inputs are every e4m3 value, every midpoint between
+    neighbours and the floats just either side of each midpoint, both signs; ties round to the
+    even code, like XLA's convert and ml_dtypes, and the neighbours away from it."""
     grid = np.arange(0x7F, dtype=np.uint8).view(E4M3).astype(np.float32)  # 0 .. 448
-    mids = (grid[:-1] + grid[1:]) / 2
-    vals = np.concatenate([grid, mids, -grid, -mids]).astype(np.float32)
+    mids = ((grid[:-1] + grid[1:]) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(448))])
+    vals = np.concatenate([grid, mids, near, -grid, -mids, -near]).astype(np.float32)
     vals = np.pad(vals, (0, -len(vals) % 128)).reshape(-1, 128)
     vals[:, -1] = 448.0
     (q, s), (q_ref, s_ref) = _cast_both(vals)
@@ -145,11 +147,13 @@ def test_every_finite_bit_pattern_range_matches_reference(rng):
     np.testing.assert_array_equal(codes(q), codes(q_ref))
 
 
-# Scales for the every-code cast back: ordinary, negative, products that are fp32 subnormals
+# Scales for the every-code cast back: ordinary, negative, products that are exact bf16 or
+# float16 rounding ties between an odd and an even neighbour (code 1.0 times 1 + 3 * 2^-8 or
+# 1 + 3 * 2^-11: the tie goes up to the even one), products that are fp32 subnormals
 # (XLA:CPU flushes them), products that overflow (2^120 and up: scale * 2^8 overflows too,
 # which the AVX-512 loop leaves to the portable one), zero, and the non-finite ones.
-CAST_BACK_SCALES = [1.0, 3.0, -0.375, 1e-3, 2.0**-130, 1e-38, 2.0**119, 2.0**120, 3e37, 0.0, np.inf,
-                    -np.inf, np.nan]
+CAST_BACK_SCALES = [1.0, 3.0, -0.375, 1 + 3 * 2.0**-8, 1 + 3 * 2.0**-11, 1e-3, 2.0**-130, 1e-38,
+                    2.0**119, 2.0**120, 3e37, 0.0, np.inf, -np.inf, np.nan]
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
@@ -163,10 +167,33 @@ def test_cast_back_every_code_matches_reference(dtype):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
 
 
+def _cpu_has_avx512_loops() -> bool | None:
+    """Whether this CPU has AVX-512 F, BW and VL (None where /proc/cpuinfo is missing)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return None
+    return {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
+
+
+def test_cpu_fp8_loops_follow_cpu_flags():
+    """The FP8 handlers run their AVX-512 loops exactly where the CPU has AVX-512 F/BW/VL,
+    unless JAX_EP_CPU_SIMD=0 asks for the portable ones."""
+    has_avx512 = _cpu_has_avx512_loops()
+    if has_avx512 is None:
+        pytest.skip("no /proc/cpuinfo to read the CPU flags from")
+    forced = os.environ.get("JAX_EP_CPU_SIMD") == "0"
+    want = "avx512" if has_avx512 and not forced else "portable"
+    assert _jax_ep.cpu_fp8_loops() == want
+
+
 def test_portable_cpu_path_matches_reference():
     """The CPU handlers pick AVX-512 loops at run time where the CPU has them; JAX_EP_CPU_SIMD=0
-    selects the portable loops. Run this file's bitwise FFI-vs-reference tests that way too."""
-    tests = ("matches_reference and not portable")
+    selects the portable loops. Run this file's bitwise FFI-vs-reference tests, the poisoning
+    tests and the loop check that way too."""
+    tests = "(matches_reference or poisons or loops_follow) and not portable"
     env = dict(os.environ, JAX_EP_CPU_SIMD="0")
     done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-k", tests, "-p",
                            "no:cacheprovider"], env=env, capture_output=True, text=True)

@@ -25,6 +25,10 @@ JAX_EP_TARGETS(JAX_EP_DECLARE)
 JAX_EP_TARGETS(JAX_EP_DECLARE_CUDA)
 #endif
 
+namespace jax_ep {
+const char* CpuFp8Loops();  // fp8.cc
+}  // namespace jax_ep
+
 namespace {
 
 template <typename Fn>
@@ -51,6 +55,8 @@ NB_MODULE(_jax_ep, m) {
   m.doc() = "jax_ep XLA FFI handlers (CPU and, when built, CUDA)";
   m.def("registrations", &Registrations,
         "{platform: {target name: FFI handler capsule}} for jax.ffi.register_ffi_target");
+  m.def("cpu_fp8_loops", &jax_ep::CpuFp8Loops,
+        "Which loops the CPU FP8 cast handlers run: 'avx512' or 'portable' (JAX_EP_CPU_SIMD=0)");
 #ifdef JAX_EP_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

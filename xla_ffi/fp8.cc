@@ -9,7 +9,6 @@
 // per_token_cast_back: x_fp8 [T,H], scales -> out [T,H] = x_fp8 * scale_inv in the out dtype
 //   (NaN products stored as one canonical NaN).
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -74,10 +73,11 @@ void DequantizeBlock(const uint8_t* __restrict in, float scale, T* __restrict ou
 
 #if JAX_EP_HAS_AVX512_PATH
 // AVX-512 versions of CastBlock and DequantizeBlock, picked at run time on CPUs that have
-// AVX-512BW and F16C. Both give the same bits as the portable loops above, under any MXCSR
-// (XLA:CPU runs handlers with denormals flushed). They only spend fewer instructions:
+// AVX-512F, BW and VL. Both give the same bits as the portable loops above under every
+// MXCSR setting (flush-to-zero, denormals-are-zero, rounding mode; XLA:CPU runs handlers
+// with FTZ and DAZ on and rounding to nearest). They only spend fewer instructions:
 // the compiler's vectorisation of the portable conversions is port-5 bound on permutes.
-#define JAX_EP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+#define JAX_EP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define JAX_EP_AVX512_INLINE JAX_EP_AVX512 inline __attribute__((always_inline))
 
 // FloatToE4m3 on 16 lanes. The one NaN test `code > 0x7e` covers the portable version's two:
@@ -133,7 +133,7 @@ JAX_EP_AVX512 float CastBlockAvx512(const T* in, bool round_scale, uint8_t* code
 }
 
 // 32 fp32 lanes (lo = the first 16) to the output type: float as is, float16 by the hardware
-// convert (round to nearest even, as _Float16(v)), bfloat16 by FloatToBf16's integer
+// convert in the current rounding mode (as _Float16(v)), bfloat16 by FloatToBf16's integer
 // rounding, then one permute picks the 32 upper halves. Lanes are finite, inf or the
 // canonical NaN, which every rounding here keeps.
 JAX_EP_AVX512_INLINE void Store32(__m512 lo, __m512 hi, float* out) {
@@ -141,9 +141,8 @@ JAX_EP_AVX512_INLINE void Store32(__m512 lo, __m512 hi, float* out) {
   _mm512_storeu_ps(out + 16, hi);
 }
 JAX_EP_AVX512_INLINE void Store32(__m512 lo, __m512 hi, _Float16* out) {
-  constexpr int kRoundNearestEven = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(lo, kRoundNearestEven));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm512_cvtps_ph(hi, kRoundNearestEven));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(lo, _MM_FROUND_CUR_DIRECTION));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm512_cvtps_ph(hi, _MM_FROUND_CUR_DIRECTION));
 }
 JAX_EP_AVX512_INLINE __m512i RoundToBf16Bits(__m512 v) {  // bf16 bits in the upper halves
   const __m512i bits = _mm512_castps_si512(v);
@@ -158,13 +157,22 @@ JAX_EP_AVX512_INLINE void Store32(__m512 lo, __m512 hi, uint16_t* out) {
                                                      RoundToBf16Bits(hi)));
 }
 
-// DequantizeBlock for a scale with scale * 2^8 finite. Each code goes through float16: sign
-// to bit 15, the seven magnitude bits to bits 7..13 is the code's value / 2^8 exactly
-// (subnormal codes land on float16 subnormals, which the hardware widening never flushes),
-// NaN codes become the float16 NaN that widens to the canonical NaN. Then one product with
-// scale * 2^8, which is exact (also when DAZ makes a subnormal scale 0 in both), so it rounds
-// the same real number as the portable E4m3ToFloat(code) * scale. A finite factor keeps the
-// canonical NaN and makes no new one.
+// Whether scale * 2^8 is exact and normal (or zero) under every MXCSR setting: a normal
+// scale with an exponent field up to 0xf6, or +-0. Other scales (subnormal ones, which FTZ
+// and DAZ treat differently in one product and in two; huge and non-finite ones) take the
+// portable loop.
+inline bool ScaleTimes256IsExact(float scale) {
+  const uint32_t bits = FloatBits(scale);
+  const uint32_t exponent = (bits >> 23) & 0xffu;
+  return (exponent >= 1 && exponent <= 0xf6) || (bits & 0x7fffffffu) == 0;
+}
+
+// DequantizeBlock for a scale that passes ScaleTimes256IsExact. Each code goes through
+// float16: sign to bit 15, the seven magnitude bits to bits 7..13 is the code's value / 2^8
+// exactly (subnormal codes land on float16 subnormals, which the hardware widening never
+// flushes), NaN codes become the float16 NaN that widens to the canonical NaN. Then one
+// product with the exact scale * 2^8, which rounds the same real number as the portable
+// E4m3ToFloat(code) * scale. A finite factor keeps the canonical NaN and makes no new one.
 template <typename T>
 JAX_EP_AVX512 void DequantizeBlockAvx512(const uint8_t* in, float scale_x256, T* out) {
   const __m512 s = _mm512_set1_ps(scale_x256);
@@ -186,13 +194,14 @@ JAX_EP_AVX512 void DequantizeBlockAvx512(const uint8_t* in, float scale_x256, T*
 bool UseAvx512() {
   static const bool use = [] {
     const char* env = std::getenv("JAX_EP_CPU_SIMD");
-    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c") &&
-           !(env && std::string(env) == "0");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && !(env && std::string(env) == "0");
   }();
   return use;
 }
 #else
 bool UseAvx512() { return false; }
+bool ScaleTimes256IsExact(float) { return false; }
 template <typename T>
 float CastBlockAvx512(const T*, bool, uint8_t*) { return 0.0f; }
 template <typename T>
@@ -258,7 +267,7 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
           const float s = use_ue8m0 ? Ue8m0Scale(ue8m0[t * ue8m0_row_bytes + g])
                                     : f32_scales[t * G + g];
           const int64_t base = t * H + g * kFp8Block;
-          if (avx512 && std::isfinite(s * 256.0f)) {
+          if (avx512 && ScaleTimes256IsExact(s)) {
             DequantizeBlockAvx512(q + base, s * 256.0f, dst + base);
           } else {
             DequantizeBlock(q + base, s, dst + base);
@@ -271,6 +280,9 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
 }
 
 }  // namespace
+
+const char* CpuFp8Loops() { return UseAvx512() ? "avx512" : "portable"; }
+
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCastToFp8Cpu, jax_ep::CastToFp8Cpu,
