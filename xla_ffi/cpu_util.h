@@ -19,6 +19,12 @@ namespace jax_ep {
 // Smallest amount of memory traffic worth handing to another thread.
 constexpr int64_t kParallelGrainBytes = 64 << 10;
 
+// ParallelFor's grain for items (rows) of `item_bytes` each: enough items for
+// kParallelGrainBytes, at least one (item_bytes = 0, e.g. H = 0, is legal).
+inline int64_t GrainItems(int64_t item_bytes) {
+  return std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(item_bytes, 1));
+}
+
 // The transparent huge page size; outputs of two pages or more get the hint below.
 constexpr int64_t kHugePageBytes = 2 << 20;
 

@@ -224,9 +224,7 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T_ = decltype(tag);
     const T_* src = static_cast<const T_*>(x.untyped_data());
-    const int64_t row_bytes = std::max<int64_t>(1, H * sizeof(T_));  // H = 0 is legal
-    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / row_bytes);
-    ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
+    ParallelFor(pool, T, GrainItems(H * int64_t(sizeof(T_))), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t g = 0; g < G; ++g) {
           const T_* block = src + t * H + g * kFp8Block;
@@ -259,9 +257,7 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
     using T_ = decltype(tag);
     T_* dst = static_cast<T_*>(out->untyped_data());
     AdviseHugePages(dst, T * H * int64_t(sizeof(T_)));
-    const int64_t row_bytes = std::max<int64_t>(1, H * sizeof(T_));  // H = 0 is legal
-    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / row_bytes);
-    ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
+    ParallelFor(pool, T, GrainItems(H * int64_t(sizeof(T_))), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t g = 0; g < G; ++g) {
           const float s = use_ue8m0 ? Ue8m0Scale(ue8m0[t * ue8m0_row_bytes + g])

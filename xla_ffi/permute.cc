@@ -83,7 +83,7 @@ void StoreRow(const float* __restrict acc, int64_t H, T* __restrict out) {
 void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
                      int64_t row_bytes, const int32_t* idx, int64_t num_rows, uint8_t* out) {
   AdviseHugePages(out, num_rows * row_bytes);
-  const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(row_bytes, 1));
+  const int64_t grain = GrainItems(row_bytes);
   ParallelFor(pool, num_rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t s = idx[r];
@@ -192,7 +192,7 @@ ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, 
     const T_* src = static_cast<const T_*>(permuted.untyped_data());
     T_* dst = static_cast<T_*>(out->untyped_data());
     AdviseHugePages(dst, T * H * int64_t(sizeof(T_)));
-    const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes / std::max<int64_t>(4 * H, 1));
+    const int64_t grain = GrainItems(4 * H);  // fp32 accumulation rows
     ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(H);
       for (int64_t t = begin; t < end; ++t) {
