@@ -41,6 +41,8 @@ AXIS = "ep"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank (T)")
+    p.add_argument("--glibc-heap-defaults", action="store_true",
+                   help="keep glibc malloc's trimming and mmap thresholds (default: keep freed host memory mapped, see common.keep_host_heap)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size H (multiple of 128)")
     p.add_argument("--experts", type=int, default=256, help="global experts E")
     p.add_argument("--topk", type=int, default=8, help="experts per token K")
@@ -295,6 +297,7 @@ def main(argv=None):
     if a.experts % a.ranks:
         sys.exit("--experts must be a multiple of --ranks")
     common.force_cpu_devices(a.ranks)
+    print(f"host heap: {common.keep_host_heap(not a.glibc_heap_defaults)}")
     import jax
     import jax.numpy as jnp
     import numpy as np

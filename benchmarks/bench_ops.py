@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 from functools import partial
@@ -43,7 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import bar_plot, env_info, line_plot, print_table, write_json
+from benchmarks.common import (bar_plot, env_info, keep_host_heap, line_plot, print_table,
+                               write_json)
 from jax_ep import ops
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -57,19 +59,24 @@ def _nbytes(tree) -> int:
                    for x in jax.tree.leaves(tree)))
 
 
-def _median_times(calls, warmup: int, iters: int) -> list[float]:
-    """Median seconds of each (fn, args) in `calls`, timed round-robin (one call of each per
-    round) so that a slow stretch of this shared machine weighs on every candidate alike."""
+def _median_times(calls, warmup: int, iters: int):
+    """(median seconds, minor page faults per call) of each (fn, args) in `calls`, timed
+    round-robin (one call of each per round) so that a slow stretch of this shared machine
+    weighs on every candidate alike. The faults (getrusage, outside the timed span) show
+    whether a candidate writes into freshly mapped pages (see common.keep_host_heap)."""
     for fn, args in calls:
         for _ in range(warmup):
             jax.block_until_ready(fn(*args))
     times = [[] for _ in calls]
+    faults = [0] * len(calls)
     for _ in range(iters):
-        for (fn, args), samples in zip(calls, times):
+        for i, (fn, args) in enumerate(calls):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
-            samples.append(time.perf_counter() - t0)
-    return [statistics.median(samples) for samples in times]
+            times[i].append(time.perf_counter() - t0)
+            faults[i] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return [(statistics.median(samples), n / iters) for samples, n in zip(times, faults)]
 
 
 def _unpermute_weighted(permuted, sorted_indices, probs, *, num_tokens, impl):
@@ -128,15 +135,17 @@ def bench_shape(T, H, K, E, P, dtype, warmup, iters, only=None):
         nbytes = _nbytes(args) + _nbytes(jax.eval_shape(ffi, *args))
         words = jnp.zeros((max(1, nbytes // 8),), jnp.uint32)  # nbytes / 2 bytes, copied once
         zero = jnp.uint32(0)
-        t_ffi, t_ref, t_copy = _median_times([(ffi, args), (ref, args), (_copy, (words, zero))],
-                                             warmup, iters)
+        (t_ffi, f_ffi), (t_ref, f_ref), (t_copy, f_copy) = _median_times(
+            [(ffi, args), (ref, args), (_copy, (words, zero))], warmup, iters)
         gbs = lambda t: nbytes / t / 1e9  # noqa: E731
         rows.append(dict(op=name, tokens=T, hidden=H, bytes=nbytes, ffi_ms=t_ffi * 1e3,
                          ref_ms=t_ref * 1e3, copy_ms=t_copy * 1e3, ffi_gbs=gbs(t_ffi),
                          ref_gbs=gbs(t_ref), copy_gbs=gbs(t_copy), ffi_over_ref=t_ref / t_ffi,
-                         ffi_pct_copy=100 * t_copy / t_ffi, ref_pct_copy=100 * t_copy / t_ref))
+                         ffi_pct_copy=100 * t_copy / t_ffi, ref_pct_copy=100 * t_copy / t_ref,
+                         page_faults_per_call=dict(ffi=f_ffi, ref=f_ref, copy=f_copy)))
         print(f"  {name:24s} T={T} H={H}: ffi {t_ffi * 1e3:9.3f} ms  ref {t_ref * 1e3:9.3f} ms  "
-              f"copy {t_copy * 1e3:8.3f} ms", flush=True)
+              f"copy {t_copy * 1e3:8.3f} ms  (page faults/call {f_ffi:.0f} / {f_ref:.0f} / "
+              f"{f_copy:.0f})", flush=True)
     return rows
 
 
@@ -190,6 +199,8 @@ def sweep(a, dtype, out):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--glibc-heap-defaults", action="store_true",
+                   help="keep glibc malloc's trimming and mmap thresholds (default: keep freed host memory mapped, see common.keep_host_heap)")
     p.add_argument("--hidden", type=int, nargs="+", default=[2048, 7168])
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=64)
@@ -204,11 +215,12 @@ def main(argv=None):
     p.add_argument("--sweep-tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--sweep-hidden", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
     a = p.parse_args(argv)
+    heap = keep_host_heap(not a.glibc_heap_defaults)
     dtype = DTYPES[a.dtype]
     env = env_info()
     print(f"jax {jax.__version__} on {jax.default_backend()} ({env.get('device_kind')}), "
           f"{os.cpu_count()} CPUs; T={a.tokens} K={a.topk} E={a.experts} P={a.ranks} "
-          f"{a.dtype}; median of {a.iters} after {a.warmup} warm-up", flush=True)
+          f"{a.dtype}; median of {a.iters} after {a.warmup} warm-up; {heap}", flush=True)
 
     os.makedirs(a.out, exist_ok=True)
     if a.sweep:

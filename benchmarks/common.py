@@ -7,6 +7,7 @@ fall back to plain text and plots are skipped with a message.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -14,8 +15,43 @@ import platform
 import statistics
 import time
 
-__all__ = ["force_cpu_devices", "cpu_mesh", "time_fn", "print_table", "write_json", "env_info",
+__all__ = ["keep_host_heap", "force_cpu_devices", "cpu_mesh", "time_fn", "print_table", "write_json", "env_info",
            "bar_plot", "line_plot", "fmt_bytes"]
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_host_heap = "glibc defaults"  # what keep_host_heap set; env_info reports it
+
+
+def keep_host_heap(enabled: bool = True) -> str:
+    """Makes glibc malloc keep freed memory mapped: no heap trimming and no mmap per large
+    buffer, so each jitted call's output buffers land in pages already mapped. Call it
+    before the benchmark allocates its arrays. Returns what the benchmark ran with.
+
+    Why: with glibc's defaults, whether a call's output buffers were just unmapped depends
+    on where the buffers before them happened to sit in the heap. Here a lone FFI call
+    (indices_to_multihot, T=4096) took 26-125 minor page faults per call in one process and
+    0 in the next, 0.10-0.49 ms, while the reference next to it took none; the same luck made
+    the same-bytes copy baseline vary 2-3x. Every candidate (FFI, reference, copy) runs under
+    the same allocator settings, so the ratios compare kernels, not the kernel's page
+    zeroing. `enabled=False` (the benchmarks' --glibc-heap-defaults) leaves glibc as it is."""
+    global _host_heap
+    if not enabled:
+        _host_heap = "glibc defaults"
+    else:
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):
+            mallopt = None
+        if mallopt is None:
+            _host_heap = "platform default (no glibc mallopt)"
+        elif not all(mallopt(param, value) == 1 for param, value in
+                     ((_M_ARENA_MAX, 1), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_MMAP_MAX, 0))):
+            _host_heap = "platform default (mallopt refused)"
+        else:
+            _host_heap = "glibc heap kept (M_ARENA_MAX=1, M_TRIM_THRESHOLD=2^31-1, M_MMAP_MAX=0)"
+    return _host_heap
 
 
 def force_cpu_devices(count: int = 8) -> None:
@@ -97,7 +133,8 @@ def env_info() -> dict:
     """Where and when a benchmark ran."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version(), "machine": platform.machine(),
-            "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "cpu_count": os.cpu_count(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "host_heap": _host_heap}
     try:
         import jax
         info.update(jax=jax.__version__, backend=jax.default_backend(),

@@ -391,6 +391,53 @@ def test_unpermute_ffi_matches_reference(rng, N, H, T, dtype, with_probs):
                                atol=TOL[dtype]["atol"] * 4)
 
 
+def _unpermute_in_handler_order(permuted, sorted_indices, probs, num_tokens):
+    """The CPU handler's arithmetic written out in numpy: for each token, its rows in
+    ascending order, acc = fl32(acc + fl32(row * w)), then one rounding to the data dtype."""
+    x = np.asarray(permuted).astype(np.float32)
+    w = np.ones(len(x), np.float32) if probs is None else np.asarray(probs, np.float32)
+    acc = np.zeros((num_tokens, x.shape[1]), np.float32)
+    for r, t in enumerate(np.asarray(sorted_indices)):
+        if t >= 0:
+            acc[t] = acc[t] + x[r] * w[r]
+    return acc.astype(permuted.dtype)
+
+
+# H >= 64 takes the 64-channel register loop (plus a scalar tail when H % 64 != 0); outputs
+# of 8 MiB or more are written with streaming stores.
+@pytest.mark.parametrize("N,H,T,dtype,with_probs", [
+    (300, 64, 40, F32, True), (300, 130, 40, BF16, True), (300, 200, 40, F16, False),
+    (300, 1000, 9, BF16, False), (4096, 2048, 1024, F32, True),
+    (4096, 2048, 2048, BF16, True), (4096, 2112, 2048, F16, True)],
+    ids=lambda v: getattr(v, "__name__", str(v)))
+def test_unpermute_wide_rows_bitwise_in_handler_order(rng, N, H, T, dtype, with_probs):
+    permuted = rng.standard_normal((N, H)).astype(dtype)
+    sorted_indices = rng.integers(-1, T, N).astype(np.int32)
+    sorted_indices[: N // 8] = 3  # one token with many rows
+    probs = rng.random(N).astype(np.float32) if with_probs else None
+    got = ops.unpermute(jnp.asarray(permuted), jnp.asarray(sorted_indices), num_tokens=T,
+                        probs=None if probs is None else jnp.asarray(probs))
+    want = _unpermute_in_handler_order(permuted, sorted_indices, probs, T)
+    assert got.dtype == permuted.dtype and got.shape == (T, H)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+
+
+# Outputs of 8 MiB or more take the streaming-store copy; rows of 21 and 2002 bytes start at
+# every alignment, so its unaligned head and tail are exercised, and some rows are zero fill.
+@pytest.mark.parametrize("shape,num_rows,dtype", [((300, 1001), 4500, BF16),
+                                                  ((50, 3, 7), 400_000, np.uint8)],
+                         ids=["bf16-2002B", "u8-21B"])
+def test_gather_rows_large_output(rng, shape, num_rows, dtype):
+    x = (rng.standard_normal(shape) * 50).astype(dtype)
+    row_idx = rng.integers(-5, shape[0] + 5, num_rows).astype(np.int32)
+    got = np.asarray(ops.gather_rows(jnp.asarray(x), jnp.asarray(row_idx)))
+    assert got.nbytes >= 8 << 20
+    valid = (row_idx >= 0) & (row_idx < shape[0])
+    want = np.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)),
+                    x[np.clip(row_idx, 0, shape[0] - 1)], np.zeros_like(x[:1]))
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("shape,dtype", [
     ((6, 5), F32), ((6, 5), BF16), ((6, 5), F16), ((6,), np.int32), ((6, 2, 3), np.uint8),
     ((6, 2, 3), BF16)], ids=lambda v: getattr(v, "__name__", str(v)))

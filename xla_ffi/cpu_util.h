@@ -11,6 +11,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include "common.h"
 
@@ -48,6 +51,48 @@ inline void AdviseHugePages(void* data, int64_t bytes) {
 #endif
 }
 
+// Outputs of at least this many bytes are written with streaming (non-temporal) stores: a
+// normal store first reads its destination line into the cache (read for ownership), so a
+// row gather into a buffer larger than the cache moves its output bytes three times; a
+// streaming store writes them once. Smaller outputs are likely read again while cached.
+constexpr int64_t kStreamingStoreBytes = 8 << 20;
+
+// dst[0, bytes) = src[0, bytes), or zeros when src is null, with streaming stores for the
+// 16-byte-aligned middle on x86-64 (plain memcpy / memset elsewhere). Call StreamingFence()
+// before the written bytes are handed to another thread.
+inline void StreamRow(uint8_t* dst, const uint8_t* src, int64_t bytes) {
+#if defined(__x86_64__)
+  const int64_t head = std::min<int64_t>(bytes, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  const int64_t body = (bytes - head) / 16 * 16;
+  if (src) {
+    std::memcpy(dst, src, head);
+    for (int64_t i = head; i < head + body; i += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    std::memcpy(dst + head + body, src + head + body, bytes - head - body);
+  } else {
+    std::memset(dst, 0, head);
+    for (int64_t i = head; i < head + body; i += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_setzero_si128());
+    std::memset(dst + head + body, 0, bytes - head - body);
+  }
+#else
+  if (src) {
+    std::memcpy(dst, src, bytes);
+  } else {
+    std::memset(dst, 0, bytes);
+  }
+#endif
+}
+
+// Orders this thread's streaming stores before its later stores (ParallelFor's completion
+// count), so whoever sees the work done sees the bytes.
+inline void StreamingFence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
 template <typename T>
 struct Fp32Io;
 template <>
@@ -65,6 +110,23 @@ struct Fp32Io<_Float16> {
   static float Load(_Float16 v) { return float(v); }
   static _Float16 Store(float v) { return _Float16(v); }
 };
+
+// 16 fp32 lanes as a GCC/Clang vector: compiled to whatever SIMD the target has (one zmm
+// register with AVX-512), with the same per-lane arithmetic as scalar code.
+typedef float F32x16 __attribute__((vector_size(64)));
+
+// 16 values widened to fp32 / narrowed back, lane by lane as Fp32Io<T> (the fixed-length
+// loops vectorise).
+template <typename T>
+inline F32x16 LoadF32x16(const T* __restrict in) {
+  F32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = Fp32Io<T>::Load(in[i]);
+  return v;
+}
+template <typename T>
+inline void StoreF32x16(F32x16 v, T* __restrict out) {
+  for (int i = 0; i < 16; ++i) out[i] = Fp32Io<T>::Store(v[i]);
+}
 
 // Calls fn(T{}) with the storage type of a float32 / bfloat16 / float16 buffer.
 template <typename Fn>

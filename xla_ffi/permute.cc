@@ -24,9 +24,9 @@
 
 namespace jax_ep {
 
-void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64_t pad_multiple,
-                 bool drop_and_pad, int32_t* sorted_indices, int32_t* tokens_per_expert,
-                 int32_t* num_dropped, std::vector<int64_t>* row_of_pair) {
+void PlanPermute(const bool* routing_map, const float* probs, int64_t T, int64_t E, int64_t N,
+                 int64_t pad_multiple, bool drop_and_pad, int32_t* sorted_indices,
+                 float* permuted_probs, int32_t* tokens_per_expert, int32_t* num_dropped) {
   std::vector<int64_t> routed(E, 0);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t e = 0; e < E; ++e) routed[e] += routing_map[t * E + e];
@@ -50,9 +50,9 @@ void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64
     }
   }
   std::fill(sorted_indices, sorted_indices + N, -1);
+  std::fill(permuted_probs, permuted_probs + N, 0.0f);
   int64_t kept = 0, total = 0;
   std::vector<int64_t> cursor(E, 0);
-  row_of_pair->assign(T * E, -1);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) {
       if (!routing_map[t * E + e]) continue;
@@ -61,7 +61,7 @@ void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64
       if (j >= capacity[e]) continue;
       const int64_t row = start[e] + j;
       sorted_indices[row] = int32_t(t);
-      (*row_of_pair)[t * E + e] = row;
+      if (probs) permuted_probs[row] = probs[t * E + e];
       ++kept;
     }
   }
@@ -69,31 +69,55 @@ void PlanPermute(const bool* routing_map, int64_t T, int64_t E, int64_t N, int64
   *num_dropped = int32_t(total - kept);
 }
 
-// acc[h] += row[h] * w over one row (restrict pointers: vectorised).
+// acc[h] += row[h] * w over h < n (restrict pointers: vectorised).
 template <typename T>
-void AccumulateRow(const T* __restrict row, float w, int64_t H, float* __restrict acc) {
-  for (int64_t h = 0; h < H; ++h) acc[h] += Fp32Io<T>::Load(row[h]) * w;
+void AccumulateRow(const T* __restrict row, float w, int64_t n, float* __restrict acc) {
+  for (int64_t h = 0; h < n; ++h) acc[h] += Fp32Io<T>::Load(row[h]) * w;
 }
 
+// One output row of unpermute: out[h] = sum over i < count, ascending, of
+// src[row_of[i] * H + h] * w_i in fp32 (each product rounded, then added; w_i =
+// probs[row_of[i]], 1 without probs). 64 channels at a time, the token's rows read side by
+// side so their loads overlap, the sums held in four vector registers.
 template <typename T>
-void StoreRow(const float* __restrict acc, int64_t H, T* __restrict out) {
-  for (int64_t h = 0; h < H; ++h) out[h] = Fp32Io<T>::Store(acc[h]);
+void ReduceRow(const T* src, int64_t H, const int64_t* row_of, int64_t count,
+               const float* probs, T* out) {
+  constexpr int64_t kChunk = 64, kLanes = 16;
+  int64_t h0 = 0;
+  for (; h0 + kChunk <= H; h0 += kChunk) {
+    F32x16 acc[kChunk / kLanes] = {};
+    for (int64_t i = 0; i < count; ++i) {
+      const T* row = src + row_of[i] * H + h0;
+      const float w = probs ? probs[row_of[i]] : 1.0f;
+      for (int64_t v = 0; v < kChunk / kLanes; ++v) acc[v] += LoadF32x16(row + v * kLanes) * w;
+    }
+    for (int64_t v = 0; v < kChunk / kLanes; ++v) StoreF32x16(acc[v], out + h0 + v * kLanes);
+  }
+  if (h0 == H) return;
+  float tail[kChunk] = {};
+  for (int64_t i = 0; i < count; ++i)
+    AccumulateRow(src + row_of[i] * H + h0, probs ? probs[row_of[i]] : 1.0f, H - h0, tail);
+  for (int64_t h = h0; h < H; ++h) out[h] = Fp32Io<T>::Store(tail[h - h0]);
 }
 
 void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
                      int64_t row_bytes, const int32_t* idx, int64_t num_rows, uint8_t* out) {
   AdviseHugePages(out, num_rows * row_bytes);
-  const int64_t grain = GrainItems(row_bytes);
-  ParallelFor(pool, num_rows, grain, [&](int64_t begin, int64_t end) {
+  const bool streaming = num_rows * row_bytes >= kStreamingStoreBytes;
+  ParallelFor(pool, num_rows, GrainItems(row_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t s = idx[r];
+      const uint8_t* src = s >= 0 && s < num_src ? x + s * row_bytes : nullptr;
       uint8_t* dst = out + r * row_bytes;
-      if (s >= 0 && s < num_src) {
-        std::memcpy(dst, x + s * row_bytes, row_bytes);
+      if (streaming) {
+        StreamRow(dst, src, row_bytes);
+      } else if (src) {
+        std::memcpy(dst, src, row_bytes);
       } else {
         std::memset(dst, 0, row_bytes);
       }
     }
+    if (streaming) StreamingFence();
   });
 }
 
@@ -131,18 +155,10 @@ ffi::Error PermuteCpu(ffi::ThreadPool pool, Any tokens, Pred routing_map, F32 pr
       err.failure())
     return err;
   const int64_t N = sorted_indices->element_count();
-  std::vector<int64_t> row_of_pair;
   int32_t* order = sorted_indices->typed_data();
-  PlanPermute(routing_map.typed_data(), T, E, N, pad_multiple, drop_and_pad, order,
-              tokens_per_expert->typed_data(), num_dropped->typed_data(), &row_of_pair);
-
-  float* out_probs = permuted_probs->typed_data();
-  std::fill(out_probs, out_probs + N, 0.0f);
-  if (has_probs) {
-    const float* p = probs.typed_data();
-    for (int64_t i = 0; i < T * E; ++i)
-      if (row_of_pair[i] >= 0) out_probs[row_of_pair[i]] = p[i];
-  }
+  PlanPermute(routing_map.typed_data(), has_probs ? probs.typed_data() : nullptr, T, E, N,
+              pad_multiple, drop_and_pad, order, permuted_probs->typed_data(),
+              tokens_per_expert->typed_data(), num_dropped->typed_data());
   const int64_t row_bytes = width * ffi::ByteWidth(tokens.element_type());
   GatherRowsBytes(pool, static_cast<const uint8_t*>(tokens.untyped_data()), T, row_bytes,
                   order, N, static_cast<uint8_t*>(permuted->untyped_data()));
@@ -192,17 +208,22 @@ ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, 
     const T_* src = static_cast<const T_*>(permuted.untyped_data());
     T_* dst = static_cast<T_*>(out->untyped_data());
     AdviseHugePages(dst, T * H * int64_t(sizeof(T_)));
-    const int64_t grain = GrainItems(4 * H);  // fp32 accumulation rows
-    ParallelFor(pool, T, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(H);
+    const int64_t row_bytes = H * int64_t(sizeof(T_));
+    const bool streaming = T * row_bytes >= kStreamingStoreBytes;
+    ParallelFor(pool, T, GrainItems(row_bytes), [&](int64_t begin, int64_t end) {
+      std::vector<T_> staged(streaming ? H : 0);  // the output row before its streaming store
       for (int64_t t = begin; t < end; ++t) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t i = offset[t]; i < offset[t + 1]; ++i) {
-          const int64_t r = rows_of_token[i];
-          AccumulateRow(src + r * H, p ? p[r] : 1.0f, H, acc.data());
+        const int64_t* row_of = rows_of_token.data() + offset[t];
+        const int64_t count = offset[t + 1] - offset[t];
+        if (streaming) {
+          ReduceRow(src, H, row_of, count, p, staged.data());
+          StreamRow(reinterpret_cast<uint8_t*>(dst + t * H),
+                    reinterpret_cast<const uint8_t*>(staged.data()), row_bytes);
+        } else {
+          ReduceRow(src, H, row_of, count, p, dst + t * H);
         }
-        StoreRow(acc.data(), H, dst + t * H);
       }
+      if (streaming) StreamingFence();
     });
     return ffi::Error::Success();
   });
