@@ -147,6 +147,37 @@ def test_every_finite_bit_pattern_range_matches_reference(rng):
     np.testing.assert_array_equal(codes(q), codes(q_ref))
 
 
+def _finite_bf16_values():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    vals = bits.view(BF16)
+    return vals[np.isfinite(vals.astype(np.float32))]
+
+
+def test_every_bf16_value_at_scale_one_matches_reference():
+    """bfloat16 input (its own AVX-512 loop): every finite bf16 value up to 448, both signs,
+    127 per row next to a 448, so the scale is 1 and the codes are the values' own e4m3
+    roundings: every e4m3 tie that bf16 can hold, and its bf16 neighbours, are in there."""
+    vals = _finite_bf16_values()
+    vals = vals[np.abs(vals.astype(np.float32)) <= 448]
+    rows = np.pad(vals, (0, -len(vals) % 127)).reshape(-1, 127)
+    x = np.concatenate([rows, np.full((len(rows), 1), 448, BF16)], axis=1)
+    (q, s), (q_ref, _) = _cast_both(x)
+    np.testing.assert_array_equal(np.asarray(s), 1.0)
+    np.testing.assert_array_equal(codes(q), codes(q_ref))
+    np.testing.assert_array_equal(codes(q), x.astype(np.float32).astype(E4M3).view(np.uint8))
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_every_bf16_value_in_random_blocks_matches_reference(rng, round_scale):
+    """Every finite bf16 value, shuffled into 128-channel blocks: each block gets its own
+    amax and scale (subnormal inputs, the 1e-4 amax floor and huge amaxes included)."""
+    vals = rng.permutation(_finite_bf16_values())
+    x = np.pad(vals, (0, -len(vals) % 512)).reshape(-1, 512)
+    (q, s), (q_ref, s_ref) = _cast_both(x, round_scale=round_scale)
+    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), np.asarray(s_ref).view(np.uint32))
+    np.testing.assert_array_equal(codes(q), codes(q_ref))
+
+
 # Scales for the every-code cast back: ordinary, negative, products that are exact bf16 or
 # float16 rounding ties between an odd and an even neighbour (code 1.0 times 1 + 3 * 2^-8 or
 # 1 + 3 * 2^-11: the tie goes up to the even one), products that are fp32 subnormals

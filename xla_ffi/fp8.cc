@@ -132,6 +132,76 @@ JAX_EP_AVX512 float CastBlockAvx512(const T* in, bool round_scale, uint8_t* code
   return scale_inv;
 }
 
+// FloatToE4m3(x * inv) for 32 bfloat16 channels of a block that is not poisoned, as 16-bit
+// codes. A bf16 pair (x0, x1) in one dword widens to two floats with one shift (x0) and one
+// mask (x1), so each product y is formed exactly as in the other loops. y is then rounded to
+// odd at bf16 precision: its upper 16 bits, with the last of them set when any lower bit is.
+// That keeps every round-to-nearest-even decision at 5 or fewer fraction bits (a tie stays a
+// tie, anything off it stays off it), so the e4m3 rounding, done on 16-bit lanes, 32
+// channels per instruction, gives the same codes. The subnormal grid (|y| < 2^-6, rare but
+// for zeros) is taken from y itself with FloatToE4m3x16's arithmetic, so the codes match
+// under every MXCSR rounding mode too. No NaN select: |x| <= amax makes |y| at most
+// 448 * (1 + 2^-21), whose nearest e4m3 value is 448 (0x7e).
+JAX_EP_AVX512_INLINE __m512i Bf16PairsToE4m3x32(__m512i x, __m512 inv) {
+  const __m512i y0 = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), inv));
+  const __m512i y1 = _mm512_castps_si512(
+      _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(int32_t(0xffff0000u)))), inv));
+  // (y0 >> 16) | (y1 & 0xffff0000): ternary-logic table 0xf8 is A | (B & C).
+  __m512i r = _mm512_ternarylogic_epi32(_mm512_srli_epi32(y0, 16), y1,
+                                        _mm512_set1_epi32(int32_t(0xffff0000u)), 0xf8);
+  const __m512i low_half = _mm512_set1_epi32(0xffff);
+  r = _mm512_mask_or_epi32(r, _mm512_test_epi32_mask(y0, low_half), r, _mm512_set1_epi32(1));
+  r = _mm512_mask_or_epi32(r, _mm512_test_epi32_mask(y1, low_half), r, _mm512_set1_epi32(0x10000));
+  // FloatToE4m3 on the 16-bit patterns: 7 fraction bits, rounded at bit 4.
+  const __m512i mag = _mm512_and_si512(r, _mm512_set1_epi16(0x7fff));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(mag, 4), _mm512_set1_epi16(1));
+  const __m512i rounded = _mm512_add_epi16(_mm512_add_epi16(mag, _mm512_set1_epi16(7)), odd);
+  __m512i code = _mm512_sub_epi16(_mm512_srli_epi16(rounded, 4), _mm512_set1_epi16(120 << 3));
+  const __mmask32 is_sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(0x3c80));  // |y| < 2^-6
+  if (is_sub) {  // zeros get code 0; other subnormal-grid lanes (rare) round(|y| * 2^9) from y
+    code = _mm512_mask_mov_epi16(code, is_sub, _mm512_setzero_si512());
+    const __mmask32 tiny = is_sub & _mm512_test_epi16_mask(mag, mag);
+    if (tiny) {
+      const auto grid = [](__m512i y) {  // FloatToE4m3x16's subnormal grid, 16 fp32 lanes
+        const __m512 on_grid = _mm512_add_ps(
+            _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0x7fffffff))),
+                          _mm512_set1_ps(512.0f)),
+            _mm512_set1_ps(8388608.0f));
+        return _mm512_sub_epi32(_mm512_castps_si512(on_grid), _mm512_set1_epi32(0x4b000000));
+      };
+      // (grid(y0) & 0xffff) | (grid(y1) << 16): the two halves back in channel order (0xec).
+      const __m512i sub_codes = _mm512_ternarylogic_epi32(
+          grid(y0), _mm512_slli_epi32(grid(y1), 16), _mm512_set1_epi32(0xffff), 0xec);
+      code = _mm512_mask_mov_epi16(code, tiny, sub_codes);
+    }
+  }
+  // code | ((r >> 8) & 0x80)
+  return _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(r, 8), _mm512_set1_epi16(0x80), 0xf8);
+}
+
+// CastBlockAvx512 for bfloat16 input: the block in four registers of 32 channels, amax on
+// the 16-bit magnitudes (integer order is float order, NaN the largest), codes as above.
+JAX_EP_AVX512 float CastBlockAvx512(const uint16_t* in, bool round_scale, uint8_t* codes) {
+  constexpr int kVectors = kFp8Block / 32;
+  __m512i block[kVectors];
+  __m512i amax16 = _mm512_setzero_si512();
+  for (int v = 0; v < kVectors; ++v) {
+    block[v] = _mm512_loadu_si512(in + 32 * v);
+    amax16 = _mm512_max_epu16(amax16, _mm512_and_si512(block[v], _mm512_set1_epi16(0x7fff)));
+  }
+  const __m512i amax32 = _mm512_max_epu32(_mm512_slli_epi32(amax16, 16),
+                                          _mm512_and_si512(amax16, _mm512_set1_epi32(int32_t(0xffff0000u))));
+  const float amax = std::max(BitsFloat(_mm512_reduce_max_epu32(amax32)), kFp8MinAmax);
+  const float scale_inv = BlockScaleOrPoison(amax, round_scale, codes);
+  if (!IsFiniteAmax(amax)) return scale_inv;
+  const __m512 inv = _mm512_set1_ps(1.0f / scale_inv);
+  for (int v = 0; v < kVectors; ++v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * v),
+                        _mm512_cvtepi16_epi8(Bf16PairsToE4m3x32(block[v], inv)));
+  }
+  return scale_inv;
+}
+
 // 32 fp32 lanes (lo = the first 16) to the output type: float as is, float16 by the hardware
 // convert in the current rounding mode (as _Float16(v)), bfloat16 by FloatToBf16's integer
 // rounding, then one permute picks the 32 upper halves. Lanes are finite, inf or the
