@@ -123,8 +123,8 @@ void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
 
 namespace {
 
-ffi::Error MultihotCpu(ffi::ThreadPool pool, I32 topk_idx, F32 topk_probs, int64_t num_experts,
-                       PredOut routing_map, F32Out probs) {
+ffi::Error MultihotCpu(I32 topk_idx, F32 topk_probs, int64_t num_experts, PredOut routing_map,
+                       F32Out probs) {
   if (auto err = CheckRank(topk_idx, 2, "topk_idx"); err.failure()) return err;
   const int64_t T = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
   const int64_t E = num_experts;
@@ -133,20 +133,16 @@ ffi::Error MultihotCpu(ffi::ThreadPool pool, I32 topk_idx, F32 topk_probs, int64
   const float* p = topk_probs.typed_data();
   bool* map = routing_map->typed_data();
   float* dense = probs->typed_data();
-  // Rows of 5 * E bytes (bool + f32). Two threads: 2.25x the reference (median of 14 runs of
-  // bench_ops) against 1.9x on one.
-  ParallelFor(pool, T, GrainItems(5 * E), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {  // clear a row, then scatter its slots while cached
-      std::fill(map + t * E, map + (t + 1) * E, false);
-      std::fill(dense + t * E, dense + (t + 1) * E, 0.0f);
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t e = idx[t * K + k];
-        if (e < 0) continue;
-        map[t * E + e] = true;
-        dense[t * E + e] += p[t * K + k];
-      }
+  for (int64_t t = 0; t < T; ++t) {  // clear a row, then scatter its slots while it is cached
+    std::fill(map + t * E, map + (t + 1) * E, false);
+    std::fill(dense + t * E, dense + (t + 1) * E, 0.0f);
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = idx[t * K + k];
+      if (e < 0) continue;
+      map[t * E + e] = true;
+      dense[t * E + e] += p[t * K + k];
     }
-  });
+  }
   return ffi::Error::Success();
 }
 
@@ -238,7 +234,6 @@ ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpIndicesToMultihotCpu, jax_ep::MultihotCpu,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<jax_ep::I32>()        // topk_idx [T, K]
                                   .Arg<jax_ep::F32>()        // topk_probs [T, K]
                                   .Attr<int64_t>("num_experts")
