@@ -323,8 +323,8 @@ def test_multihot_hand_example():
         np.testing.assert_array_equal(dense, want_probs)
 
 
-# The CPU handler splits rows of 64 KiB / (5 E) tokens between threads: the last two cases
-# take several chunks, one of them ragged.
+# The last two cases: a benchmark-sized batch, and a token count and expert count that are
+# multiples of nothing in particular.
 @pytest.mark.parametrize("T,K,E", [(1, 1, 1), (1, 4, 8), (9, 2, 4), (32, 8, 64), (17, 6, 6),
                                    (4096, 8, 64), (1001, 5, 20)])
 @pytest.mark.parametrize("unrouted", [0.0, 0.3, 1.0])
