@@ -115,16 +115,17 @@ struct Fp32Io<_Float16> {
 // register with AVX-512), with the same per-lane arithmetic as scalar code.
 typedef float F32x16 __attribute__((vector_size(64)));
 
-// 16 values widened to fp32 / narrowed back, lane by lane as Fp32Io<T> (the fixed-length
-// loops vectorise).
+// acc += 16 values widened to fp32 (as Fp32Io<T>::Load) times w, each product rounded
+// before the add; and 16 fp32 values stored as Fp32Io<T>::Store. Vectors go by reference
+// (no vector-ABI dependence); the fixed-length loops vectorise.
 template <typename T>
-inline F32x16 LoadF32x16(const T* __restrict in) {
+inline void MulAddF32x16(const T* __restrict in, float w, F32x16& acc) {
   F32x16 v;
   for (int i = 0; i < 16; ++i) v[i] = Fp32Io<T>::Load(in[i]);
-  return v;
+  acc += v * w;
 }
 template <typename T>
-inline void StoreF32x16(F32x16 v, T* __restrict out) {
+inline void StoreF32x16(const F32x16& v, T* __restrict out) {
   for (int i = 0; i < 16; ++i) out[i] = Fp32Io<T>::Store(v[i]);
 }
 

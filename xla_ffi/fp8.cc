@@ -132,6 +132,14 @@ JAX_EP_AVX512 float CastBlockAvx512(const T* in, bool round_scale, uint8_t* code
   return scale_inv;
 }
 
+// round(|y| * 2^9) on 16 fp32 lanes through 2^23's ulp: FloatToE4m3x16's subnormal grid.
+JAX_EP_AVX512_INLINE __m512i SubnormalGridCodes(__m512i y) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0x7fffffff)));
+  const __m512 on_grid = _mm512_add_ps(_mm512_mul_ps(magnitude, _mm512_set1_ps(512.0f)),
+                                       _mm512_set1_ps(8388608.0f));
+  return _mm512_sub_epi32(_mm512_castps_si512(on_grid), _mm512_set1_epi32(0x4b000000));
+}
+
 // FloatToE4m3(x * inv) for 32 bfloat16 channels of a block that is not poisoned, as 16-bit
 // codes. A bf16 pair (x0, x1) in one dword widens to two floats with one shift (x0) and one
 // mask (x1), so each product y is formed exactly as in the other loops. y is then rounded to
@@ -162,16 +170,10 @@ JAX_EP_AVX512_INLINE __m512i Bf16PairsToE4m3x32(__m512i x, __m512 inv) {
     code = _mm512_mask_mov_epi16(code, is_sub, _mm512_setzero_si512());
     const __mmask32 tiny = is_sub & _mm512_test_epi16_mask(mag, mag);
     if (tiny) {
-      const auto grid = [](__m512i y) {  // FloatToE4m3x16's subnormal grid, 16 fp32 lanes
-        const __m512 on_grid = _mm512_add_ps(
-            _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0x7fffffff))),
-                          _mm512_set1_ps(512.0f)),
-            _mm512_set1_ps(8388608.0f));
-        return _mm512_sub_epi32(_mm512_castps_si512(on_grid), _mm512_set1_epi32(0x4b000000));
-      };
       // (grid(y0) & 0xffff) | (grid(y1) << 16): the two halves back in channel order (0xec).
       const __m512i sub_codes = _mm512_ternarylogic_epi32(
-          grid(y0), _mm512_slli_epi32(grid(y1), 16), _mm512_set1_epi32(0xffff), 0xec);
+          SubnormalGridCodes(y0), _mm512_slli_epi32(SubnormalGridCodes(y1), 16),
+          _mm512_set1_epi32(0xffff), 0xec);
       code = _mm512_mask_mov_epi16(code, tiny, sub_codes);
     }
   }

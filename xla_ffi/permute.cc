@@ -89,7 +89,7 @@ void ReduceRow(const T* src, int64_t H, const int64_t* row_of, int64_t count,
     for (int64_t i = 0; i < count; ++i) {
       const T* row = src + row_of[i] * H + h0;
       const float w = probs ? probs[row_of[i]] : 1.0f;
-      for (int64_t v = 0; v < kChunk / kLanes; ++v) acc[v] += LoadF32x16(row + v * kLanes) * w;
+      for (int64_t v = 0; v < kChunk / kLanes; ++v) MulAddF32x16(row + v * kLanes, w, acc[v]);
     }
     for (int64_t v = 0; v < kChunk / kLanes; ++v) StoreF32x16(acc[v], out + h0 + v * kLanes);
   }
