@@ -42,7 +42,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank (T)")
     p.add_argument("--glibc-heap-defaults", action="store_true",
-                   help="keep glibc malloc's trimming and mmap thresholds (default: keep freed host memory mapped, see common.keep_host_heap)")
+                   help="leave glibc malloc as it is (default: keep freed host memory mapped, "
+                        "see common.keep_host_heap)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size H (multiple of 128)")
     p.add_argument("--experts", type=int, default=256, help="global experts E")
     p.add_argument("--topk", type=int, default=8, help="experts per token K")

@@ -32,7 +32,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=64, help="tokens per device")
     p.add_argument("--glibc-heap-defaults", action="store_true",
-                   help="keep glibc malloc's trimming and mmap thresholds (default: keep freed host memory mapped, see common.keep_host_heap)")
+                   help="leave glibc malloc as it is (default: keep freed host memory mapped, "
+                        "see common.keep_host_heap)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=128, help="expert FFN hidden size F")
     p.add_argument("--experts", type=int, default=64)

@@ -200,7 +200,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--glibc-heap-defaults", action="store_true",
-                   help="keep glibc malloc's trimming and mmap thresholds (default: keep freed host memory mapped, see common.keep_host_heap)")
+                   help="leave glibc malloc as it is (default: keep freed host memory mapped, "
+                        "see common.keep_host_heap)")
     p.add_argument("--hidden", type=int, nargs="+", default=[2048, 7168])
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--experts", type=int, default=64)

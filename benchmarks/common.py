@@ -15,42 +15,44 @@ import platform
 import statistics
 import time
 
-__all__ = ["keep_host_heap", "force_cpu_devices", "cpu_mesh", "time_fn", "print_table", "write_json", "env_info",
-           "bar_plot", "line_plot", "fmt_bytes"]
+__all__ = ["keep_host_heap", "force_cpu_devices", "cpu_mesh", "time_fn", "print_table",
+           "write_json", "env_info", "bar_plot", "line_plot", "fmt_bytes"]
 
 
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+# glibc mallopt parameters (malloc.h) and the values keep_host_heap sets
+_HEAP_SETTINGS = {"M_ARENA_MAX": (-8, 1), "M_TRIM_THRESHOLD": (-1, 2**31 - 1),
+                  "M_MMAP_MAX": (-4, 0)}
 _host_heap = "glibc defaults"  # what keep_host_heap set; env_info reports it
 
 
 def keep_host_heap(enabled: bool = True) -> str:
-    """Makes glibc malloc keep freed memory mapped: no heap trimming and no mmap per large
-    buffer, so each jitted call's output buffers land in pages already mapped. Call it
-    before the benchmark allocates its arrays. Returns what the benchmark ran with.
+    """Makes glibc malloc keep freed memory mapped: one arena, no heap trimming and no mmap
+    per large buffer, so each jitted call's output buffers land in pages already mapped (the
+    process keeps its peak memory). Call it once, before the benchmark allocates its arrays
+    and before jax starts its threads. Returns what the benchmark runs with.
 
     Why: with glibc's defaults, whether a call's output buffers were just unmapped depends
     on where the buffers before them happened to sit in the heap. Here a lone FFI call
-    (indices_to_multihot, T=4096) took 26-125 minor page faults per call in one process and
-    0 in the next, 0.10-0.49 ms, while the reference next to it took none; the same luck made
-    the same-bytes copy baseline vary 2-3x. Every candidate (FFI, reference, copy) runs under
-    the same allocator settings, so the ratios compare kernels, not the kernel's page
-    zeroing. `enabled=False` (the benchmarks' --glibc-heap-defaults) leaves glibc as it is."""
+    (indices_to_multihot, T=4096) took 26-125 minor page faults per call, varying from process
+    to process, 0.10-0.49 ms, while the reference next to it took none; the same-bytes copy
+    baseline next to permute took 18.6k faults per call. Every candidate (FFI, reference,
+    copy) runs under the same allocator settings, so the ratios compare kernels, not the
+    kernel's page zeroing. `enabled=False` (the benchmarks' --glibc-heap-defaults) changes
+    nothing."""
     global _host_heap
     if not enabled:
-        _host_heap = "glibc defaults"
-    else:
-        try:
-            mallopt = ctypes.CDLL(None).mallopt
-        except (OSError, AttributeError):
-            mallopt = None
-        if mallopt is None:
-            _host_heap = "platform default (no glibc mallopt)"
-        elif not all(mallopt(param, value) == 1 for param, value in
-                     ((_M_ARENA_MAX, 1), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_MMAP_MAX, 0))):
-            _host_heap = "platform default (mallopt refused)"
-        else:
-            _host_heap = "glibc heap kept (M_ARENA_MAX=1, M_TRIM_THRESHOLD=2^31-1, M_MMAP_MAX=0)"
+        return _host_heap
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):  # no libc to load (TypeError: Windows)
+        _host_heap = "platform default (no glibc mallopt)"
+        return _host_heap
+    refused = [name for name, (param, value) in _HEAP_SETTINGS.items()
+               if mallopt(param, value) != 1]
+    kept = ", ".join(f"{name}={value}" for name, (_, value) in _HEAP_SETTINGS.items()
+                     if name not in refused)
+    _host_heap = f"glibc heap kept ({kept})" + (f"; refused: {', '.join(refused)}"
+                                                if refused else "")
     return _host_heap
 
 
