@@ -9,6 +9,7 @@ jit / vmap / shard_map, argument errors.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -218,6 +219,29 @@ def test_cpu_fp8_loops_follow_cpu_flags():
     forced = os.environ.get("JAX_EP_CPU_SIMD") == "0"
     want = "avx512" if has_avx512 and not forced else "portable"
     assert _jax_ep.cpu_fp8_loops() == want
+
+
+@pytest.mark.parametrize("arch", ["-march=native", "-march=x86-64"], ids=["native", "portable"])
+def test_avx512_loops_match_portable_loops_under_every_mxcsr_mode(tmp_path, arch):
+    """XLA runs handlers with round-to-nearest and FTZ/DAZ on, which is all the tests above can
+    reach. tests/cpp/fp8_loop_parity.cc compares the AVX-512 and portable block loops directly
+    (scales, codes and cast-back bits, f32 / bf16 / f16) under all 16 MXCSR settings, built
+    with the handlers' flags for both build modes (JAX_EP_CPU_NATIVE on and off)."""
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    if _jax_ep.cpu_fp8_loops() != "avx512":
+        pytest.skip("this CPU runs the portable loops only")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    exe = str(tmp_path / "fp8_loop_parity")
+    build = subprocess.run(
+        [compiler, "-O3", arch, "-ffp-contract=off", "-std=c++17", "-w",
+         "-I" + os.path.join(root, "xla_ffi"), "-I" + jax.ffi.include_dir(),
+         os.path.join(root, "tests", "cpp", "fp8_loop_parity.cc"), "-o", exe],
+        capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "mismatches 0" in run.stdout, run.stdout[-4000:]
 
 
 def test_portable_cpu_path_matches_reference():
