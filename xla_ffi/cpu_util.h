@@ -57,9 +57,18 @@ inline void AdviseHugePages(void* data, int64_t bytes) {
 // streaming store writes them once. Smaller outputs are likely read again while cached.
 constexpr int64_t kStreamingStoreBytes = 8 << 20;
 
-// dst[0, bytes) = src[0, bytes), or zeros when src is null, with streaming stores for the
-// 16-byte-aligned middle on x86-64 (plain memcpy / memset elsewhere). Call StreamingFence()
-// before the written bytes are handed to another thread.
+// dst[0, bytes) = src[0, bytes), or zeros when src is null.
+inline void CopyOrZeroRow(uint8_t* dst, const uint8_t* src, int64_t bytes) {
+  if (src) {
+    std::memcpy(dst, src, bytes);
+  } else {
+    std::memset(dst, 0, bytes);
+  }
+}
+
+// CopyOrZeroRow with streaming stores for the 16-byte-aligned middle on x86-64 (plain
+// CopyOrZeroRow elsewhere). Call StreamingFence() before the written bytes are handed to
+// another thread.
 inline void StreamRow(uint8_t* dst, const uint8_t* src, int64_t bytes) {
 #if defined(__x86_64__)
   const int64_t head = std::min<int64_t>(bytes, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
@@ -77,11 +86,7 @@ inline void StreamRow(uint8_t* dst, const uint8_t* src, int64_t bytes) {
     std::memset(dst + head + body, 0, bytes - head - body);
   }
 #else
-  if (src) {
-    std::memcpy(dst, src, bytes);
-  } else {
-    std::memset(dst, 0, bytes);
-  }
+  CopyOrZeroRow(dst, src, bytes);
 #endif
 }
 

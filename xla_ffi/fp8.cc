@@ -80,14 +80,21 @@ void DequantizeBlock(const uint8_t* __restrict in, float scale, T* __restrict ou
 #define JAX_EP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define JAX_EP_AVX512_INLINE JAX_EP_AVX512 inline __attribute__((always_inline))
 
+// round(|y| * 2^9) on 16 fp32 lanes through 2^23's ulp: the e4m3 codes of the subnormal grid
+// (|y| < 2^-6), in the current rounding mode like the portable FloatToE4m3.
+JAX_EP_AVX512_INLINE __m512i SubnormalGridCodes(__m512i y) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0x7fffffff)));
+  const __m512 on_grid = _mm512_add_ps(_mm512_mul_ps(magnitude, _mm512_set1_ps(512.0f)),
+                                       _mm512_set1_ps(8388608.0f));
+  return _mm512_sub_epi32(_mm512_castps_si512(on_grid), _mm512_set1_epi32(0x4b000000));
+}
+
 // FloatToE4m3 on 16 lanes. The one NaN test `code > 0x7e` covers the portable version's two:
 // subnormal-grid codes are at most 8, and an inf or NaN input gives a normal code above 0x7e.
 JAX_EP_AVX512_INLINE __m128i FloatToE4m3x16(__m512 y) {
   const __m512i bits = _mm512_castps_si512(y);
   const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-  const __m512 on_grid = _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(512.0f)),
-                                       _mm512_set1_ps(8388608.0f));
-  const __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(on_grid), _mm512_set1_epi32(0x4b000000));
+  const __m512i subnormal = SubnormalGridCodes(bits);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7ffff)), odd);
   const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3));
@@ -130,14 +137,6 @@ JAX_EP_AVX512 float CastBlockAvx512(const T* in, bool round_scale, uint8_t* code
   return scale_inv;
 }
 
-// round(|y| * 2^9) on 16 fp32 lanes through 2^23's ulp: FloatToE4m3x16's subnormal grid.
-JAX_EP_AVX512_INLINE __m512i SubnormalGridCodes(__m512i y) {
-  const __m512 magnitude = _mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0x7fffffff)));
-  const __m512 on_grid = _mm512_add_ps(_mm512_mul_ps(magnitude, _mm512_set1_ps(512.0f)),
-                                       _mm512_set1_ps(8388608.0f));
-  return _mm512_sub_epi32(_mm512_castps_si512(on_grid), _mm512_set1_epi32(0x4b000000));
-}
-
 // FloatToE4m3(x * inv) for 32 bfloat16 channels of a block that is not poisoned, as 16-bit
 // codes. A bf16 pair (x0, x1) in one dword widens to two floats with one shift (x0) and one
 // mask (x1), so each product y is formed exactly as in the other loops. y is then rounded to
@@ -145,8 +144,8 @@ JAX_EP_AVX512_INLINE __m512i SubnormalGridCodes(__m512i y) {
 // That keeps every round-to-nearest-even decision at 5 or fewer fraction bits (a tie stays a
 // tie, anything off it stays off it), so the e4m3 rounding, done on 16-bit lanes, 32
 // channels per instruction, gives the same codes. The subnormal grid (|y| < 2^-6, rare but
-// for zeros) is taken from y itself with FloatToE4m3x16's arithmetic, so the codes match
-// under every MXCSR rounding mode too. No NaN select: |x| <= amax makes |y| at most
+// for zeros) is taken from y itself with SubnormalGridCodes, as in FloatToE4m3x16, so the
+// codes match under every MXCSR rounding mode too. No NaN select: |x| <= amax makes |y| at most
 // 448 * (1 + 2^-21), whose nearest e4m3 value is 448 (0x7e).
 JAX_EP_AVX512_INLINE __m512i Bf16PairsToE4m3x32(__m512i x, __m512 inv) {
   const __m512i y0 = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), inv));

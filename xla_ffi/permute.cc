@@ -111,10 +111,8 @@ void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
       uint8_t* dst = out + r * row_bytes;
       if (streaming) {
         StreamRow(dst, src, row_bytes);
-      } else if (src) {
-        std::memcpy(dst, src, row_bytes);
       } else {
-        std::memset(dst, 0, row_bytes);
+        CopyOrZeroRow(dst, src, row_bytes);
       }
     }
     if (streaming) StreamingFence();
