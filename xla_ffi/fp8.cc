@@ -287,6 +287,8 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
   int64_t T, H;
   RowsAndWidth(x, &T, &H);
   if (auto err = CheckFp8Shapes(H, use_ue8m0, round_scale); err.failure()) return err;
+  if (auto err = CheckCastToFp8Results(x, T, H, use_ue8m0, x_fp8, scales); err.failure())
+    return err;
   const int64_t G = H / kFp8Block;
   uint8_t* q = static_cast<uint8_t*>(x_fp8->untyped_data());
   float* f32_scales = static_cast<float*>(scales->untyped_data());
@@ -321,6 +323,7 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
                        AnyOut out) {
   int64_t T, H;
   if (auto err = CheckCastBackArgs(x_fp8, scales, use_ue8m0, &T, &H); err.failure()) return err;
+  if (auto err = CheckCastBackResult(x_fp8, out); err.failure()) return err;
   const int64_t G = H / kFp8Block;
   const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
   const uint8_t* q = static_cast<const uint8_t*>(x_fp8.untyped_data());

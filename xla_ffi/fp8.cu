@@ -145,14 +145,8 @@ ffi::Error CastToFp8Cuda(cudaStream_t stream, Any x, bool round_scale, bool use_
   RowsAndWidth(x, &T, &H);
   if (auto err = CheckFp8Shapes(H, use_ue8m0, round_scale); err.failure()) return err;
   const int64_t G = H / kFp8Block;
-  const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
-  const size_t want_scales = use_ue8m0 ? size_t(T * ue8m0_row_bytes) : size_t(T * G * 4);
-  if (x_fp8->element_type() != ffi::DataType::F8E4M3FN || x_fp8->size_bytes() != size_t(T * H) ||
-      scales->size_bytes() != want_scales) {
-    return ffi::Error::InvalidArgument(
-        "per_token_cast_to_fp8: results must be float8_e4m3fn " + ShapeString(x.dimensions()) +
-        " and scales of " + std::to_string(want_scales) + " bytes");
-  }
+  if (auto err = CheckCastToFp8Results(x, T, H, use_ue8m0, x_fp8, scales); err.failure())
+    return err;
   uint8_t* q = static_cast<uint8_t*>(x_fp8->untyped_data());
   float* f32_scales = static_cast<float*>(scales->untyped_data());
   uint8_t* ue8m0 = static_cast<uint8_t*>(scales->untyped_data());
@@ -179,10 +173,7 @@ ffi::Error CastBackCuda(cudaStream_t stream, Any x_fp8, Any scales, bool use_ue8
   if (auto err = CheckCastBackArgs(x_fp8, scales, use_ue8m0, &T, &H); err.failure()) return err;
   const int64_t G = H / kFp8Block;
   const int64_t ue8m0_row_bytes = Ue8m0RowBytes(G);
-  if (out->element_count() != size_t(T * H)) {
-    return ffi::Error::InvalidArgument("per_token_cast_back: out must have the shape of x_fp8 " +
-                                       ShapeString(x_fp8.dimensions()));
-  }
+  if (auto err = CheckCastBackResult(x_fp8, out); err.failure()) return err;
   const uint8_t* q = static_cast<const uint8_t*>(x_fp8.untyped_data());
   const float* f32_scales = static_cast<const float*>(scales.untyped_data());
   const uint8_t* ue8m0 = static_cast<const uint8_t*>(scales.untyped_data());

@@ -36,6 +36,10 @@ ffi::Error DispatchLayoutCpu(I32 topk_idx, int64_t num_experts, int64_t num_rank
   if (auto err = CheckRouting(topk_idx, num_experts, num_ranks); err.failure()) return err;
   const int64_t T = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
   const int64_t L = num_experts / num_ranks;
+  if (auto err = CheckDispatchLayoutResults(topk_idx, num_experts, num_ranks, tokens_per_rank,
+                                            token_in_rank, tokens_per_expert, num_invalid);
+      err.failure())
+    return err;
   const int32_t* idx = topk_idx.typed_data();
   if (auto err = CheckExpertIds(idx, T * K, num_experts, "topk_idx"); err.failure()) return err;
 
@@ -63,6 +67,10 @@ ffi::Error SendLayoutCpu(I32 topk_idx, F32 topk_weights, int64_t num_ranks,
   const int64_t P = num_ranks, L = num_local_experts;
   int64_t T, K;
   if (auto err = CheckSendLayoutArgs(topk_idx, topk_weights, P, L, &T, &K); err.failure())
+    return err;
+  if (auto err = CheckSendLayoutResults(topk_idx, P, token_idx, rank, local_idx, weights,
+                                        send_counts, num_send);
+      err.failure())
     return err;
   const int32_t* idx = topk_idx.typed_data();
   const float* w = topk_weights.typed_data();

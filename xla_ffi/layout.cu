@@ -104,13 +104,10 @@ ffi::Error DispatchLayoutCuda(cudaStream_t stream, I32 topk_idx, int64_t num_exp
   if (E > INT32_MAX || K > INT32_MAX) {
     return ffi::Error::InvalidArgument("num_experts and top-k must fit in int32");
   }
-  if (tokens_per_rank->element_count() != size_t(P) ||
-      token_in_rank->element_count() != size_t(T * P) ||
-      tokens_per_expert->element_count() != size_t(E) || num_invalid->element_count() != 1) {
-    return ffi::Error::InvalidArgument(
-        "dispatch layout: result shapes do not match [P], [T, P], [E], [] for topk_idx " +
-        ShapeString(topk_idx.dimensions()));
-  }
+  if (auto err = CheckDispatchLayoutResults(topk_idx, E, P, tokens_per_rank, token_in_rank,
+                                            tokens_per_expert, num_invalid);
+      err.failure())
+    return err;
   int32_t* per_rank = tokens_per_rank->typed_data();
   bool* in_rank = token_in_rank->typed_data();
   int32_t* per_expert = tokens_per_expert->typed_data();
@@ -272,15 +269,10 @@ ffi::Error SendLayoutCuda(cudaStream_t stream, I32 topk_idx, F32 topk_weights, i
   if (P * L > INT32_MAX || K > INT32_MAX) {
     return ffi::Error::InvalidArgument("num_experts and top-k must fit in int32");
   }
-  const int64_t rows = T * P;
-  if (token_idx->element_count() != size_t(rows) || rank->element_count() != size_t(rows) ||
-      local_idx->element_count() != size_t(rows * K) ||
-      weights->element_count() != size_t(rows * K) || send_counts->element_count() != size_t(P) ||
-      num_send->element_count() != 1) {
-    return ffi::Error::InvalidArgument(
-        "send layout: result shapes do not match [T*P], [T*P], [T*P, K], [T*P, K], [P], [] for "
-        "topk_idx " + ShapeString(topk_idx.dimensions()));
-  }
+  if (auto err = CheckSendLayoutResults(topk_idx, P, token_idx, rank, local_idx, weights,
+                                        send_counts, num_send);
+      err.failure())
+    return err;
   const int32_t E = int32_t(P * L);
   int32_t* counts = send_counts->typed_data();
   if (auto err = MemsetAsync(counts, 0, P * sizeof(int32_t), stream, "memset"); err.failure())

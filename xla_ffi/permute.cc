@@ -123,8 +123,10 @@ namespace {
 
 ffi::Error MultihotCpu(I32 topk_idx, F32 topk_probs, int64_t num_experts, PredOut routing_map,
                        F32Out probs) {
-  if (auto err = CheckRank(topk_idx, 2, "topk_idx"); err.failure()) return err;
-  const int64_t T = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
+  int64_t T, K;
+  if (auto err = CheckMultihotArgs(topk_idx, topk_probs, num_experts, routing_map, probs, &T, &K);
+      err.failure())
+    return err;
   const int64_t E = num_experts;
   const int32_t* idx = topk_idx.typed_data();
   if (auto err = CheckExpertIds(idx, T * K, E, "topk_idx"); err.failure()) return err;
@@ -153,11 +155,15 @@ ffi::Error PermuteCpu(ffi::ThreadPool pool, Any tokens, Pred routing_map, F32 pr
       err.failure())
     return err;
   const int64_t N = sorted_indices->element_count();
+  const int64_t row_bytes = width * ffi::ByteWidth(tokens.element_type());
+  if (auto err = CheckPermuteResults(E, row_bytes, permuted, permuted_probs, sorted_indices,
+                                     tokens_per_expert, num_dropped);
+      err.failure())
+    return err;
   int32_t* order = sorted_indices->typed_data();
   PlanPermute(routing_map.typed_data(), has_probs ? probs.typed_data() : nullptr, T, E, N,
               pad_multiple, drop_and_pad, order, permuted_probs->typed_data(),
               tokens_per_expert->typed_data(), num_dropped->typed_data());
-  const int64_t row_bytes = width * ffi::ByteWidth(tokens.element_type());
   GatherRowsBytes(pool, static_cast<const uint8_t*>(tokens.untyped_data()), T, row_bytes,
                   order, N, static_cast<uint8_t*>(permuted->untyped_data()));
   return ffi::Error::Success();
@@ -167,17 +173,18 @@ ffi::Error GatherRowsCpu(ffi::ThreadPool pool, Any x, I32 row_idx, AnyOut out) {
   int64_t rows, width;
   RowsAndWidth(x, &rows, &width);
   const int64_t row_bytes = width * ffi::ByteWidth(x.element_type());
+  const int64_t num_rows = row_idx.element_count();
+  if (auto err = CheckGatherRowsResult(x, row_bytes, num_rows, out); err.failure()) return err;
   GatherRowsBytes(pool, static_cast<const uint8_t*>(x.untyped_data()), rows, row_bytes,
-                  row_idx.typed_data(), row_idx.element_count(),
-                  static_cast<uint8_t*>(out->untyped_data()));
+                  row_idx.typed_data(), num_rows, static_cast<uint8_t*>(out->untyped_data()));
   return ffi::Error::Success();
 }
 
 ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, F32 probs, AnyOut out) {
   int64_t N, H;
   RowsAndWidth(permuted, &N, &H);
-  int64_t T, out_width;
-  RowsAndWidth(*out, &T, &out_width);
+  int64_t T;
+  if (auto err = CheckUnpermuteResult(permuted, H, out, &T); err.failure()) return err;
   bool has_probs;
   if (auto err = CheckUnpermuteArgs(sorted_indices, probs, N, &has_probs); err.failure())
     return err;

@@ -66,21 +66,12 @@ __global__ void __launch_bounds__(kThreads)
 
 ffi::Error MultihotCuda(cudaStream_t stream, I32 topk_idx, F32 topk_probs, int64_t num_experts,
                         PredOut routing_map, F32Out probs) {
-  if (auto err = CheckRank(topk_idx, 2, "topk_idx"); err.failure()) return err;
-  const int64_t T = topk_idx.dimensions()[0], K = topk_idx.dimensions()[1];
+  int64_t T, K;
+  if (auto err = CheckMultihotArgs(topk_idx, topk_probs, num_experts, routing_map, probs, &T, &K);
+      err.failure())
+    return err;
   const int64_t E = num_experts;
-  if (E < 0 || E > INT32_MAX || K > INT32_MAX) {
-    return ffi::Error::InvalidArgument("num_experts must be in [0, 2^31)");
-  }
-  if (topk_probs.element_count() != size_t(T * K)) {
-    return ffi::Error::InvalidArgument("topk_probs: expected shape [" + std::to_string(T) + ", " +
-                                       std::to_string(K) + "], got " +
-                                       ShapeString(topk_probs.dimensions()));
-  }
-  if (routing_map->element_count() != size_t(T * E) || probs->element_count() != size_t(T * E)) {
-    return ffi::Error::InvalidArgument("indices_to_multihot: results must be [T, E] = [" +
-                                       std::to_string(T) + ", " + std::to_string(E) + "]");
-  }
+  if (K > INT32_MAX) return ffi::Error::InvalidArgument("topk_idx: top-k must fit in int32");
   if (T * E == 0) return ffi::Error::Success();
   MultihotKernel<<<GridFor(T * E, kThreads, 1 << 16), kThreads, 0, stream>>>(
       topk_idx.typed_data(), topk_probs.typed_data(), T, int(K), E, routing_map->typed_data(),
@@ -150,11 +141,7 @@ ffi::Error GatherRowsCuda(cudaStream_t stream, Any x, I32 row_idx, AnyOut out) {
   RowsAndWidth(x, &rows, &width);
   const int64_t row_bytes = width * ffi::ByteWidth(x.element_type());
   const int64_t num_rows = row_idx.element_count();
-  if (out->size_bytes() != size_t(num_rows * row_bytes)) {
-    return ffi::Error::InvalidArgument("gather_rows: out must hold " + std::to_string(num_rows) +
-                                       " rows of x " + ShapeString(x.dimensions()) + ", got " +
-                                       ShapeString(out->dimensions()));
-  }
+  if (auto err = CheckGatherRowsResult(x, row_bytes, num_rows, out); err.failure()) return err;
   return LaunchGatherRows(x.untyped_data(), rows, row_bytes, row_idx.typed_data(), num_rows,
                           out->untyped_data(), stream);
 }
@@ -288,12 +275,10 @@ ffi::Error PermuteCuda(cudaStream_t stream, Any tokens, Pred routing_map, F32 pr
                                        std::to_string(T) + ", N = " + std::to_string(N) +
                                        ", E = " + std::to_string(E));
   }
-  if (permuted_probs->element_count() != size_t(N) ||
-      permuted->size_bytes() != size_t(N * row_bytes) ||
-      tokens_per_expert->element_count() != size_t(E) || num_dropped->element_count() != 1) {
-    return ffi::Error::InvalidArgument("permute: result shapes do not match [N, H], [N], [N], [" +
-                                       std::to_string(E) + "], [] with N = " + std::to_string(N));
-  }
+  if (auto err = CheckPermuteResults(E, row_bytes, permuted, permuted_probs, sorted_indices,
+                                     tokens_per_expert, num_dropped);
+      err.failure())
+    return err;
   const int64_t m = std::max<int64_t>(pad_multiple, 1);
   const uint8_t* map = reinterpret_cast<const uint8_t*>(routing_map.typed_data());
   int32_t* order = sorted_indices->typed_data();
@@ -426,16 +411,11 @@ ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, Any
                          I32 sorted_indices, F32 probs, AnyOut out) {
   int64_t N, H;
   RowsAndWidth(permuted, &N, &H);
-  int64_t T, out_width;
-  RowsAndWidth(*out, &T, &out_width);
+  int64_t T;
+  if (auto err = CheckUnpermuteResult(permuted, H, out, &T); err.failure()) return err;
   bool has_probs;
   if (auto err = CheckUnpermuteArgs(sorted_indices, probs, N, &has_probs); err.failure())
     return err;
-  if (out_width != H || out->element_type() != permuted.element_type()) {
-    return ffi::Error::InvalidArgument("unpermute: out " + ShapeString(out->dimensions()) +
-                                       " must have the row width and dtype of permuted " +
-                                       ShapeString(permuted.dimensions()));
-  }
   if (N >= INT32_MAX || T >= INT32_MAX) {
     return ffi::Error::InvalidArgument("unpermute: row and token counts must fit in int32");
   }
