@@ -14,6 +14,7 @@ __all__ = [
     "check_rank",
     "check_routing",
     "check_shape",
+    "expert_ids_as_int32",
 ]
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -68,4 +69,17 @@ def check_routing(topk_idx, topk_weights, num_experts: int):
         if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
             raise ValueError(f"topk_weights: expected a float array, got {topk_weights.dtype}")
         topk_weights = topk_weights.astype(jnp.float32)
-    return topk_idx.astype(jnp.int32), topk_weights
+    return expert_ids_as_int32(topk_idx, num_experts), topk_weights
+
+
+def expert_ids_as_int32(topk_idx, num_experts: int):
+    """topk_idx of any integer dtype -> int32. Ids of a wider dtype (int64, uint32, uint64) that
+    lie outside [-1, num_experts) become -2, which is still outside, so the kernels reject or
+    count them (never wrap an id like 2^32 + 3 into expert 3)."""
+    ids = topk_idx.astype(jnp.int32)
+    if jnp.iinfo(topk_idx.dtype).max <= jnp.iinfo(jnp.int32).max:
+        return ids  # int8/16/32, uint8/16: every value fits
+    bad = topk_idx >= num_experts
+    if jnp.issubdtype(topk_idx.dtype, jnp.signedinteger):
+        bad = bad | (topk_idx < -1)
+    return jnp.where(bad, jnp.int32(-2), ids)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import deepep, ops, reference, transport as tp
-from jax_ep._checks import check_experts, check_positive, check_rank, check_shape
+from jax_ep._checks import check_experts, check_positive, check_rank, check_routing, check_shape
 
 __all__ = [
     "COMBINE_CHUNK",
@@ -216,10 +216,10 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
     padded = equalized_num_tokens(num_tokens)
     compact = topk_idx is not None
     if compact:
-        check_rank(topk_idx, 2, "topk_idx")
+        topk_idx, _ = check_routing(topk_idx, None, num_experts)
         check_shape(topk_idx, (num_tokens, topk_idx.shape[1]), "topk_idx")
         check_shape(probs, topk_idx.shape, "probs")
-        layout_idx = _pad_rows(topk_idx.astype(jnp.int32), padded, -1)
+        layout_idx = _pad_rows(topk_idx, padded, -1)
     else:
         check_shape(routing_map, (num_tokens, num_experts), "routing_map")
         check_shape(probs, (num_tokens, num_experts), "probs")

@@ -112,6 +112,23 @@ def test_dispatch_layout_spec_example():
         np.testing.assert_array_equal(per_expert, [1, 1, 1, 0, 0, 1, 0, 0])
 
 
+@pytest.mark.parametrize("dtype,bad", [(np.int64, 2**32 + 3), (np.int64, -(2**32) + 3),
+                                       (np.uint32, 2**32 - 1), (np.uint64, 2**33)])
+def test_wide_expert_ids_outside_range_are_not_wrapped_into_range(dtype, bad):
+    # 2^32 + 3 cast to int32 would be expert 3; it must stay an error (CPU) / unrouted (ref).
+    with jax.enable_x64(True):
+        idx = jnp.asarray(np.array([[1, 0], [2, bad]], dtype))
+        w = jnp.ones((2, 2), jnp.float32)
+        with pytest.raises(Exception, match="outside"):
+            jax.block_until_ready(ops.get_dispatch_layout(idx, num_experts=8, num_ranks=2))
+        with pytest.raises(Exception, match="outside"):
+            jax.block_until_ready(ops.indices_to_multihot(idx, w, num_experts=8))
+        _, _, per_expert = ops.get_dispatch_layout(idx, num_experts=8, num_ranks=2, impl="xla")
+        np.testing.assert_array_equal(per_expert, [1, 1, 1, 0, 0, 0, 0, 0])
+        routing_map, _ = ops.indices_to_multihot(idx, w, num_experts=8, impl="xla")
+        assert int(routing_map.sum()) == 3
+
+
 def test_dispatch_layout_int64_topk_idx_accepted():
     idx = np.array([[3, -1], [0, 7]], np.int64)
     for impl in ("ffi", "xla"):
