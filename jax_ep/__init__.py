@@ -16,7 +16,12 @@ from jax_ep.deepep import (
     dispatch,
     dispatch_chunked_forward,
 )
-from jax_ep.hybridep import HybridEPHandle, hybridep_combine, hybridep_dispatch
+from jax_ep.hybridep import (
+    HybridEPHandle,
+    hybridep_combine,
+    hybridep_dispatch,
+    required_capacity,
+)
 from jax_ep.low_latency import LowLatencyHandle, low_latency_combine, low_latency_dispatch
 from jax_ep.ops import compute_send_counts
 
@@ -37,5 +42,6 @@ __all__ = [
     "low_latency_dispatch",
     "ops",
     "reference",
+    "required_capacity",
     "transport",
 ]

@@ -8,13 +8,14 @@ import numpy as np
 
 __all__ = [
     "FLOAT_DTYPES",
+    "as_int32_ids",
     "check_experts",
     "check_float",
     "check_positive",
     "check_rank",
     "check_routing",
     "check_shape",
-    "expert_ids_as_int32",
+    "unroute_invalid_experts",
 ]
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -69,17 +70,26 @@ def check_routing(topk_idx, topk_weights, num_experts: int):
         if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
             raise ValueError(f"topk_weights: expected a float array, got {topk_weights.dtype}")
         topk_weights = topk_weights.astype(jnp.float32)
-    return expert_ids_as_int32(topk_idx, num_experts), topk_weights
+    return as_int32_ids(topk_idx, num_experts), topk_weights
 
 
-def expert_ids_as_int32(topk_idx, num_experts: int):
-    """topk_idx of any integer dtype -> int32. Ids of a wider dtype (int64, uint32, uint64) that
-    lie outside [-1, num_experts) become -2, which is still outside, so the kernels reject or
-    count them (never wrap an id like 2^32 + 3 into expert 3)."""
-    ids = topk_idx.astype(jnp.int32)
-    if jnp.iinfo(topk_idx.dtype).max <= jnp.iinfo(jnp.int32).max:
-        return ids  # int8/16/32, uint8/16: every value fits
-    bad = topk_idx >= num_experts
-    if jnp.issubdtype(topk_idx.dtype, jnp.signedinteger):
-        bad = bad | (topk_idx < -1)
-    return jnp.where(bad, jnp.int32(-2), ids)
+def as_int32_ids(ids, upper: int):
+    """Indices of any integer dtype -> int32. Values of a wider dtype (int64, uint32, uint64)
+    outside [-1, upper) become -2, which is still outside, so the kernels reject or skip them
+    as they would the original value (never wrap an id like 2^32 + 3 into 3)."""
+    ids32 = ids.astype(jnp.int32)
+    if jnp.iinfo(ids.dtype).max <= jnp.iinfo(jnp.int32).max:
+        return ids32  # int8/16/32, uint8/16: every value fits
+    bad = ids >= upper
+    if jnp.issubdtype(ids.dtype, jnp.signedinteger):
+        bad = bad | (ids < -1)
+    return jnp.where(bad, jnp.int32(-2), ids32)
+
+
+def unroute_invalid_experts(topk_idx, num_experts: int):
+    """int32 topk_idx [T,K] -> (topk_idx with ids outside [-1, E) set to -1, their count i32[]).
+    The expert-parallel modes route this way on every platform (as the GPU kernels do): a
+    layer-1 CPU kernel raises on such an id, and an error on one rank would leave the other
+    ranks waiting in the next collective."""
+    invalid = (topk_idx < -1) | (topk_idx >= num_experts)
+    return jnp.where(invalid, -1, topk_idx), invalid.sum(dtype=jnp.int32)

@@ -6,7 +6,7 @@ import jax
 
 from jax_ep import _jax_ep
 
-__all__ = ["WITH_CUDA", "call"]
+__all__ = ["WITH_CUDA", "call", "vary_like"]
 
 WITH_CUDA: bool = bool(_jax_ep.with_cuda)
 
@@ -36,6 +36,12 @@ def _make_varying(x, axes: frozenset):
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, missing, to="varying")
     return jax.lax.pvary(x, missing)
+
+
+def vary_like(x, *likes):
+    """x typed as varying over (at least) the manual mesh axes any of `likes` varies over,
+    inside shard_map, as an FFI call on `likes` would type its results; unchanged outside."""
+    return _make_varying(x, frozenset().union(*(_varying_axes(a) for a in likes)))
 
 
 def _varying_result(result, axes: frozenset, like):

@@ -28,6 +28,7 @@ from jax_ep._checks import (
     check_rank,
     check_routing,
     check_shape,
+    unroute_invalid_experts,
 )
 
 __all__ = [
@@ -62,7 +63,8 @@ class DispatchHandle:
     num_recv_tokens_per_expert i32[L]: rows per local expert, aligned up to expert_alignment.
     num_dropped i32[]: (token, destination) rows this rank dropped to the capacity bound or
       to a destination's num_worst_tokens budget.
-    num_invalid i32[]: expert ids outside [-1, E) seen (GPU only; the CPU kernels raise).
+    num_invalid i32[]: expert ids outside [-1, E) seen; they are routed nowhere, on every
+      platform (the layer-1 CPU kernels would raise, on one rank, mid-exchange).
     """
 
     plan: tp.ExchangePlan
@@ -114,6 +116,7 @@ def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
     rank, num_ranks = tp.axis_rank_and_size(axis_name)
     num_local = check_experts(num_experts, num_ranks)
     num_tokens, _ = topk_idx.shape
+    topk_idx, num_invalid = unroute_invalid_experts(topk_idx, num_experts)
     capacity, num_recv = _sizes(num_tokens, num_ranks, capacity, num_worst_tokens)
     layout = ops.build_send_layout(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
                                    num_ranks=num_ranks, num_local_experts=num_local, impl=impl)
@@ -145,7 +148,7 @@ def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
         recv_topk_idx=recv_idx, num_recv_tokens=num_recv_tokens,
         num_recv_tokens_per_expert=per_expert,
         num_dropped=layout.send_counts.sum() - plan.send_counts.sum(),
-        num_invalid=((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=jnp.int32),
+        num_invalid=num_invalid,
         num_tokens=num_tokens, num_recv=num_recv, capacity=capacity, num_experts=num_experts,
         axis_name=axis_name, transport=transport, impl=impl)
     return handle
@@ -297,6 +300,7 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
     num_experts = num_local_experts * num_ranks
     impl = check_backend(backend)
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
+    topk_idx, _ = unroute_invalid_experts(topk_idx, num_experts)
     if topk_weights is None:
         topk_weights = jnp.ones(topk_idx.shape, jnp.float32)
     bounds = chunk_bounds(x.shape[0], chunks)

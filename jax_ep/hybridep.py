@@ -213,7 +213,9 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
                                          allow_zero=True)
     impl = deepep.check_backend(backend)
     num_tokens = x.shape[0]
-    padded = equalized_num_tokens(num_tokens)
+    # At least one aligned group of (unrouted) rows, even at T = 0: every buffer below then
+    # has rows, and JAX cannot gather from an empty one.
+    padded = max(equalized_num_tokens(num_tokens), TOKEN_ALIGNMENT)
     compact = topk_idx is not None
     if compact:
         topk_idx, _ = check_routing(topk_idx, None, num_experts)

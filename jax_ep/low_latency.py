@@ -19,8 +19,15 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ep import deepep, ops, reference, transport as tp
-from jax_ep._checks import check_experts, check_positive, check_rank, check_routing, check_shape
+from jax_ep import _ffi, deepep, ops, reference, transport as tp
+from jax_ep._checks import (
+    check_experts,
+    check_positive,
+    check_rank,
+    check_routing,
+    check_shape,
+    unroute_invalid_experts,
+)
 
 __all__ = ["LowLatencyHandle", "low_latency_combine", "low_latency_dispatch"]
 
@@ -170,6 +177,7 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
                          f"({tmax}); got shape {x.shape}")
     topk_idx, _ = check_routing(topk_idx, None, num_experts)
     check_shape(topk_idx, (x.shape[0], topk_idx.shape[1]), "topk_idx")
+    topk_idx, _ = unroute_invalid_experts(topk_idx, num_experts)  # no rank may raise alone
     impl = deepep.check_backend(backend)
     if use_fp8:
         if x.shape[1] % reference.FP8_BLOCK:
@@ -217,6 +225,10 @@ def low_latency_combine(y, topk_idx, topk_weights, handle):
                                                num_experts=handle.num_experts)
     tmax = handle.num_max_dispatch_tokens_per_rank
     slot_expert = jnp.arange(handle.send_token.shape[0]) // tmax
+    # One zero row past the last token: with T = 0 the gather still has a row to read (JAX
+    # cannot gather from an empty array).
+    dense_w = jnp.pad(dense_w, ((0, 1), (0, 0)))
     slot_weights = dense_w.at[handle.send_token, slot_expert].get(mode="fill", fill_value=0.0)
-    slot_weights = jnp.where(handle.send_token >= 0, slot_weights, 0.0)
+    # Typed like y: with T = 0 nothing above varies over the expert axis, but y's cotangent does.
+    slot_weights = _ffi.vary_like(jnp.where(handle.send_token >= 0, slot_weights, 0.0), y)
     return _ll_combine_rows(y, slot_weights, handle)

@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_ep import _ffi, reference
 from jax_ep._checks import (
+    as_int32_ids,
     check_experts,
     check_float,
     check_positive,
@@ -169,7 +170,7 @@ def gather_rows(x, row_idx, *, impl="ffi"):
     check_rank(row_idx, 1, "row_idx")
     if jnp.ndim(x) < 1:
         raise ValueError(f"x: expected at least one dimension, got shape {jnp.shape(x)}")
-    row_idx = row_idx.astype(jnp.int32)
+    row_idx = as_int32_ids(row_idx, x.shape[0])
     if impl == "xla":
         return reference.gather_rows(x, row_idx)
     return _gather_rows_ffi(x, row_idx)
@@ -177,7 +178,7 @@ def gather_rows(x, row_idx, *, impl="ffi"):
 
 def _gather_rows_ffi(x, row_idx):
     if x.size == 0 or row_idx.size == 0:
-        return jnp.zeros(row_idx.shape + x.shape[1:], x.dtype)
+        return _ffi.vary_like(jnp.zeros(row_idx.shape + x.shape[1:], x.dtype), x, row_idx)
     results = _sds(row_idx.shape + x.shape[1:], x.dtype)
     return _ffi.call("jax_ep_gather_rows", results, x, row_idx)
 
@@ -274,7 +275,7 @@ def unpermute(permuted, sorted_indices, *, num_tokens, probs=None, impl="ffi"):
     check_float(permuted, "permuted")
     check_shape(sorted_indices, (permuted.shape[0],), "sorted_indices")
     num_tokens = check_positive(num_tokens, "num_tokens", allow_zero=True)
-    sorted_indices = sorted_indices.astype(jnp.int32)
+    sorted_indices = as_int32_ids(sorted_indices, num_tokens)
     if probs is not None:
         check_shape(probs, (permuted.shape[0],), "probs")
         probs = probs.astype(jnp.float32)
@@ -287,7 +288,8 @@ def unpermute(permuted, sorted_indices, *, num_tokens, probs=None, impl="ffi"):
 
 def _unpermute_ffi(permuted, sorted_indices, probs, num_tokens):
     if num_tokens == 0 or permuted.size == 0:
-        return jnp.zeros((num_tokens,) + permuted.shape[1:], permuted.dtype)
+        return _ffi.vary_like(jnp.zeros((num_tokens,) + permuted.shape[1:], permuted.dtype),
+                              permuted, sorted_indices, probs)
     results = _sds((num_tokens,) + permuted.shape[1:], permuted.dtype)
     return _ffi.call("jax_ep_unpermute", results, permuted, sorted_indices, probs)
 
@@ -355,7 +357,8 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     scales = (_sds((num_tokens, -(-groups // 4)), jnp.int32) if use_ue8m0
               else _sds((num_tokens, groups), jnp.float32))
     if x.size == 0:
-        return jnp.zeros(x.shape, jnp.float8_e4m3fn), jnp.zeros(scales.shape, scales.dtype)
+        return (_ffi.vary_like(jnp.zeros(x.shape, jnp.float8_e4m3fn), x),
+                _ffi.vary_like(jnp.zeros(scales.shape, scales.dtype), x))
     results = (_sds(x.shape, jnp.float8_e4m3fn), scales)
     return tuple(_ffi.call("jax_ep_cast_to_fp8", results, x, round_scale=bool(round_scale),
                            use_ue8m0=bool(use_ue8m0)))
@@ -378,6 +381,6 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
     if impl == "xla":
         return reference.per_token_cast_back(x_fp8, scales, use_ue8m0=use_ue8m0, dtype=dtype)
     if x_fp8.size == 0:
-        return jnp.zeros(x_fp8.shape, dtype)
+        return _ffi.vary_like(jnp.zeros(x_fp8.shape, dtype), x_fp8, scales)
     return _ffi.call("jax_ep_cast_back", _sds(x_fp8.shape, dtype), x_fp8, scales,
                      use_ue8m0=bool(use_ue8m0))

@@ -379,3 +379,30 @@ def test_mismatched_shapes_raise():
         return jax_ep.combine(rx[:-1], h)[0]
     with pytest.raises(ValueError, match="y: expected"):
         run_ep(bad_combine, mesh, x, np.zeros((8, 2), np.int32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("uccl_ep",))
+@pytest.mark.parametrize("bad", [99, -5])
+def test_invalid_expert_id_on_one_rank_is_unrouted_and_counted(backend, bad):
+    # A CPU layer-1 kernel raises on such an id; inside dispatch that error would hit one rank
+    # only and leave the others waiting in the count exchange. The modes route it nowhere.
+    num_ranks, T, H, K, E = 4, 6, 8, 2, 8
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    bad_idx = idx.copy()
+    bad_idx[2, 0] = bad  # rank 0 only
+    clean_idx = idx.copy()
+    clean_idx[2, 0] = -1
+
+    def body(x, i, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS, backend=backend)
+        return rx, ri, rw, h.num_invalid[None], jax_ep.combine(rx, h)[0]
+
+    mesh = ep_mesh(num_ranks)
+    got = [np.asarray(a) for a in run_ep(body, mesh, x, bad_idx, w)]
+    want = [np.asarray(a) for a in run_ep(body, mesh, x, clean_idx, w)]
+    np.testing.assert_array_equal(got[3], [1, 0, 0, 0])
+    np.testing.assert_array_equal(want[3], [0, 0, 0, 0])
+    for g, c in zip(got[:3] + got[4:], want[:3] + want[4:]):
+        np.testing.assert_array_equal(g, c)

@@ -183,6 +183,7 @@ def test_equalized_token_counts(local, group_max, want):
                                           (513, 128, 640), (0, 64, 512)])
 def test_required_capacity(n, chunk, want):
     assert hybridep.required_capacity(n, chunk) == want
+    assert jax_ep.required_capacity(n, chunk) == want  # SPEC: available at the top level
 
 
 def test_bad_inputs():
@@ -225,3 +226,47 @@ def test_hybridep_moe_forward_matches_dense():
     out = np.asarray(run_ep(body, ep_mesh(num_ranks), x, idx, w, w_in, w_out))
     np.testing.assert_allclose(out, dense_moe(x, idx, w, w_in, w_out), rtol=1e-5, atol=1e-5)
     assert jax_ep.hybridep_dispatch is hybridep.hybridep_dispatch
+
+
+def test_invalid_expert_id_on_one_rank_is_unrouted():
+    num_ranks, T, H, K, E = 4, 4, 8, 2, 8
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    bad_idx, clean_idx = idx.copy(), idx.copy()
+    bad_idx[3, 0], clean_idx[3, 0] = -7, -1
+    mesh = ep_mesh(num_ranks)
+    got = _run(mesh, x, bad_idx, w, E, 32, None, compact=True)
+    want = _run(mesh, x, clean_idx, w, E, 32, None, compact=True)
+    for g, c in zip(got, want):
+        np.testing.assert_array_equal(g, c)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_zero_tokens_dispatch_combine_and_gradients(compact):
+    num_ranks, H, K, E, N = 4, 8, 2, 8, 8
+    x = np.zeros((0, H), np.float32)
+    idx = np.zeros((0, K), np.int32)
+    w = np.zeros((0, K), np.float32)
+    rm, pr = _dense(idx, w, E)
+
+    def body(x, a, b, one):
+        kw = dict(topk_idx=a) if compact else dict(routing_map=a)
+
+        def loss(x, b):
+            px, pp, tpe, h = hybridep.hybridep_dispatch(x, probs=b, num_experts=E,
+                                                        axis_name=AXIS, num_permuted_tokens=N,
+                                                        pad_multiple=4, **kw)
+            out = hybridep.hybridep_combine(px * pp[:, None], h)
+            return out.sum(), (px, tpe, out)
+        (_, (px, tpe, out)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, b)
+        # px * one: with every input zero-sized, XLA's Shardy pass rejects a shard_map body
+        # whose outputs depend on none of them (a JAX/XLA limitation, not jax_ep's).
+        return px * one, tpe, out, *grads
+
+    args = (x, idx, w) if compact else (x, rm, pr)
+    px, tpe, out, d_x, d_p = run_ep(body, ep_mesh(num_ranks), *args,
+                                    np.ones((num_ranks, 1), np.float32))
+    assert px.shape == (num_ranks * N, H) and not np.asarray(px).any()
+    assert not np.asarray(tpe).any()
+    assert out.shape == (0, H) and d_x.shape == (0, H) and d_p.shape == args[2].shape

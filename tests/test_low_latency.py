@@ -178,3 +178,38 @@ def test_fp8_dispatch_refuses_to_be_differentiated():
     g = jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
     with pytest.raises(ValueError, match="use_fp8"):
         jax.jit(jax.grad(lambda x, i, w: jnp.sum(g(x, i, w))))(*shard(mesh, x, idx, w))
+
+
+def test_invalid_expert_id_on_one_rank_is_unrouted():
+    # Routed nowhere (as on GPU) rather than an error on one rank mid-exchange.
+    num_ranks, T, H, K, E, tmax = 4, 5, 128, 2, 8, 6
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    bad_idx, clean_idx = idx.copy(), idx.copy()
+    bad_idx[1, 1], clean_idx[1, 1] = E + 3, -1
+    got = _dispatch(num_ranks, x, bad_idx, w, tmax, E)
+    want = _dispatch(num_ranks, x, clean_idx, w, tmax, E)
+    for g, c in zip(got, want):
+        np.testing.assert_array_equal(g, c)
+
+
+def test_zero_tokens_dispatch_combine_and_gradients():
+    # DeepEP allows T <= Tmax, T = 0 included.
+    num_ranks, H, K, E, tmax = 4, 128, 2, 8, 3
+    x = np.zeros((0, H), np.float32)
+    idx = np.zeros((0, K), np.int32)
+    w = np.zeros((0, K), np.float32)
+
+    def body(x, i, w):
+        def loss(x, w):
+            recv, _, h = jax_ep.low_latency_dispatch(
+                x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E, axis_name=AXIS)
+            return jax_ep.low_latency_combine(recv * 2.0, i, w, h).sum(), recv
+        (_, recv), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+        return recv.reshape(-1, H), *grads
+
+    recv, d_x, d_w = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    assert recv.shape == (num_ranks * (E // num_ranks) * num_ranks * tmax, H)
+    assert not np.asarray(recv).any()
+    assert d_x.shape == (0, H) and d_w.shape == (0, K)

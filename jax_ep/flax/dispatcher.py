@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ep import deepep, hybridep, ops
+from jax_ep._checks import as_int32_ids
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "MoEFlexTokenDispatcher", "shared_dispatcher"]
@@ -129,7 +130,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
         token_probs = token_probs.reshape(num_local_tokens, -1)
-        token_indices = token_indices.reshape(num_local_tokens, -1).astype(jnp.int32)
+        token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, -1),
+                                     self.config.num_moe_experts)
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
             routing_map, probs = ops.indices_to_multihot(
                 token_indices, token_probs.astype(jnp.float32),
