@@ -34,9 +34,11 @@ class TokenDispatcherConfig:
         decides).
       moe_permute_fusion: run the local permute/unpermute as fused FFI kernels (True) or as
         XLA ops (False); results are identical.
-      moe_expert_capacity_factor: None = no token dropped; else each expert takes
-        ceil(T*K/E * factor) tokens, so each destination rank gets at most ceil(T*K*factor/P)
-        rows per source rank (the excess is dropped, highest token index first, and counted).
+      moe_expert_capacity_factor: None = no token dropped; else, as Megatron's router with
+        its default "probs" drop policy, each expert keeps at most ceil(T*K/E * factor) of a
+        rank's T tokens, those with the highest probabilities (every backend; the drops are
+        counted in the dispatch state's num_dropped), and deepep-family buffers shrink to
+        the L * that many rows per destination the drop leaves.
       moe_router_topk: experts per token.
       moe_router_expert_pad_multiple: pad every expert's block to a multiple of it.
       num_moe_experts: E.

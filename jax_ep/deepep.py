@@ -39,6 +39,8 @@ __all__ = [
     "combine",
     "dispatch",
     "dispatch_chunked_forward",
+    "drop_to_expert_capacity",
+    "expert_capacity",
 ]
 
 BACKENDS = ("deepep", "alltoall", "uccl_ep")
@@ -91,14 +93,52 @@ def check_backend(backend: str) -> str:
     return _IMPL_OF_BACKEND[backend]
 
 
-def capacity_from_factor(num_tokens, top_k, num_ranks, capacity_factor):
-    """Per-destination row bound for a capacity factor, Megatron style: each expert takes
-    ceil(T*K/E * factor) tokens, so a rank of L experts gets ceil(T*K*factor/P), at most T."""
+DROP_POLICIES = ("probs", "position")
+
+
+def expert_capacity(num_tokens, top_k, num_experts, capacity_factor):
+    """Megatron's get_capacity(T*K, E, factor): tokens each expert keeps from one rank's T
+    tokens, ceil(T*K/E * factor)."""
+    if capacity_factor is None or not capacity_factor > 0:
+        raise ValueError(f"capacity_factor: expected a positive float, got {capacity_factor}")
+    return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
+
+
+def capacity_from_factor(num_tokens, top_k, num_ranks, capacity_factor, num_experts=None):
+    """Per-destination row bound once every expert keeps at most c = expert_capacity(...)
+    tokens: a rank's L experts take at most L*c distinct tokens (and never more than T), so
+    this bound drops nothing after drop_to_expert_capacity. num_experts defaults to P (L=1)."""
     if capacity_factor is None:
         return num_tokens
-    if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor: expected a positive float, got {capacity_factor}")
-    return max(1, min(num_tokens, math.ceil(num_tokens * top_k * capacity_factor / num_ranks)))
+    num_experts = num_ranks if num_experts is None else num_experts
+    c = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+    return max(1, min(num_tokens, c * (num_experts // num_ranks)))
+
+
+def drop_to_expert_capacity(routing_map, probs, *, capacity, drop_policy="probs"):
+    """Megatron's router token drop on one rank's tokens: each expert keeps at most `capacity`
+    of the tokens routed to it - those with the highest probs ("probs", Megatron's default;
+    equal probs keep the lower token index) or its first ones in token order ("position").
+
+    routing_map bool[T,E], probs f32[T,E] -> (routing_map, probs with the dropped (token,
+    expert) pairs cleared, num_dropped i32[]).
+    """
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy: expected one of {DROP_POLICIES}, got {drop_policy!r}")
+    capacity = check_positive(capacity, "capacity", allow_zero=True)
+    num_tokens = routing_map.shape[0]
+    if capacity >= num_tokens:
+        return routing_map, probs, jnp.zeros((), jnp.int32)
+    if drop_policy == "position":
+        keep = routing_map & (jnp.cumsum(routing_map, axis=0, dtype=jnp.int32) <= capacity)
+    else:
+        score = jnp.where(routing_map, probs, -jnp.inf).T  # [E,T]
+        _, top = jax.lax.top_k(score, capacity)  # [E,c], ties to the lower token index
+        chosen = jnp.zeros(score.shape, bool).at[
+            jnp.arange(score.shape[0])[:, None], top].set(True)
+        keep = routing_map & chosen.T
+    num_dropped = (routing_map.sum(dtype=jnp.int32) - keep.sum(dtype=jnp.int32))
+    return keep, jnp.where(keep, probs, 0.0).astype(probs.dtype), num_dropped
 
 
 def _sizes(num_tokens, num_ranks, capacity, num_worst_tokens):

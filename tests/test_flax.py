@@ -250,3 +250,67 @@ def test_shared_dispatcher_and_inside_user_shard_map():
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=P(AXIS))
     out = jax.jit(fn)(jax.device_put(x, NamedSharding(mesh, P(AXIS))), state)
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+
+
+def _numpy_expert_drop(routing_map, probs, capacity, policy):
+    """Oracle: per expert, the `capacity` routed tokens with the highest probs (ties: lower
+    token first) or the first `capacity` routed tokens."""
+    keep = np.zeros_like(routing_map)
+    for e in range(routing_map.shape[1]):
+        tokens = np.flatnonzero(routing_map[:, e])
+        if policy == "probs":
+            tokens = sorted(tokens, key=lambda t: (-probs[t, e], t))
+        keep[list(tokens[:capacity]), e] = True
+    return keep
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("capacity", [0, 1, 3, 7, 40])
+def test_drop_to_expert_capacity_matches_oracle(policy, capacity):
+    rng = np.random.default_rng(capacity)
+    T, E = 24, 6
+    routing_map = rng.random((T, E)) < 0.5
+    probs = np.where(routing_map, rng.integers(1, 5, (T, E)) / 4, 0).astype(np.float32)  # ties
+    keep, kept_probs, dropped = jax.jit(
+        lambda m, p: jax_ep.deepep.drop_to_expert_capacity(m, p, capacity=capacity,
+                                                           drop_policy=policy))(routing_map, probs)
+    want = _numpy_expert_drop(routing_map, probs, capacity, policy)
+    np.testing.assert_array_equal(keep, want)
+    np.testing.assert_array_equal(kept_probs, np.where(want, probs, 0))
+    assert int(dropped) == routing_map.sum() - want.sum()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capacity_factor_is_megatrons_per_expert_capacity(backend):
+    # Megatron's dispatcher capacity test: every expert ends up with at most
+    # get_capacity(T*K, E, factor) * EP tokens. Here every token picks experts 0 and 1 (rank 0),
+    # so each keeps its ceil(16*2/8) = 4 highest-probability tokens per source rank.
+    num_ranks, T, H, K, E = 4, 16, 8, 2, 8
+    rng = np.random.default_rng(5)
+    idx = np.tile(np.array([[0, 1]], np.int32), (num_ranks * T, 1))
+    w = rng.permutation(num_ranks * T * K).reshape(-1, K).astype(np.float32) / 200 + 0.1
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       moe_expert_capacity_factor=1.0,
+                                       moe_flex_dispatcher_backend=backend,
+                                       expert_axis_name=AXIS)
+    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+    def body(x, i, w):
+        tokens, tpe, pp, state = d.token_permutation2(x, x.shape[0], w, i)
+        back = d.token_unpermutation(tokens * pp[:, None], state)
+        return tpe, state.num_dropped[None], back
+
+    tpe, dropped, back = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, idx, w))
+    c = 4
+    np.testing.assert_array_equal(tpe.reshape(num_ranks, -1)[0], [c * num_ranks] * 2)
+    assert not tpe.reshape(num_ranks, -1)[1:].any()
+    np.testing.assert_array_equal(dropped, [(T - c) * K] * num_ranks)
+    # Which tokens survive: per rank and expert, the c highest weights.
+    want = np.zeros_like(x)
+    for r in range(num_ranks):
+        rows = slice(r * T, (r + 1) * T)
+        for k in range(K):
+            top = np.argsort(-w[rows, k], kind="stable")[:c] + r * T
+            want[top] += x[top] * w[top, k:k + 1]
+    np.testing.assert_allclose(back, want, rtol=1e-6, atol=1e-6)

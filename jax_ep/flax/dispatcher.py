@@ -37,7 +37,8 @@ class DispatchState:
       HybridEP); routing_map bool[T,E] / probs f32[T,E]: dense routing (HybridEP).
     handle: the EP mode's handle (None before dispatch_all_to_all).
     sorted_indices i32[N]: local permutation rows (DeepEP family, after dispatch_postprocess).
-    num_dropped i32[]: (token, destination) rows or (row, expert) pairs dropped to capacity.
+    num_dropped i32[]: (token, expert) pairs dropped to moe_expert_capacity_factor, plus the
+      (token, destination) rows or (row, expert) pairs the EP mode dropped to its buffers.
     hidden_shape: the input's shape, restored by combine_postprocess.
     """
 
@@ -92,10 +93,34 @@ class MoEFlexTokenDispatcher(nnx.Module):
         return "ffi" if self.config.moe_permute_fusion else "xla"
 
     def _capacity(self, num_tokens):
-        if self.config.moe_expert_capacity_factor is None:
+        """Per-destination row bound of a deepep-family dispatch (None: no bound)."""
+        cfg = self.config
+        if cfg.moe_expert_capacity_factor is None:
             return None
-        return deepep.capacity_from_factor(num_tokens, self.config.moe_router_topk,
-                                           self.ep_size, self.config.moe_expert_capacity_factor)
+        return deepep.capacity_from_factor(num_tokens, cfg.moe_router_topk, self.ep_size,
+                                           cfg.moe_expert_capacity_factor,
+                                           num_experts=cfg.num_moe_experts)
+
+    def _drop_to_expert_capacity(self, state, num_tokens):
+        """moe_expert_capacity_factor: Megatron's router drop, each expert keeping at most
+        ceil(T*K/E * factor) of this rank's tokens, the highest-probability ones. Returns the
+        state with the dropped (token, expert) pairs unrouted, and their count i32[]."""
+        cfg = self.config
+        if cfg.moe_expert_capacity_factor is None:
+            return state, jnp.zeros((), jnp.int32)
+        capacity = deepep.expert_capacity(num_tokens, cfg.moe_router_topk, cfg.num_moe_experts,
+                                          cfg.moe_expert_capacity_factor)
+        if state.token_indices is None:
+            routing_map, probs, dropped = deepep.drop_to_expert_capacity(
+                state.routing_map, state.probs, capacity=capacity)
+            return dataclasses.replace(state, routing_map=routing_map, probs=probs), dropped
+        idx, w = state.token_indices, state.token_probs
+        routing_map, probs = ops.indices_to_multihot(idx, w, num_experts=cfg.num_moe_experts,
+                                                     impl="xla")
+        keep, _, dropped = deepep.drop_to_expert_capacity(routing_map, probs, capacity=capacity)
+        kept = (idx >= 0) & jnp.take_along_axis(keep, jnp.clip(idx, 0), axis=1)
+        return dataclasses.replace(state, token_indices=jnp.where(kept, idx, -1),
+                                   token_probs=jnp.where(kept, w, 0.0)), dropped
 
     def _num_permuted(self, num_rows, top_k):
         """Static rows of the permuted buffer: every row's local slots plus block padding."""
@@ -146,6 +171,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         """[T,H] -> the EP mode's received rows (HybridEP: already permuted), new state."""
         del probs  # the routing probs travel in the state
         cfg = self.config
+        state, dropped = self._drop_to_expert_capacity(state, hidden_states.shape[0])
         if self.backend == "hybridep":
             num_tokens = hybridep.equalized_num_tokens(hidden_states.shape[0])
             # A dense map from top-k routing selects at most moe_router_topk experts per token.
@@ -159,14 +185,16 @@ class MoEFlexTokenDispatcher(nnx.Module):
                 hidden_states, num_experts=cfg.num_moe_experts, axis_name=self.axis_name,
                 num_permuted_tokens=n, pad_multiple=cfg.moe_router_expert_pad_multiple,
                 transport=cfg.transport, **routing)
-            state = dataclasses.replace(state, handle=handle, num_dropped=handle.num_dropped)
+            state = dataclasses.replace(state, handle=handle,
+                                        num_dropped=dropped + handle.num_dropped)
             return (px, pp, tpe), state
         recv_x, recv_idx, recv_w, handle = deepep.dispatch(
             hidden_states, state.token_indices, state.token_probs,
             num_experts=cfg.num_moe_experts, axis_name=self.axis_name, backend=self.backend,
             num_worst_tokens=cfg.num_worst_tokens, transport=cfg.transport,
             capacity=self._capacity(hidden_states.shape[0]))
-        state = dataclasses.replace(state, handle=handle, num_dropped=handle.num_dropped)
+        state = dataclasses.replace(state, handle=handle,
+                                    num_dropped=dropped + handle.num_dropped)
         return (recv_x, recv_idx, recv_w), state
 
     def dispatch_postprocess(self, hidden_states, state):
@@ -228,15 +256,20 @@ class MoEFlexTokenDispatcher(nnx.Module):
     def overlapped_forward(self, hidden_states, token_probs, token_indices, local_kernel):
         """moe_deepep_async_dispatch: dispatch -> local_kernel -> combine over
         config.num_overlap_chunks token chunks (deepep family; see
-        jax_ep.deepep.dispatch_chunked_forward). hidden [T,H] -> [T,H]."""
+        jax_ep.deepep.dispatch_chunked_forward). hidden [T,H] -> ([T,H], num_dropped i32[]:
+        the (token, expert) pairs dropped to moe_expert_capacity_factor)."""
         if self.backend == "hybridep":
             raise ValueError("moe_deepep_async_dispatch: chunked overlap needs a deepep-family "
                              "backend, got 'hybridep'")
-        return deepep.dispatch_chunked_forward(
-            hidden_states, token_indices, token_probs, local_kernel,
+        _, state = self.dispatch_preprocess2(hidden_states, hidden_states.shape[0], token_probs,
+                                             token_indices)
+        state, dropped = self._drop_to_expert_capacity(state, hidden_states.shape[0])
+        y = deepep.dispatch_chunked_forward(
+            hidden_states, state.token_indices, state.token_probs, local_kernel,
             num_local_experts=self.num_local_experts, axis_name=self.axis_name,
             chunks=self.config.num_overlap_chunks, backend=self.backend,
             transport=self.config.transport)
+        return y, dropped
 
 
 _SHARED: dict = {}

@@ -152,8 +152,7 @@ class MoELayer(nnx.Module):
                                                 impl=d._local_impl)
                 out = swiglu_experts(px, tpe, w_gate_up, w_down) * pp[:, None].astype(px.dtype)
                 return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
-            y = d.overlapped_forward(tokens, probs, ids, local_kernel)
-            dropped = jnp.zeros((), jnp.int32)
+            y, dropped = d.overlapped_forward(tokens, probs, ids, local_kernel)
         else:
             permuted, tpe, pp, state = d.token_permutation2(tokens, tokens.shape[0], probs, ids)
             out = swiglu_experts(permuted, tpe, w_gate_up, w_down)
