@@ -202,7 +202,9 @@ def _unpack_ue8m0(words, groups):
 def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False):
     """x [T,H] -> (x_fp8 float8_e4m3fn[T,H], scales f32[T,H/128] | i32[T,H/512] with use_ue8m0).
     Per token and 128 channels: scale_inv = max(1e-4, amax) / 448 (next power of two with
-    round_scale), x_fp8 = x * (1 / scale_inv). A block holding an inf or NaN is poisoned:
+    round_scale), x_fp8 = x * (448 * (1 / amax)), which is what PyTorch computes for DeepEP's
+    reference `x * (448.0 / x_amax)` (x * (1 / scale_inv) with round_scale, exact for a power
+    of two). A block holding an inf or NaN is poisoned:
     NaN scale_inv (UE8M0 byte 0xff) and NaN codes."""
     num_tokens, hidden = x.shape
     groups = hidden // FP8_BLOCK
@@ -215,7 +217,8 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False):
         scale_inv = _ceil_pow2(scale_inv)
     finite = jnp.isfinite(amax)
     scale_inv = jnp.where(finite, scale_inv, jnp.nan)
-    x_fp8 = jnp.where(finite[..., None], blocks * (1.0 / scale_inv)[..., None],
+    multiplier = 1.0 / scale_inv if round_scale else jnp.float32(FP8_MAX) * (1.0 / amax)
+    x_fp8 = jnp.where(finite[..., None], blocks * multiplier[..., None],
                       jnp.nan).astype(jnp.float8_e4m3fn)
     scales = _pack_ue8m0(scale_inv) if use_ue8m0 else scale_inv
     return x_fp8.reshape(num_tokens, hidden), scales

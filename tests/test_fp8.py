@@ -319,6 +319,25 @@ def test_cast_known_scales(impl):
     np.testing.assert_array_equal(c[256:258], [0x7E, 0xF6])  # 448, -224
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_codes_and_scales_bitwise_equal_deepeps_formulas(rng, impl, dtype):
+    # DeepEP's reference (tests/utils.py): codes = fp8(x * (448.0 / x_amax)), which PyTorch
+    # evaluates as x * (x_amax.reciprocal() * 448); its kernels' scale_inv = amax * kFP8AmaxInv
+    # (fl(1/448)). Not x / scale_inv, whose double rounding moves about one bf16 code in a
+    # thousand by one step.
+    x = (rng.standard_normal((512, 1024)) * np.exp(rng.uniform(-8, 8, (512, 1)))).astype(dtype)
+    blocks = x.astype(F32).reshape(512, 8, 128)
+    amax = np.maximum(np.abs(blocks).max(axis=-1), F32(1e-4))
+    want_codes = (blocks * (F32(448) * (F32(1) / amax))[..., None]).astype(E4M3).view(np.uint8)
+    q, s = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(x), impl=impl)
+    np.testing.assert_array_equal(codes(q), want_codes.reshape(512, 1024))
+    np.testing.assert_array_equal(np.asarray(s), amax * F32(1 / 448))
+    if dtype == BF16:  # short mantissas land on e4m3 ties: x / scale_inv gives other codes
+        old = (blocks * (F32(1) / (amax * F32(1 / 448)))[..., None]).astype(E4M3)
+        assert (old.view(np.uint8) != want_codes).sum() > 100
+
+
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
 def test_round_scale_is_next_power_of_two(impl):
     # amax 100: 100/448 = 0.2232 -> 0.25; amax 224: 0.5 exactly (already a power of two);

@@ -108,6 +108,20 @@ JAX_EP_HD float CeilPow2(float v) {
   return BitsFloat(b & 0x7f800000u);
 }
 
+// The factor a block's channels are multiplied by before the e4m3 rounding: what PyTorch makes
+// of DeepEP's reference `x * (448.0 / x_amax)` on every device (a scalar divided by a tensor is
+// `x_amax.reciprocal() * 448`), i.e. 448 * fl(1 / amax); with round_scale the reciprocal of the
+// power-of-two scale_inv (exact). Not 1 / scale_inv (scale_inv = amax * fl(1/448) is rounded
+// already) nor 448 / amax (DeepEP's CUDA kernels): on bfloat16 inputs either moves about one
+// code in a thousand by one step against the PyTorch reference.
+JAX_EP_HD float Fp8Multiplier(float amax, float scale_inv, bool round_scale) {
+#if defined(__CUDA_ARCH__)
+  return round_scale ? __fdiv_rn(1.0f, scale_inv) : __fmul_rn(kFp8Max, __fdiv_rn(1.0f, amax));
+#else
+  return round_scale ? 1.0f / scale_inv : kFp8Max * (1.0f / amax);
+#endif
+}
+
 // UE8M0 byte of a power-of-two scale: its biased fp32 exponent.
 JAX_EP_HD uint8_t Ue8m0Byte(float scale) { return uint8_t((FloatBits(scale) >> 23) & 0xffu); }
 JAX_EP_HD float Ue8m0Scale(uint8_t byte) { return BitsFloat(uint32_t(byte) << 23); }

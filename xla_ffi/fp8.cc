@@ -2,7 +2,8 @@
 //
 // per_token_cast_to_fp8: x [T,H] f32/bf16/f16 -> x_fp8 float8_e4m3fn [T,H] and scales: for each
 //   token and each 128 channels, amax = max(1e-4, max|x|), scale_inv = amax / 448 (rounded up
-//   to a power of two with round_scale), x_fp8 = x * (1 / scale_inv). scales are f32[T,H/128],
+//   to a power of two with round_scale), x_fp8 = x * (448 * (1 / amax)) (x / scale_inv with
+//   round_scale; common.h's Fp8Multiplier). scales are f32[T,H/128],
 //   or with use_ue8m0 the exponent bytes of scale_inv packed four per int32 little-endian,
 //   i32[T, ceil(H/512)] (unused bytes zero). A block holding an inf or NaN gets a NaN scale and
 //   NaN codes (common.h).
@@ -61,7 +62,7 @@ float CastBlock(const T* in, bool round_scale, uint8_t* codes) {
   float block[kFp8Block];
   const float amax = LoadBlock(in, block);
   const float scale_inv = BlockScaleOrPoison(amax, round_scale, codes);
-  if (IsFiniteAmax(amax)) QuantizeBlock(block, 1.0f / scale_inv, codes);
+  if (IsFiniteAmax(amax)) QuantizeBlock(block, Fp8Multiplier(amax, scale_inv, round_scale), codes);
   return scale_inv;
 }
 
@@ -129,7 +130,7 @@ JAX_EP_AVX512 float CastBlockAvx512(const T* in, bool round_scale, uint8_t* code
   const float amax = BitsFloat(_mm512_reduce_max_epu32(amax_bits));
   const float scale_inv = BlockScaleOrPoison(amax, round_scale, codes);
   if (!IsFiniteAmax(amax)) return scale_inv;
-  const __m512 inv = _mm512_set1_ps(1.0f / scale_inv);
+  const __m512 inv = _mm512_set1_ps(Fp8Multiplier(amax, scale_inv, round_scale));
   for (int v = 0; v < kVectors; ++v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * v),
                      FloatToE4m3x16(_mm512_mul_ps(block[v], inv)));
@@ -198,7 +199,7 @@ JAX_EP_AVX512 float CastBlockAvx512(const uint16_t* in, bool round_scale, uint8_
   const float amax = BitsFloat(_mm512_reduce_max_epu32(amax32));
   const float scale_inv = BlockScaleOrPoison(amax, round_scale, codes);
   if (!IsFiniteAmax(amax)) return scale_inv;
-  const __m512 inv = _mm512_set1_ps(1.0f / scale_inv);
+  const __m512 inv = _mm512_set1_ps(Fp8Multiplier(amax, scale_inv, round_scale));
   for (int v = 0; v < kVectors; ++v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * v),
                         _mm512_cvtepi16_epi8(Bf16PairsToE4m3x32(block[v], inv)));

@@ -5,7 +5,7 @@
 // amax is a warp max-reduction over the bit patterns of |x| (as on the CPU: integer order is
 // float order for non-negative floats, and a NaN propagates as in the reference), and each lane
 // writes its 4 FP8 codes as one 32-bit store. scale_inv = amax * fl(1/448) (see fp8.cc); the
-// products and the division 1 / scale_inv are the correctly rounded __fmul_rn / __fdiv_rn,
+// products and the multiplier's division (common.h) are the correctly rounded __fmul_rn / __fdiv_rn,
 // matching the CPU's plain float arithmetic. Vector loads and stores are
 // used when the base addresses allow (every row offset is a multiple of 128 elements), scalar
 // accesses otherwise. No scratch, no host sync: both handlers are command-buffer compatible.
@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads)
       codes = 0x01010101u * kE4m3NanCode;
     } else {
       if (round_scale) scale_inv = CeilPow2(scale_inv);
-      const float inv = __fdiv_rn(1.0f, scale_inv);
+      const float inv = Fp8Multiplier(amax, scale_inv, round_scale);
 #pragma unroll
       for (int i = 0; i < 4; ++i) codes |= uint32_t(FloatToE4m3(__fmul_rn(v[i], inv))) << (8 * i);
     }
