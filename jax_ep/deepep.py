@@ -33,6 +33,7 @@ from jax_ep._checks import (
 
 __all__ = [
     "BACKENDS",
+    "DROP_POLICIES",
     "DispatchHandle",
     "capacity_from_factor",
     "chunk_bounds",
@@ -137,7 +138,7 @@ def drop_to_expert_capacity(routing_map, probs, *, capacity, drop_policy="probs"
         chosen = jnp.zeros(score.shape, bool).at[
             jnp.arange(score.shape[0])[:, None], top].set(True)
         keep = routing_map & chosen.T
-    num_dropped = (routing_map.sum(dtype=jnp.int32) - keep.sum(dtype=jnp.int32))
+    num_dropped = routing_map.sum(dtype=jnp.int32) - keep.sum(dtype=jnp.int32)
     return keep, jnp.where(keep, probs, 0.0).astype(probs.dtype), num_dropped
 
 
