@@ -70,13 +70,15 @@ def check_routing(topk_idx, topk_weights, num_experts: int):
         if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
             raise ValueError(f"topk_weights: expected a float array, got {topk_weights.dtype}")
         topk_weights = topk_weights.astype(jnp.float32)
-    return as_int32_ids(topk_idx, num_experts), topk_weights
+    return as_int32_ids(topk_idx, num_experts, "topk_idx"), topk_weights
 
 
-def as_int32_ids(ids, upper: int):
+def as_int32_ids(ids, upper: int, name: str):
     """Indices of any integer dtype -> int32. Values of a wider dtype (int64, uint32, uint64)
     outside [-1, upper) become -2, which is still outside, so the kernels reject or skip them
     as they would the original value (never wrap an id like 2^32 + 3 into 3)."""
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name}: expected integer indices, got {ids.dtype}")
     ids32 = ids.astype(jnp.int32)
     if jnp.iinfo(ids.dtype).max <= jnp.iinfo(jnp.int32).max:
         return ids32  # int8/16/32, uint8/16: every value fits

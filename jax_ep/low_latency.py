@@ -33,7 +33,8 @@ __all__ = ["LowLatencyHandle", "low_latency_combine", "low_latency_dispatch"]
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["src_info", "layout_range", "recv_slot", "return_slot", "send_token"],
+         data_fields=["src_info", "layout_range", "recv_slot", "return_slot", "send_token",
+                      "num_invalid"],
          meta_fields=["num_tokens", "num_max_dispatch_tokens_per_rank", "num_experts",
                       "axis_name", "impl"])
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,15 @@ class LowLatencyHandle:
     layout_range i32[L,P,2]: (begin row, count) of each source rank's block per local expert.
     recv_slot i32[L*P*Tmax]: received-buffer slot of each output row (-1: padding).
     return_slot i32[P*L*Tmax]: output row returned through each send-buffer slot (-1: none).
-    send_token i32[E*Tmax]: source token of each expert-major send slot (-1: empty)."""
+    send_token i32[E*Tmax]: source token of each expert-major send slot (-1: empty).
+    num_invalid i32[]: this rank's expert ids outside [-1, E), routed nowhere."""
 
     src_info: jax.Array
     layout_range: jax.Array
     recv_slot: jax.Array
     return_slot: jax.Array
     send_token: jax.Array
+    num_invalid: jax.Array
     num_tokens: int
     num_max_dispatch_tokens_per_rank: int
     num_experts: int
@@ -117,6 +120,7 @@ _ll_combine_rows.defvjp(_ll_combine_rows_fwd, _ll_combine_rows_bwd)
 
 
 def _plan(topk_idx, num_experts, tmax, axis_name, impl):
+    topk_idx, num_invalid = unroute_invalid_experts(topk_idx, num_experts)  # no rank raises alone
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     num_local = check_experts(num_experts, num_ranks)
     num_tokens = topk_idx.shape[0]
@@ -151,7 +155,7 @@ def _plan(topk_idx, num_experts, tmax, axis_name, impl):
     layout_range = jnp.stack([begin, recv_counts], axis=-1).astype(jnp.int32)
     return LowLatencyHandle(src_info=src_info, layout_range=layout_range, recv_slot=recv_slot,
                             return_slot=return_slot, send_token=send_token,
-                            num_tokens=num_tokens, num_max_dispatch_tokens_per_rank=tmax,
+                            num_invalid=num_invalid, num_tokens=num_tokens, num_max_dispatch_tokens_per_rank=tmax,
                             num_experts=num_experts, axis_name=axis_name, impl=impl)
 
 
@@ -177,7 +181,6 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
                          f"({tmax}); got shape {x.shape}")
     topk_idx, _ = check_routing(topk_idx, None, num_experts)
     check_shape(topk_idx, (x.shape[0], topk_idx.shape[1]), "topk_idx")
-    topk_idx, _ = unroute_invalid_experts(topk_idx, num_experts)  # no rank may raise alone
     impl = deepep.check_backend(backend)
     if use_fp8:
         if x.shape[1] % reference.FP8_BLOCK:

@@ -170,7 +170,7 @@ def gather_rows(x, row_idx, *, impl="ffi"):
     check_rank(row_idx, 1, "row_idx")
     if jnp.ndim(x) < 1:
         raise ValueError(f"x: expected at least one dimension, got shape {jnp.shape(x)}")
-    row_idx = as_int32_ids(row_idx, x.shape[0])
+    row_idx = as_int32_ids(row_idx, x.shape[0], "row_idx")
     if impl == "xla":
         return reference.gather_rows(x, row_idx)
     return _gather_rows_ffi(x, row_idx)
@@ -275,7 +275,7 @@ def unpermute(permuted, sorted_indices, *, num_tokens, probs=None, impl="ffi"):
     check_float(permuted, "permuted")
     check_shape(sorted_indices, (permuted.shape[0],), "sorted_indices")
     num_tokens = check_positive(num_tokens, "num_tokens", allow_zero=True)
-    sorted_indices = as_int32_ids(sorted_indices, num_tokens)
+    sorted_indices = as_int32_ids(sorted_indices, num_tokens, "sorted_indices")
     if probs is not None:
         check_shape(probs, (permuted.shape[0],), "probs")
         probs = probs.astype(jnp.float32)

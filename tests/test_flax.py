@@ -314,3 +314,26 @@ def test_capacity_factor_is_megatrons_per_expert_capacity(backend):
             top = np.argsort(-w[rows, k], kind="stable")[:c] + r * T
             want[top] += x[top] * w[top, k:k + 1]
     np.testing.assert_allclose(back, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [99, -5])
+def test_capacity_drop_keeps_invalid_ids_for_dispatch_to_count(bad):
+    # The capacity drop clears only routed pairs it drops; an invalid id still reaches
+    # dispatch, which routes it nowhere and counts it.
+    num_ranks, T, H, K, E = 4, 6, 8, 2, 8
+    rng = np.random.default_rng(8)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    idx[2, 0] = bad  # rank 0 only
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       moe_expert_capacity_factor=4.0, expert_axis_name=AXIS)
+    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+    def body(x, i, w):
+        hidden, state = d.dispatch_preprocess2(x, x.shape[0], w, i)
+        _, state = d.dispatch_all_to_all(hidden, state)
+        return state.handle.num_invalid[None], state.num_dropped[None]
+
+    invalid, dropped = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    np.testing.assert_array_equal(invalid, [1, 0, 0, 0])
+    assert not np.asarray(dropped).any()  # capacity 4*T*K/E = 6 = T: nothing to drop

@@ -193,6 +193,11 @@ def test_invalid_expert_id_on_one_rank_is_unrouted():
     for g, c in zip(got, want):
         np.testing.assert_array_equal(g, c)
 
+    def invalid(x, i):
+        return jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
+                                           num_experts=E, axis_name=AXIS)[2].num_invalid[None]
+    np.testing.assert_array_equal(run_ep(invalid, ep_mesh(num_ranks), x, bad_idx), [1, 0, 0, 0])
+
 
 def test_zero_tokens_dispatch_combine_and_gradients():
     # DeepEP allows T <= Tmax, T = 0 included.

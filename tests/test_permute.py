@@ -821,6 +821,10 @@ def test_unpermute_and_gather_rows_bad_arguments(impl):
         ops.gather_rows(jnp.ones((6, 4)), jnp.zeros((2, 2), jnp.int32), impl=impl)
     with pytest.raises(ValueError, match="x"):
         ops.gather_rows(jnp.float32(1.0), jnp.zeros((2,), jnp.int32), impl=impl)
+    with pytest.raises(ValueError, match="row_idx: expected integer"):
+        ops.gather_rows(jnp.ones((6, 4)), jnp.zeros((2,), jnp.float32), impl=impl)
+    with pytest.raises(ValueError, match="sorted_indices: expected integer"):
+        unpermute(jnp.ones((6, 4)), jnp.zeros((6,), jnp.float32), num_tokens=2)
 
 
 def test_unpermute_index_out_of_range_raises_at_run_time():

@@ -118,9 +118,12 @@ class MoEFlexTokenDispatcher(nnx.Module):
         routing_map, probs = ops.indices_to_multihot(idx, w, num_experts=cfg.num_moe_experts,
                                                      impl="xla")
         keep, _, dropped = deepep.drop_to_expert_capacity(routing_map, probs, capacity=capacity)
-        kept = (idx >= 0) & jnp.take_along_axis(keep, jnp.clip(idx, 0), axis=1)
-        return dataclasses.replace(state, token_indices=jnp.where(kept, idx, -1),
-                                   token_probs=jnp.where(kept, w, 0.0)), dropped
+        # Only routed pairs that were dropped change: invalid ids stay for dispatch to count.
+        num_experts = cfg.num_moe_experts
+        routed = (idx >= 0) & (idx < num_experts)
+        drop = routed & ~jnp.take_along_axis(keep, jnp.clip(idx, 0, num_experts - 1), axis=1)
+        return dataclasses.replace(state, token_indices=jnp.where(drop, -1, idx),
+                                   token_probs=jnp.where(drop, 0.0, w)), dropped
 
     def _num_permuted(self, num_rows, top_k):
         """Static rows of the permuted buffer: every row's local slots plus block padding."""
@@ -156,7 +159,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
         token_probs = token_probs.reshape(num_local_tokens, -1)
         token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, -1),
-                                     self.config.num_moe_experts)
+                                     self.config.num_moe_experts, "token_indices")
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
             routing_map, probs = ops.indices_to_multihot(
                 token_indices, token_probs.astype(jnp.float32),
