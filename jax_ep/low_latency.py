@@ -155,8 +155,9 @@ def _plan(topk_idx, num_experts, tmax, axis_name, impl):
     layout_range = jnp.stack([begin, recv_counts], axis=-1).astype(jnp.int32)
     return LowLatencyHandle(src_info=src_info, layout_range=layout_range, recv_slot=recv_slot,
                             return_slot=return_slot, send_token=send_token,
-                            num_invalid=num_invalid, num_tokens=num_tokens, num_max_dispatch_tokens_per_rank=tmax,
-                            num_experts=num_experts, axis_name=axis_name, impl=impl)
+                            num_invalid=num_invalid, num_tokens=num_tokens,
+                            num_max_dispatch_tokens_per_rank=tmax, num_experts=num_experts,
+                            axis_name=axis_name, impl=impl)
 
 
 def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,

@@ -1,7 +1,8 @@
 """The CUDA handlers called directly with `jax.ffi.ffi_call`: result shapes that do not match
 the operands are an InvalidArgument error naming the shapes (the checks are checks.h's, shared
-with the CPU handlers), never an out-of-bounds write. Same cases as tests/test_ffi_contract.py,
-each also run once with the right shapes. Skipped unless JAX's default device is a GPU."""
+with the CPU handlers), never an out-of-bounds write. The test of tests/test_ffi_contract.py,
+collected here so that `pytest tests/gpu` (device_check.sh) runs it on the GPU, JAX's default
+device, where its operands live. Skipped unless that device is a GPU."""
 
 from __future__ import annotations
 
@@ -11,14 +12,6 @@ import pytest
 if jax.devices()[0].platform != "gpu":
     pytest.skip("needs a GPU as JAX's default device", allow_module_level=True)
 
-from test_ffi_contract import CASES  # noqa: E402  (tests/ is on sys.path via its conftest)
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_cuda_target_rejects_results_that_do_not_match_its_operands(case):
-    _, target, operands, attrs, right, wrong, message = case
-    operands = jax.device_put(operands, jax.devices()[0])
-    if right is not None:
-        jax.block_until_ready(jax.ffi.ffi_call(target, right)(*operands, **attrs))
-    with pytest.raises(Exception, match=message):
-        jax.block_until_ready(jax.ffi.ffi_call(target, wrong)(*operands, **attrs))
+from test_ffi_contract import (  # noqa: E402,F401  (tests/ is on sys.path via its conftest)
+    test_ffi_target_rejects_results_that_do_not_match_its_operands,
+)
