@@ -11,6 +11,7 @@
 //   (NaN products stored as one canonical NaN).
 #include <algorithm>
 #include <cstdlib>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -66,6 +67,13 @@ float CastBlock(const T* in, bool round_scale, uint8_t* codes) {
   return scale_inv;
 }
 
+// A row of G blocks: codes [G * 128] and scale_inv [G].
+template <typename T>
+void CastRow(const T* in, int64_t G, bool round_scale, uint8_t* codes, float* scale_inv) {
+  for (int64_t g = 0; g < G; ++g)
+    scale_inv[g] = CastBlock(in + g * kFp8Block, round_scale, codes + g * kFp8Block);
+}
+
 template <typename T>
 void DequantizeBlock(const uint8_t* __restrict in, float scale, T* __restrict out) {
   for (int64_t i = 0; i < kFp8Block; ++i)
@@ -73,7 +81,7 @@ void DequantizeBlock(const uint8_t* __restrict in, float scale, T* __restrict ou
 }
 
 #if JAX_EP_HAS_AVX512_PATH
-// AVX-512 versions of CastBlock and DequantizeBlock, picked at run time on CPUs that have
+// AVX-512 versions of CastRow and DequantizeBlock, picked at run time on CPUs that have
 // AVX-512F, BW and VL. Both give the same bits as the portable loops above under every
 // MXCSR setting (flush-to-zero, denormals-are-zero, rounding mode; XLA:CPU runs handlers
 // with FTZ and DAZ on and rounding to nearest). They only spend fewer instructions:
@@ -115,27 +123,57 @@ JAX_EP_AVX512_INLINE __m512 Load16(const _Float16* in) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in)));
 }
 
-// CastBlock for float and float16 input, the block held in eight registers between its amax
-// and its codes.
+// max(1e-4, amax) from the bit pattern of amax, the floor taken by a vector instruction: a
+// scalar max against the constant lets GCC fold 1e-4 * (1/448) at compile time, in
+// round-to-nearest whatever the MXCSR rounding mode.
+JAX_EP_AVX512_INLINE float FlooredAmax(uint32_t magnitude_bits) {
+  const __m128i floored = _mm_max_epu32(_mm_cvtsi32_si128(int32_t(magnitude_bits)),
+                                        _mm_set1_epi32(int32_t(FloatBits(kFp8MinAmax))));
+  return BitsFloat(uint32_t(_mm_cvtsi128_si32(floored)));
+}
+
+// The largest of 32 unsigned 16-bit lanes. phminposuw finds the smallest of eight; the
+// largest is the smallest of the complements, complemented.
+JAX_EP_AVX512_INLINE uint32_t MaxEpu16(__m512i v) {
+  const __m256i m256 = _mm256_max_epu16(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  const __m128i m128 = _mm_max_epu16(_mm256_castsi256_si128(m256), _mm256_extracti128_si256(m256, 1));
+  const __m128i smallest = _mm_minpos_epu16(_mm_xor_si128(m128, _mm_set1_epi16(-1)));
+  return ~uint32_t(_mm_cvtsi128_si32(smallest)) & 0xffffu;
+}
+
+// max(1e-4, max|x|) of one block, as LoadBlock computes it: on the bit patterns of |x| (for
+// non-negative floats integer order is float order; a NaN, the largest pattern, wins).
+// float16 and bfloat16 take the max on their 16-bit patterns and widen the winner, exactly.
+JAX_EP_AVX512_INLINE float BlockAmaxAvx512(const float* in) {
+  __m512i amax_bits = _mm512_setzero_si512();
+  for (int v = 0; v < kFp8Block / 16; ++v)
+    amax_bits = _mm512_max_epu32(amax_bits, _mm512_and_si512(_mm512_loadu_si512(in + 16 * v),
+                                                              _mm512_set1_epi32(0x7fffffff)));
+  return FlooredAmax(_mm512_reduce_max_epu32(amax_bits));
+}
+JAX_EP_AVX512_INLINE __m512i Max16BitMagnitudes(const void* in) {
+  const __m512i* vectors = static_cast<const __m512i*>(in);
+  __m512i amax16 = _mm512_setzero_si512();
+  for (int v = 0; v < kFp8Block / 32; ++v)
+    amax16 = _mm512_max_epu16(amax16, _mm512_and_si512(_mm512_loadu_si512(vectors + v),
+                                                       _mm512_set1_epi16(0x7fff)));
+  return amax16;
+}
+JAX_EP_AVX512_INLINE float BlockAmaxAvx512(const uint16_t* in) {  // bfloat16 bits
+  return FlooredAmax(MaxEpu16(Max16BitMagnitudes(in)) << 16);
+}
+JAX_EP_AVX512_INLINE float BlockAmaxAvx512(const _Float16* in) {
+  const __m256i widest = _mm256_set1_epi16(int16_t(MaxEpu16(Max16BitMagnitudes(in))));
+  return FlooredAmax(FloatBits(_mm512_cvtss_f32(_mm512_cvtph_ps(widest))));
+}
+
+// The codes of one block that is not poisoned, given its multiplier (float and float16).
 template <typename T>
-JAX_EP_AVX512 float CastBlockAvx512(const T* in, bool round_scale, uint8_t* codes) {
-  constexpr int kVectors = kFp8Block / 16;
-  __m512 block[kVectors];
-  __m512i amax_bits = _mm512_set1_epi32(int32_t(FloatBits(kFp8MinAmax)));
-  for (int v = 0; v < kVectors; ++v) {
-    block[v] = Load16(in + 16 * v);
-    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(block[v]), _mm512_set1_epi32(0x7fffffff));
-    amax_bits = _mm512_max_epu32(amax_bits, magnitude);
-  }
-  const float amax = BitsFloat(_mm512_reduce_max_epu32(amax_bits));
-  const float scale_inv = BlockScaleOrPoison(amax, round_scale, codes);
-  if (!IsFiniteAmax(amax)) return scale_inv;
-  const __m512 inv = _mm512_set1_ps(Fp8Multiplier(amax, scale_inv, round_scale));
-  for (int v = 0; v < kVectors; ++v) {
+JAX_EP_AVX512_INLINE void QuantizeBlockAvx512(const T* in, __m512 multiplier, uint8_t* codes) {
+  for (int v = 0; v < kFp8Block / 16; ++v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * v),
-                     FloatToE4m3x16(_mm512_mul_ps(block[v], inv)));
+                     FloatToE4m3x16(_mm512_mul_ps(Load16(in + 16 * v), multiplier)));
   }
-  return scale_inv;
 }
 
 // FloatToE4m3(x * inv) for 32 bfloat16 channels of a block that is not poisoned, as 16-bit
@@ -179,32 +217,49 @@ JAX_EP_AVX512_INLINE __m512i Bf16PairsToE4m3x32(__m512i x, __m512 inv) {
   return _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(r, 8), _mm512_set1_epi16(0x80), 0xf8);
 }
 
-// CastBlockAvx512 for bfloat16 input: the block in four registers of 32 channels, amax on
-// the 16-bit magnitudes (integer order is float order, NaN the largest), codes as above.
-JAX_EP_AVX512 float CastBlockAvx512(const uint16_t* in, bool round_scale, uint8_t* codes) {
-  constexpr int kVectors = kFp8Block / 32;
-  __m512i block[kVectors];
-  __m512i amax16 = _mm512_setzero_si512();
-  for (int v = 0; v < kVectors; ++v) {
-    block[v] = _mm512_loadu_si512(in + 32 * v);
-    amax16 = _mm512_max_epu16(amax16, _mm512_and_si512(block[v], _mm512_set1_epi16(0x7fff)));
-  }
-  // The 1e-4 floor joins the vector max, as in the 16-lane loop: a scalar max against the
-  // constant lets GCC fold 1e-4 * (1/448) at compile time, in round-to-nearest whatever the
-  // MXCSR rounding mode.
-  const __m512i amax32 = _mm512_max_epu32(
-      _mm512_max_epu32(_mm512_slli_epi32(amax16, 16),
-                       _mm512_and_si512(amax16, _mm512_set1_epi32(int32_t(0xffff0000u)))),
-      _mm512_set1_epi32(int32_t(FloatBits(kFp8MinAmax))));
-  const float amax = BitsFloat(_mm512_reduce_max_epu32(amax32));
-  const float scale_inv = BlockScaleOrPoison(amax, round_scale, codes);
-  if (!IsFiniteAmax(amax)) return scale_inv;
-  const __m512 inv = _mm512_set1_ps(Fp8Multiplier(amax, scale_inv, round_scale));
-  for (int v = 0; v < kVectors; ++v) {
+// QuantizeBlockAvx512 for bfloat16 input, 32 channels per register.
+JAX_EP_AVX512_INLINE void QuantizeBlockAvx512(const uint16_t* in, __m512 multiplier, uint8_t* codes) {
+  for (int v = 0; v < kFp8Block / 32; ++v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * v),
-                        _mm512_cvtepi16_epi8(Bf16PairsToE4m3x32(block[v], inv)));
+                        _mm512_cvtepi16_epi8(Bf16PairsToE4m3x32(_mm512_loadu_si512(in + 32 * v), multiplier)));
   }
-  return scale_inv;
+}
+
+// How far ahead of the block being reduced CastRowAvx512 asks for input lines (bytes). With
+// the hardware prefetchers alone the loop waited on memory: one core, bf16, T = 4096, it ran
+// 10-30% slower from memory without (C++ microbenchmark; 1-32 KiB ahead measured alike).
+constexpr uintptr_t kCastPrefetchBytes = 4096;
+
+// A row of G blocks (all G blocks' codes and scales, as CastRow). Two passes over up to
+// kBlocksPerPass blocks: every block's amax, scale and multiplier first, then their codes
+// (re-read from L1), so the latency of one block's reduction and division is not on the path
+// to its codes. Single-threaded, T = 4096, H = 2048 and 7168, that ran 15-30% faster than one
+// pass per block for all three input types, in cache and from memory.
+template <typename T>
+JAX_EP_AVX512 void CastRowAvx512(const T* in, int64_t G, bool round_scale, uint8_t* codes,
+                                 float* scale_inv) {
+  constexpr int64_t kBlocksPerPass = 16;
+  float multiplier[kBlocksPerPass];
+  bool finite[kBlocksPerPass];
+  for (int64_t g0 = 0; g0 < G; g0 += kBlocksPerPass) {
+    const int64_t n = std::min(kBlocksPerPass, G - g0);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* block = in + (g0 + i) * kFp8Block;
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(block) + kCastPrefetchBytes;
+      for (uintptr_t line = 0; line < sizeof(T) * kFp8Block; line += 64)  // never faults
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+      const float amax = BlockAmaxAvx512(block);
+      scale_inv[g0 + i] = BlockScaleOrPoison(amax, round_scale, codes + (g0 + i) * kFp8Block);
+      finite[i] = IsFiniteAmax(amax);
+      multiplier[i] = finite[i] ? Fp8Multiplier(amax, scale_inv[g0 + i], round_scale) : 0.0f;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (finite[i]) {
+        QuantizeBlockAvx512(in + (g0 + i) * kFp8Block, _mm512_set1_ps(multiplier[i]),
+                            codes + (g0 + i) * kFp8Block);
+      }
+    }
+  }
 }
 
 // 32 fp32 lanes (lo = the first 16) to the output type: float as is, float16 by the hardware
@@ -278,7 +333,7 @@ bool UseAvx512() {
 bool UseAvx512() { return false; }
 bool ScaleTimes256IsExact(float) { return false; }
 template <typename T>
-float CastBlockAvx512(const T*, bool, uint8_t*) { return 0.0f; }
+void CastRowAvx512(const T*, int64_t, bool, uint8_t*, float*) {}
 template <typename T>
 void DequantizeBlockAvx512(const uint8_t*, float, T*) {}
 #endif
@@ -302,18 +357,16 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
     using T_ = decltype(tag);
     const T_* src = static_cast<const T_*>(x.untyped_data());
     ParallelFor(pool, T, GrainItems(H * int64_t(sizeof(T_))), [&](int64_t begin, int64_t end) {
+      std::vector<float> row_scales(use_ue8m0 ? G : 0);  // UE8M0: scale_inv before packing
       for (int64_t t = begin; t < end; ++t) {
-        for (int64_t g = 0; g < G; ++g) {
-          const T_* block = src + t * H + g * kFp8Block;
-          uint8_t* codes = q + t * H + g * kFp8Block;
-          const float scale_inv = avx512 ? CastBlockAvx512(block, round_scale, codes)
-                                         : CastBlock(block, round_scale, codes);
-          if (use_ue8m0) {
-            ue8m0[t * ue8m0_row_bytes + g] = Ue8m0Byte(scale_inv);
-          } else {
-            f32_scales[t * G + g] = scale_inv;
-          }
+        float* scale_inv = use_ue8m0 ? row_scales.data() : f32_scales + t * G;
+        if (avx512) {
+          CastRowAvx512(src + t * H, G, round_scale, q + t * H, scale_inv);
+        } else {
+          CastRow(src + t * H, G, round_scale, q + t * H, scale_inv);
         }
+        for (int64_t g = 0; g < G && use_ue8m0; ++g)
+          ue8m0[t * ue8m0_row_bytes + g] = Ue8m0Byte(scale_inv[g]);
       }
     });
     return ffi::Error::Success();

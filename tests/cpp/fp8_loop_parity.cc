@@ -1,5 +1,5 @@
-// The AVX-512 FP8 block loops of xla_ffi/fp8.cc against its portable loops, block by block,
-// under every MXCSR setting (4 rounding modes x FTZ x DAZ): same scales, same codes, same
+// The AVX-512 FP8 loops of xla_ffi/fp8.cc against its portable loops, block by block and
+// row by row (rows longer than one pass of CastRowAvx512), under every MXCSR setting (4 rounding modes x FTZ x DAZ): same scales, same codes, same
 // cast-back bits. Built and run by tests/test_fp8.py with the handlers' own compile flags.
 // Prints "blocks N mismatches M" and exits 1 on any mismatch.
 #include "fp8.cc"
@@ -17,16 +17,37 @@ using jax_ep::FloatBits;
 uint64_t g_blocks = 0, g_mismatches = 0;
 
 template <typename T>
-void CheckCast(const T* in, bool round_scale, unsigned csr) {
-  uint8_t want[jax_ep::kFp8Block], got[jax_ep::kFp8Block];
-  const float want_scale = jax_ep::CastBlock(in, round_scale, want);
-  const float got_scale = jax_ep::CastBlockAvx512(in, round_scale, got);
-  ++g_blocks;
-  if (FloatBits(want_scale) != FloatBits(got_scale) || std::memcmp(want, got, sizeof(want))) {
-    if (g_mismatches++ < 5)
-      std::printf("cast to, %zu-byte input, mxcsr %04x, round_scale %d: scale %08x vs %08x\n",
-                  sizeof(T), csr, round_scale, FloatBits(want_scale), FloatBits(got_scale));
+void RandomBlock(std::mt19937_64& rng, T* out);
+
+// A row of `blocks` blocks (at most kMaxRowBlocks) cast both ways.
+constexpr int64_t kMaxRowBlocks = 40;
+
+template <typename T>
+void CheckCast(const T* in, bool round_scale, unsigned csr, int64_t blocks = 1) {
+  uint8_t want[kMaxRowBlocks * jax_ep::kFp8Block], got[kMaxRowBlocks * jax_ep::kFp8Block];
+  float want_scales[kMaxRowBlocks], got_scales[kMaxRowBlocks];
+  jax_ep::CastRow(in, blocks, round_scale, want, want_scales);
+  jax_ep::CastRowAvx512(in, blocks, round_scale, got, got_scales);
+  g_blocks += blocks;
+  for (int64_t g = 0; g < blocks; ++g) {
+    const size_t at = g * jax_ep::kFp8Block;
+    if (FloatBits(want_scales[g]) != FloatBits(got_scales[g]) ||
+        std::memcmp(want + at, got + at, jax_ep::kFp8Block)) {
+      if (g_mismatches++ < 5)
+        std::printf("cast to, %zu-byte input, mxcsr %04x, round_scale %d, block %lld of %lld: "
+                    "scale %08x vs %08x\n", sizeof(T), csr, round_scale, (long long)g,
+                    (long long)blocks, FloatBits(want_scales[g]), FloatBits(got_scales[g]));
+    }
   }
+}
+
+// Rows of 1 to kMaxRowBlocks random blocks: every split of a row into CastRowAvx512's passes.
+template <typename T>
+void CheckRandomRow(std::mt19937_64& rng, unsigned csr) {
+  T row[kMaxRowBlocks * jax_ep::kFp8Block];
+  const int64_t blocks = 1 + int64_t(rng() % kMaxRowBlocks);
+  for (int64_t g = 0; g < blocks; ++g) RandomBlock(rng, row + g * jax_ep::kFp8Block);
+  CheckCast(row, rng() % 2, csr, blocks);
 }
 
 template <typename T>
@@ -127,6 +148,11 @@ int main() {
         CheckCast(f, i & 1, csr);
         CheckCast(b, i & 1, csr);
         CheckCast(h, i & 1, csr);
+        if (i % 100 == 0) {
+          CheckRandomRow<float>(rng, csr);
+          CheckRandomRow<uint16_t>(rng, csr);
+          CheckRandomRow<_Float16>(rng, csr);
+        }
         uint8_t codes[jax_ep::kFp8Block];
         for (auto& c : codes) c = uint8_t(rng());
         const float scale = i % 7 == 0 ? jax_ep::BitsFloat(uint32_t(rng())) :
