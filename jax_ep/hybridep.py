@@ -81,6 +81,11 @@ class HybridEPHandle:
     num_tokens: int
     compact: bool
 
+    @property
+    def num_invalid(self):
+        """i32[]: expert ids outside [-1, E) seen, routed nowhere (as DispatchHandle's)."""
+        return self.routing.num_invalid
+
 
 def _pad_rows(a, rows, fill):
     return jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)

@@ -316,24 +316,33 @@ def test_capacity_factor_is_megatrons_per_expert_capacity(backend):
     np.testing.assert_allclose(back, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend, extra", [
+    ("deepep", {}), ("alltoall", {}), ("hybridep", {}),
+    ("hybridep", dict(moe_hybridep_compact_routing=True))], ids=["deepep", "alltoall",
+                                                               "hybridep-dense", "hybridep-compact"])
 @pytest.mark.parametrize("bad", [99, -5])
-def test_capacity_drop_keeps_invalid_ids_for_dispatch_to_count(bad):
+def test_capacity_drop_keeps_invalid_ids_for_dispatch_to_count(bad, backend, extra):
     # The capacity drop clears only routed pairs it drops; an invalid id still reaches
-    # dispatch, which routes it nowhere and counts it.
+    # dispatch, which routes it nowhere and counts it (HybridEP's dense routing counts it when
+    # dispatch_preprocess2 builds the map, and its handle reports it the same way).
     num_ranks, T, H, K, E = 4, 6, 8, 2, 8
     rng = np.random.default_rng(8)
     idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
     idx[2, 0] = bad  # rank 0 only
     x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
-                                       moe_expert_capacity_factor=4.0, expert_axis_name=AXIS)
+                                       moe_expert_capacity_factor=4.0, expert_axis_name=AXIS,
+                                       moe_flex_dispatcher_backend=backend, **extra)
     d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
 
     def body(x, i, w):
-        hidden, state = d.dispatch_preprocess2(x, x.shape[0], w, i)
-        _, state = d.dispatch_all_to_all(hidden, state)
-        return state.handle.num_invalid[None], state.num_dropped[None]
+        tokens, _, pp, state = d.token_permutation2(x, x.shape[0], w, i)
+        back = d.token_unpermutation(tokens * pp[:, None], state)
+        return state.handle.num_invalid[None], state.num_dropped[None], back
 
-    invalid, dropped = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    invalid, dropped, back = run_ep(body, ep_mesh(num_ranks), x, idx, w)
     np.testing.assert_array_equal(invalid, [1, 0, 0, 0])
     assert not np.asarray(dropped).any()  # capacity 4*T*K/E = 6 = T: nothing to drop
+    routed = (idx >= 0) & (idx < E)
+    want = x * np.where(routed, w, 0.0).sum(axis=1, keepdims=True)  # the bad slot adds nothing
+    np.testing.assert_allclose(back, want, rtol=1e-5, atol=1e-5)

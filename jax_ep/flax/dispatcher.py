@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ep import deepep, hybridep, ops
-from jax_ep._checks import as_int32_ids
+from jax_ep._checks import as_int32_ids, unroute_invalid_experts
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "MoEFlexTokenDispatcher", "shared_dispatcher"]
@@ -27,7 +27,7 @@ _ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64, None: None}
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["token_indices", "token_probs", "routing_map", "probs", "handle",
-                      "sorted_indices", "num_dropped"],
+                      "sorted_indices", "num_dropped", "num_invalid"],
          meta_fields=["hidden_shape"])
 @dataclasses.dataclass(frozen=True)
 class DispatchState:
@@ -39,6 +39,9 @@ class DispatchState:
     sorted_indices i32[N]: local permutation rows (DeepEP family, after dispatch_postprocess).
     num_dropped i32[]: (token, expert) pairs dropped to moe_expert_capacity_factor, plus the
       (token, destination) rows or (row, expert) pairs the EP mode dropped to its buffers.
+    num_invalid i32[]: expert ids outside [-1, E) that dispatch_preprocess2 routed nowhere
+      while building HybridEP's dense routing (which cannot hold them); dispatch_all_to_all
+      adds them to the handle's num_invalid, where the other modes count theirs.
     hidden_shape: the input's shape, restored by combine_postprocess.
     """
 
@@ -49,6 +52,7 @@ class DispatchState:
     handle: object = None
     sorted_indices: jax.Array | None = None
     num_dropped: jax.Array | None = None
+    num_invalid: jax.Array | None = None
     hidden_shape: tuple = ()
 
 
@@ -161,11 +165,13 @@ class MoEFlexTokenDispatcher(nnx.Module):
         token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, -1),
                                      self.config.num_moe_experts, "token_indices")
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
+            token_indices, num_invalid = unroute_invalid_experts(token_indices,
+                                                                 self.config.num_moe_experts)
             routing_map, probs = ops.indices_to_multihot(
                 token_indices, token_probs.astype(jnp.float32),
                 num_experts=self.config.num_moe_experts, impl="xla")
             return hidden, DispatchState(routing_map=routing_map, probs=probs,
-                                         hidden_shape=hidden_shape)
+                                         num_invalid=num_invalid, hidden_shape=hidden_shape)
         return hidden, DispatchState(token_indices=token_indices,
                                      token_probs=token_probs.astype(jnp.float32),
                                      hidden_shape=hidden_shape)
@@ -188,6 +194,10 @@ class MoEFlexTokenDispatcher(nnx.Module):
                 hidden_states, num_experts=cfg.num_moe_experts, axis_name=self.axis_name,
                 num_permuted_tokens=n, pad_multiple=cfg.moe_router_expert_pad_multiple,
                 transport=cfg.transport, **routing)
+            if state.num_invalid is not None:
+                routing = dataclasses.replace(
+                    handle.routing, num_invalid=handle.routing.num_invalid + state.num_invalid)
+                handle = dataclasses.replace(handle, routing=routing)
             state = dataclasses.replace(state, handle=handle,
                                         num_dropped=dropped + handle.num_dropped)
             return (px, pp, tpe), state
