@@ -243,7 +243,9 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
     """Send each token once to every rank owning one of its experts (DeepEP normal mode).
 
     Call inside `jax.shard_map` over `axis_name` (P ranks; P = 1 runs no collective).
-      x: [T,H] f32/bf16/f16, this rank's tokens.
+      x: [T,H] f32/bf16/f16, this rank's tokens; or, as DeepEP's FP8 dispatch takes it, a
+        tuple of row arrays (x_fp8 float8_e4m3fn[T,H], scales f32[T,H/128]) that travel
+        through one layout; recv_x is then the tuple of their received [R,...] arrays.
       topk_idx: [T,K] int32/int64 global expert ids, -1 = unrouted.
       topk_weights: [T,K] float routing weights (None: ones).
       num_experts: E, a multiple of P; rank r owns experts [r*L, (r+1)*L).
@@ -263,6 +265,12 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
     Returns (recv_x [R,H], recv_topk_idx i32[R,K], recv_topk_weights f32[R,K], handle).
     """
     impl = check_backend(backend)
+    if isinstance(x, (tuple, list)):
+        return _dispatch_row_tuple(tuple(x), topk_idx, topk_weights, num_experts=num_experts,
+                                   axis_name=axis_name, backend=backend,
+                                   num_worst_tokens=num_worst_tokens,
+                                   expert_alignment=expert_alignment, transport=transport,
+                                   capacity=capacity, handle=handle, layout=layout)
     check_rank(x, 2, "x")
     if handle is None:
         if topk_idx is None or num_experts is None:
@@ -285,6 +293,25 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         topk_weights = jnp.ones((x.shape[0], handle.recv_topk_idx.shape[1]), jnp.float32)
     recv_x, recv_w = _dispatch_rows(x, topk_weights, handle)
     return recv_x, handle.recv_topk_idx, recv_w, handle
+
+
+def _dispatch_row_tuple(parts, topk_idx, topk_weights, *, axis_name, backend, handle,
+                        **routing):
+    """dispatch of a tuple of [T,...] row arrays: the first routes (or replays `handle`), the
+    others replay its handle, so row r of every received array is the same source row."""
+    if not parts:
+        raise ValueError("x: expected an array or a non-empty tuple of row arrays, got ()")
+    for i, part in enumerate(parts):
+        check_rank(part, 2, f"x[{i}]")
+        if part.shape[0] != parts[0].shape[0]:
+            raise ValueError(f"x[{i}]: expected {parts[0].shape[0]} rows to match x[0] "
+                             f"{parts[0].shape}, got shape {part.shape}")
+    first, recv_idx, recv_w, handle = dispatch(parts[0], topk_idx, topk_weights,
+                                               axis_name=axis_name, backend=backend,
+                                               handle=handle, **routing)
+    rest = tuple(dispatch(part, axis_name=axis_name, backend=backend, handle=handle)[0]
+                 for part in parts[1:])
+    return (first,) + rest, recv_idx, recv_w, handle
 
 
 def _check_layout(layout, num_tokens, num_ranks, num_experts):

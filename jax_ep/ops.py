@@ -59,6 +59,15 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
+def _typed_like_ffi(outputs, *inputs):
+    """The reference's outputs (a pytree) typed as the FFI call on `inputs` types its results:
+    varying over every manual mesh axis an input varies over, inside shard_map. jax.numpy
+    drops that type where it short-circuits (a scatter of zero updates returns its fresh
+    zeros), and a custom_vjp backward then fails its type check."""
+    inputs = [a for a in inputs if a is not None]
+    return jax.tree.map(lambda out: _ffi.vary_like(out, *inputs), outputs)
+
+
 # ----------------------------------------------------------------------------- layouts
 
 
@@ -70,8 +79,8 @@ def get_dispatch_layout(topk_idx, *, num_experts, num_ranks, impl="ffi"):
     check_experts(num_experts, num_ranks)
     topk_idx, _ = check_routing(topk_idx, None, num_experts)
     if impl == "xla" or topk_idx.size == 0:
-        return reference.get_dispatch_layout(topk_idx, num_experts=num_experts,
-                                             num_ranks=num_ranks)
+        return _typed_like_ffi(reference.get_dispatch_layout(
+            topk_idx, num_experts=num_experts, num_ranks=num_ranks), topk_idx)
     per_rank, in_rank, per_expert, _ = _dispatch_layout_ffi(topk_idx, num_experts, num_ranks)
     return per_rank, in_rank, per_expert
 
@@ -96,7 +105,8 @@ def compute_send_counts(topk_idx, num_ranks, num_local_experts, *, impl="ffi"):
     num_experts = num_ranks * num_local_experts
     topk_idx, _ = check_routing(topk_idx, None, num_experts)
     if impl == "xla" or topk_idx.size == 0:
-        return reference.compute_send_counts(topk_idx, num_ranks, num_local_experts)
+        return _typed_like_ffi(
+            reference.compute_send_counts(topk_idx, num_ranks, num_local_experts), topk_idx)
     send_counts, is_in_rank, _, _ = _dispatch_layout_ffi(topk_idx, num_experts, num_ranks)
     return reference.slot_ranks(topk_idx, num_ranks, num_local_experts), is_in_rank, send_counts
 
@@ -111,8 +121,9 @@ def build_send_layout(topk_idx, topk_weights, *, num_ranks, num_local_experts, i
     check_experts(num_experts, num_ranks)
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
     if impl == "xla" or topk_idx.size == 0:
-        return reference.build_send_layout(topk_idx, topk_weights, num_ranks=num_ranks,
-                                           num_local_experts=num_local_experts)
+        return _typed_like_ffi(reference.build_send_layout(
+            topk_idx, topk_weights, num_ranks=num_ranks, num_local_experts=num_local_experts),
+            topk_idx, topk_weights)
     num_tokens, top_k = topk_idx.shape
     rows = num_tokens * num_ranks
     results = (_sds((rows,), jnp.int32), _sds((rows,), jnp.int32),
@@ -134,7 +145,8 @@ def indices_to_multihot(topk_idx, topk_probs, *, num_experts, impl="ffi"):
     check_positive(num_experts, "num_experts")
     topk_idx, topk_probs = check_routing(topk_idx, topk_probs, num_experts)
     if impl == "xla" or topk_idx.size == 0:
-        return reference.indices_to_multihot(topk_idx, topk_probs, num_experts=num_experts)
+        return _typed_like_ffi(reference.indices_to_multihot(
+            topk_idx, topk_probs, num_experts=num_experts), topk_idx, topk_probs)
     return _multihot(topk_idx, topk_probs, num_experts)
 
 
@@ -172,7 +184,7 @@ def gather_rows(x, row_idx, *, impl="ffi"):
         raise ValueError(f"x: expected at least one dimension, got shape {jnp.shape(x)}")
     row_idx = as_int32_ids(row_idx, x.shape[0], "row_idx")
     if impl == "xla":
-        return reference.gather_rows(x, row_idx)
+        return _typed_like_ffi(reference.gather_rows(x, row_idx), x, row_idx)
     return _gather_rows_ffi(x, row_idx)
 
 
@@ -219,7 +231,7 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
                 routing_map, num_out_tokens=num_out_tokens, pad_multiple=pad_multiple,
                 drop_and_pad=drop_and_pad)
             out = out + (dropped,)
-        return out
+        return _typed_like_ffi(out, tokens, routing_map, probs)
     has_probs = probs is not None
     permuted, permuted_probs, sorted_indices, tokens_per_expert, dropped = _permute(
         tokens, routing_map, probs if has_probs else jnp.zeros(routing_map.shape, jnp.float32),
@@ -280,7 +292,9 @@ def unpermute(permuted, sorted_indices, *, num_tokens, probs=None, impl="ffi"):
         check_shape(probs, (permuted.shape[0],), "probs")
         probs = probs.astype(jnp.float32)
     if impl == "xla":
-        return reference.unpermute(permuted, sorted_indices, num_tokens=num_tokens, probs=probs)
+        return _typed_like_ffi(reference.unpermute(
+            permuted, sorted_indices, num_tokens=num_tokens, probs=probs),
+            permuted, sorted_indices, probs)
     if probs is None:
         return _unpermute_unweighted(permuted, sorted_indices, num_tokens)
     return _unpermute_weighted(permuted, sorted_indices, probs, num_tokens)
@@ -351,7 +365,8 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0: requires round_scale=True (UE8M0 scales are powers of two)")
     if impl == "xla":
-        return reference.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        return _typed_like_ffi(reference.per_token_cast_to_fp8(
+            x, round_scale=round_scale, use_ue8m0=use_ue8m0), x)
     num_tokens, hidden = x.shape
     groups = hidden // reference.FP8_BLOCK
     scales = (_sds((num_tokens, -(-groups // 4)), jnp.int32) if use_ue8m0
@@ -379,7 +394,8 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
                                 jnp.dtype(jnp.float16)):
         raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
     if impl == "xla":
-        return reference.per_token_cast_back(x_fp8, scales, use_ue8m0=use_ue8m0, dtype=dtype)
+        return _typed_like_ffi(reference.per_token_cast_back(
+            x_fp8, scales, use_ue8m0=use_ue8m0, dtype=dtype), x_fp8, scales)
     if x_fp8.size == 0:
         return _ffi.vary_like(jnp.zeros(x_fp8.shape, dtype), x_fp8, scales)
     return _ffi.call("jax_ep_cast_back", _sds(x_fp8.shape, dtype), x_fp8, scales,

@@ -20,7 +20,7 @@ from ep_utils import (
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import deepep
+from jax_ep import deepep, ops
 
 BACKENDS = ("deepep", "alltoall")
 
@@ -269,6 +269,95 @@ def test_chunked_forward_equals_unchunked(chunks, T):
     whole = np.asarray(jax.jit(_ep_moe(mesh, E, "alltoall"))(*shard(mesh, x, idx, w, w_in, w_out)))
     np.testing.assert_allclose(got, whole, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got, dense_moe(x, idx, w, w_in, w_out), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunks,T", [(2, 1), (3, 2)])  # leading chunks empty on every rank
+def test_chunked_forward_gradients_with_empty_chunks(backend, chunks, T):
+    num_ranks, H, F, K, E = 4, 8, 8, 2, 8
+    rng = np.random.default_rng(chunks * 10 + T + 1)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    w_in = rng.standard_normal((E, H, F)).astype(np.float32) / 3
+    w_out = rng.standard_normal((E, F, H)).astype(np.float32) / 3
+    cot = rng.standard_normal(x.shape).astype(np.float32)
+    mesh = ep_mesh(num_ranks)
+
+    def body(x, w, w_in, w_out, idx):
+        kernel = lambda rx, ri, rw: local_experts(rx, ri, rw, w_in, w_out)  # noqa: E731
+        return deepep.dispatch_chunked_forward(x, idx, w, kernel, num_local_experts=E // num_ranks,
+                                               axis_name=AXIS, chunks=chunks, backend=backend)
+
+    moe = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 5, out_specs=P(AXIS))
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(moe(*a) * cot), argnums=(0, 1, 2, 3)))(
+        *shard(mesh, x, w, w_in, w_out, idx))
+    want = jax.grad(lambda x, w, w_in, w_out: jnp.sum(dense_moe(x, idx, w, w_in, w_out) * cot),
+                    argnums=(0, 1, 2, 3))(x, w, w_in, w_out)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("uccl_ep",))
+def test_zero_tokens_dispatch_combine_and_gradients(backend):
+    num_ranks, H, K, E = 4, 8, 2, 8
+    x = np.zeros((0, H), np.float32)
+    idx = np.zeros((0, K), np.int32)
+    w = np.zeros((0, K), np.float32)
+
+    def body(x, idx, w):
+        def loss(x, w):
+            rx, _, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                           backend=backend)
+            out, _ = jax_ep.combine(rx * 2, h)
+            return out.sum() + rw.sum(), out
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+        return out, *grads  # zero-sized results only (see test_hybridep's T = 0 test)
+
+    out, d_x, d_w = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    assert out.shape == (0, H) and d_x.shape == (0, H) and d_w.shape == (0, K)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("uccl_ep",))
+def test_fp8_tuple_dispatch_as_deepep(backend):
+    # DeepEP's test_intranode dispatches x as (x_fp8, scales): both arrive on the same rows,
+    # equal to dispatching each alone, and cast back to the bf16 dispatch's rows.
+    num_ranks, T, H, K, E = 4, 5, 256, 3, 16
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+
+    def body(x, idx, w):
+        q, s = ops.per_token_cast_to_fp8(x)
+        (rq, rs), ri, rw, h = jax_ep.dispatch((q, s), idx, w, num_experts=E, axis_name=AXIS,
+                                              backend=backend)
+        alone_q, ri2, rw2, _ = jax_ep.dispatch(q, idx, w, num_experts=E, axis_name=AXIS,
+                                               backend=backend)
+        alone_s = jax_ep.dispatch(s, axis_name=AXIS, backend=backend, handle=h)[0]
+        rx = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, backend=backend)[0]
+        back = ops.per_token_cast_back(rq, rs, dtype=jnp.float32)
+        return (jax.lax.bitcast_convert_type(rq, jnp.uint8), rs,
+                jax.lax.bitcast_convert_type(alone_q, jnp.uint8), alone_s, ri, ri2, rw, rw2,
+                back, rx.astype(jnp.float32))
+
+    out = [np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
+    rq, rs, alone_q, alone_s, ri, ri2, rw, rw2, back, rx = out
+    np.testing.assert_array_equal(rq, alone_q)
+    np.testing.assert_array_equal(rs, alone_s)
+    np.testing.assert_array_equal(ri, ri2)
+    np.testing.assert_array_equal(rw, rw2)
+    # e4m3 rounds to half an ulp: at most 16 (the top binade, 256..448) times the scale
+    scale = np.repeat(rs, 128, axis=1)
+    assert np.all(np.abs(back - rx) <= scale * 16 + 1e-12)
+    assert np.abs(back).sum() > 0
+
+
+def test_tuple_dispatch_rejects_mismatched_rows():
+    x = jnp.zeros((4, 128), jnp.float32)
+    idx = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"x\[1\]"):
+        jax_ep.dispatch((x, x[:3]), idx, num_experts=4, axis_name=AXIS)
+    with pytest.raises(ValueError, match="tuple"):
+        jax_ep.dispatch((), idx, num_experts=4, axis_name=AXIS)
 
 
 def test_chunk_bounds():

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from _helpers import jit_op, random_routing_map, ref
 from jax_ep import ops
+from jax_ep._ffi import _varying_axes
 
 F32, BF16, F16 = np.float32, ml_dtypes.bfloat16, np.float16
 DTYPES = [F32, BF16, F16]
@@ -767,6 +768,40 @@ def test_permute_grad_inside_shard_map(ep_mesh, rng):
                                   jnp.asarray(probs[sl]))
         np.testing.assert_allclose(g_tokens[sl], want_t, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(g_probs[sl], want_p, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_empty_results_vary_like_their_inputs_inside_shard_map(ep_mesh, impl):
+    # jax.numpy returns a scatter of zero updates as its fresh (unvarying) zeros; a custom_vjp
+    # backward that does so fails JAX's type check (dispatch_chunked_forward's empty chunks).
+    # Both impls type every output like the FFI call: varying over the inputs' axes.
+    unvarying = []
+
+    def local(x, idx, probs):  # per rank: x [2,128], idx i32[2,2], probs f32[2,4]
+        none, rows, rmap = idx[:0, 0], jnp.full((2,), -1, jnp.int32), probs[:0] > 0
+        outs = {
+            "unpermute(no rows)": ops.unpermute(x[:0], none, num_tokens=3, impl=impl),
+            "unpermute(-1 rows)": ops.unpermute(x, rows, num_tokens=3, impl=impl),
+            "gather_rows": ops.gather_rows(x[:0], rows, impl=impl),
+            "multihot": ops.indices_to_multihot(idx[:0], probs[:0, :2], num_experts=4,
+                                                impl=impl),
+            "permute": ops.permute(x[:0], rmap, probs[:0], num_out_tokens=4, impl=impl),
+            "layout": ops.get_dispatch_layout(idx[:0], num_experts=4, num_ranks=2, impl=impl),
+            "send_layout": ops.build_send_layout(idx[:0], probs[:0, :2], num_ranks=2,
+                                                 num_local_experts=2, impl=impl),
+            "cast_to_fp8": ops.per_token_cast_to_fp8(x[:0], impl=impl),
+        }
+        for name, out in outs.items():
+            for leaf in jax.tree.leaves(out):
+                if "ep" not in _varying_axes(leaf):
+                    unvarying.append(name)
+        return x
+
+    sharding = NamedSharding(ep_mesh, P("ep"))
+    args = [jax.device_put(a, sharding) for a in (
+        np.ones((16, 128), np.float32), np.zeros((16, 2), np.int32), np.ones((16, 4), np.float32))]
+    jax.jit(jax.shard_map(local, mesh=ep_mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))(*args)
+    assert unvarying == []
 
 
 # ----------------------------------------------------------------------------- errors
