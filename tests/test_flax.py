@@ -77,13 +77,17 @@ def _mesh():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("extra", [dict(), dict(moe_router_expert_pad_multiple=4),
                                    dict(moe_deepep_async_dispatch=True, num_overlap_chunks=3),
-                                   dict(moe_hybridep_compact_routing=True)])
+                                   dict(moe_hybridep_compact_routing=True),
+                                   # top-k 3 above the L = 2 experts of each of 4 ranks
+                                   dict(moe_router_topk=3),
+                                   dict(moe_router_topk=3, moe_deepep_async_dispatch=True,
+                                        num_overlap_chunks=2)])
 def test_moe_layer_forward_and_grad_match_dense(backend, extra):
     if extra.get("moe_deepep_async_dispatch") and backend == "hybridep":
         pytest.skip("chunked overlap is a deepep-family feature")
-    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
-                                       moe_flex_dispatcher_backend=backend,
-                                       moe_permute_fusion=True, **extra)
+    cfg = jax_ep.TokenDispatcherConfig(**dict(dict(num_moe_experts=8, moe_router_topk=2,
+                                                   moe_flex_dispatcher_backend=backend,
+                                                   moe_permute_fusion=True), **extra))
     mesh = _mesh()
     layer, twin = _layer_pair(cfg, mesh, shared_expert_size=8)
     x = jax.random.normal(jax.random.key(1), (8, 6, 16))
@@ -100,7 +104,7 @@ def test_moe_layer_forward_and_grad_match_dense(backend, extra):
         lambda l, x: jnp.sum(dense_forward(l, x)[0] * cot) + dense_forward(l, x)[1])(twin, x)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert int(aux["num_dropped"]) == 0
-    assert int(aux["tokens_per_expert"].sum()) == 8 * 6 * 2
+    assert int(aux["tokens_per_expert"].sum()) == 8 * 6 * cfg.moe_router_topk
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(g_layer, nnx.Param)),
                                  nnx.to_flat_state(nnx.state(want_aux, nnx.Param))):
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=2e-5,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ep import deepep, hybridep, ops
+from jax_ep import deepep, hybridep, ops, reference
 from jax_ep._checks import as_int32_ids, unroute_invalid_experts
 from jax_ep.config import TokenDispatcherConfig
 
@@ -134,6 +134,17 @@ class MoEFlexTokenDispatcher(nnx.Module):
         pad = self.config.moe_router_expert_pad_multiple or 1
         return num_rows * min(top_k, self.num_local_experts) + self.num_local_experts * (pad - 1)
 
+    def local_multihot(self, recv_idx, recv_w):
+        """Received local ids i32[R,K] (-1 for slots owned elsewhere), weights f32[R,K] ->
+        (routing_map bool[R,L], probs f32[R,L]). K may exceed L here (a token's other slots
+        are -1); ops.indices_to_multihot rejects top-k above its expert count, so that case
+        builds the map with the reference (any K)."""
+        if recv_idx.shape[1] > self.num_local_experts:
+            return reference.indices_to_multihot(recv_idx, recv_w,
+                                                 num_experts=self.num_local_experts)
+        return ops.indices_to_multihot(recv_idx, recv_w, num_experts=self.num_local_experts,
+                                       impl=self._local_impl)
+
     def _topk_from_probs(self, probs):
         """Dense probs [T,E] -> (indices i32[T,K] with -1 where prob is 0, probs f32[T,K])."""
         values, indices = jax.lax.top_k(probs, self.config.moe_router_topk)
@@ -217,9 +228,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
             px, pp, tpe = hidden_states
             return px, tpe, pp, state
         recv_x, recv_idx, recv_w = hidden_states
-        routing_map, probs = ops.indices_to_multihot(recv_idx, recv_w,
-                                                     num_experts=self.num_local_experts,
-                                                     impl=self._local_impl)
+        routing_map, probs = self.local_multihot(recv_idx, recv_w)
         n = self._num_permuted(recv_x.shape[0], recv_idx.shape[1])
         permuted, permuted_probs, sorted_indices, tokens_per_expert = ops.permute(
             recv_x, routing_map, probs, num_out_tokens=n,

@@ -144,8 +144,7 @@ class MoELayer(nnx.Module):
         d = self.dispatcher
         if cfg.moe_deepep_async_dispatch and d.backend != "hybridep":
             def local_kernel(recv_x, recv_idx, recv_w):
-                routing_map, rprobs = ops.indices_to_multihot(
-                    recv_idx, recv_w, num_experts=d.num_local_experts, impl=d._local_impl)
+                routing_map, rprobs = d.local_multihot(recv_idx, recv_w)
                 n = d._num_permuted(recv_x.shape[0], recv_idx.shape[1])
                 px, pp, rows, tpe = ops.permute(recv_x, routing_map, rprobs, num_out_tokens=n,
                                                 pad_multiple=cfg.moe_router_expert_pad_multiple,
