@@ -22,6 +22,8 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def check_rank(x, rank: int, name: str) -> None:
+    if not hasattr(x, "shape"):  # a tuple of arrays would be stacked (and fail under jit)
+        raise ValueError(f"{name}: expected a rank-{rank} array, got {type(x).__name__}")
     if jnp.ndim(x) != rank:
         raise ValueError(f"{name}: expected a rank-{rank} array, got shape {tuple(jnp.shape(x))}")
 

@@ -4,7 +4,11 @@ fields a JAX port needs (expert mesh axis, transport, static buffer sizes)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Literal
+
+import numpy as np
 
 from jax_ep.transport import TRANSPORTS
 
@@ -19,10 +23,15 @@ def _require(ok: bool, field: str, allowed: str, value) -> None:
         raise ValueError(f"TokenDispatcherConfig.{field}: expected {allowed}, got {value!r}")
 
 
+def _is_int(value) -> bool:
+    """Python or numpy integer, not bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def _positive_int(value, allow_none=False) -> bool:
     if value is None:
         return allow_none
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return _is_int(value) and value > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +114,9 @@ class TokenDispatcherConfig:
                  <= self.num_moe_experts, "moe_router_topk",
                  f"an int in [1, num_moe_experts={self.num_moe_experts}]", self.moe_router_topk)
         cf = self.moe_expert_capacity_factor
-        _require(cf is None or (isinstance(cf, (int, float)) and not isinstance(cf, bool)
-                                and cf > 0), "moe_expert_capacity_factor",
-                 "None or a positive float", cf)
+        _require(cf is None or (isinstance(cf, numbers.Real) and not isinstance(cf, (bool, np.bool_))
+                                and math.isfinite(cf) and cf > 0),
+                 "moe_expert_capacity_factor", "None or a positive finite float", cf)
         for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms", "num_overlap_chunks"):
             _require(_positive_int(getattr(self, name)), name, "a positive int",
                      getattr(self, name))
@@ -118,6 +127,14 @@ class TokenDispatcherConfig:
                      "None or a positive int", getattr(self, name))
         _require(isinstance(self.expert_axis_name, str) and self.expert_axis_name,
                  "expert_axis_name", "a mesh axis name", self.expert_axis_name)
+        # numpy scalars (np.int64(8), np.float32(1.5)) are stored as Python numbers, so equal
+        # configs hash alike (the shared dispatcher and jit's static arguments key on them).
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if _is_int(value) and not isinstance(value, int):
+                object.__setattr__(self, field.name, int(value))
+            elif isinstance(value, np.floating):
+                object.__setattr__(self, field.name, float(value))
 
     @property
     def backend(self) -> str:

@@ -258,7 +258,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
       capacity: C, rows sent per destination (default T: no drop). Blocks beyond it drop their
         highest token indices; the count is handle.num_dropped.
       handle: a previous dispatch's handle to replay its layout (cached dispatch: topk_idx
-        and topk_weights are then ignored, the routing is the cached one).
+        is then ignored, the routing is the cached one; topk_weights, given or ones, travel
+        with the rows as without a handle).
       layout: a `get_dispatch_layout` result (num_tokens_per_rank i32[P], is_token_in_rank
         bool[T,P], num_tokens_per_expert i32[E]) for the same topk_idx; its per-rank counts
         feed the count exchange directly.
@@ -286,6 +287,9 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         handle = _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
                                expert_alignment, tp.resolve_transport(transport), impl,
                                send_counts=send_counts)
+    elif not isinstance(handle, DispatchHandle):
+        raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got "
+                         f"{type(handle).__name__}")
     elif x.shape[0] != handle.num_tokens:
         raise ValueError(f"x: expected {handle.num_tokens} rows to match the handle, got "
                          f"shape {x.shape}")
@@ -342,6 +346,7 @@ def combine(y, handle, *, topk_weights=None):
     combined = _combine_rows(y, handle)
     combined_weights = None
     if topk_weights is not None:
+        check_shape(topk_weights, handle.recv_topk_idx.shape, "topk_weights")
         combined_weights = _combine_rows(topk_weights.astype(jnp.float32), handle)
     return combined, combined_weights
 

@@ -469,6 +469,25 @@ def test_mismatched_shapes_raise():
     with pytest.raises(ValueError, match="y: expected"):
         run_ep(bad_combine, mesh, x, np.zeros((8, 2), np.int32))
 
+    def source_weights_to_combine(x, i, w):  # combine's weights are per received row [R,K]
+        rx, _, _, h = jax_ep.dispatch(x, i, w, num_experts=4, axis_name=AXIS)
+        return jax_ep.combine(rx, h, topk_weights=w)[1]
+    with pytest.raises(ValueError, match="topk_weights: expected shape"):
+        run_ep(source_weights_to_combine, mesh, x, np.zeros((8, 2), np.int32),
+               np.ones((8, 2), np.float32))
+
+    def other_mode_handle(x, i):
+        _, _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=4,
+                                              num_experts=4, axis_name=AXIS)
+        return jax_ep.dispatch(x, axis_name=AXIS, handle=h)[0]
+    with pytest.raises(ValueError, match="handle: expected the DispatchHandle"):
+        run_ep(other_mode_handle, mesh, x, np.zeros((8, 2), np.int32))
+
+    with pytest.raises(ValueError, match=r"x: expected a rank-2 array, got tuple"):
+        run_ep(lambda x, i: jax_ep.low_latency_dispatch(
+            (x, x), i, num_max_dispatch_tokens_per_rank=4, num_experts=4, axis_name=AXIS)[0],
+            mesh, x, np.zeros((8, 2), np.int32))
+
 
 @pytest.mark.parametrize("backend", BACKENDS + ("uccl_ep",))
 @pytest.mark.parametrize("bad", [99, -5])

@@ -47,10 +47,58 @@ def test_config_has_every_pytorch_field_with_its_default():
     ("moe_router_topk", 0), ("moe_router_topk", 65), ("num_moe_experts", -1),
     ("moe_expert_capacity_factor", 0.0), ("moe_router_expert_pad_multiple", 0),
     ("transport", "nvlink"), ("moe_deepep_num_sms", 0), ("moe_permute_fusion", 1),
-    ("num_worst_tokens", -5), ("expert_axis_name", "")])
+    ("num_worst_tokens", -5), ("expert_axis_name", ""),
+    ("moe_expert_capacity_factor", float("inf")), ("moe_expert_capacity_factor", float("nan")),
+    ("moe_router_topk", 2.0), ("num_moe_experts", np.bool_(True))])
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         jax_ep.TokenDispatcherConfig(**{field: value})
+
+
+def test_config_takes_numpy_scalars_as_python_numbers():
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=np.int64(8), moe_router_topk=np.int32(2),
+                                       moe_expert_capacity_factor=np.float32(1.5))
+    plain = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                         moe_expert_capacity_factor=1.5)
+    assert type(cfg.num_moe_experts) is int and type(cfg.moe_expert_capacity_factor) is float
+    assert cfg == plain and hash(cfg) == hash(plain)
+
+
+def test_dispatcher_and_layer_errors_name_the_argument():
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, expert_axis_name=AXIS)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        MoEFlexTokenDispatcher(0, [], cfg)
+    d = MoEFlexTokenDispatcher(2, range(2), cfg)
+    x = jnp.zeros((4, 8))
+    with pytest.raises(ValueError, match="probs"):
+        d.dispatch_preprocess(x, 4, jnp.zeros((4, 6)))
+    with pytest.raises(ValueError, match="token_probs"):
+        d.dispatch_preprocess2(x, 4, jnp.zeros((4, 1)), jnp.zeros((4, 2), jnp.int32))
+    with pytest.raises(ValueError, match="token_indices"):
+        d.dispatch_preprocess2(x, 4, jnp.zeros((6, 1)), jnp.zeros((6, 1), jnp.int32))
+    mesh = _mesh()
+    layer = MoELayer(jax_ep.TokenDispatcherConfig(num_moe_experts=8), 16, 32, rngs=nnx.Rngs(0),
+                     mesh=mesh)
+    with pytest.raises(ValueError, match=r"x: expected \[\.\.\., hidden_size=16\]"):
+        layer(jnp.zeros((8, 4, 12)))
+    with pytest.raises(ValueError, match="x: expected .*divisible by the 8 devices"):
+        layer(jnp.zeros((6, 4, 16)))
+
+
+def test_token_unpermutation_checks_the_rows_it_gets():
+    num_ranks, T, H, K, E = 4, 6, 8, 2, 8
+    rng = np.random.default_rng(3)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       expert_axis_name=AXIS)
+    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+    def body(x, i, w):
+        tokens, _, _, state = d.token_permutation2(x, x.shape[0], w, i)
+        return d.token_unpermutation(tokens[:-1], state)
+    with pytest.raises(ValueError, match="hidden_states: expected the"):
+        run_ep(body, ep_mesh(num_ranks), x, idx, w)
 
 
 def test_config_accepts_alltoall_backend_and_fp64_needs_x64():
@@ -109,6 +157,30 @@ def test_moe_layer_forward_and_grad_match_dense(backend, extra):
                                  nnx.to_flat_state(nnx.state(want_aux, nnx.Param))):
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=2e-5,
                                    atol=2e-6, err_msg=str(path))
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_layer_takes_batches_in_any_layout(axis_type):
+    # With Explicit mesh axes shard_map only takes inputs laid out as its in_specs say; the
+    # layer reshards a batch that is unsharded, split over "data" only, or made inside jit.
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(kind, kind))
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8)
+    layer, twin = _layer_pair(cfg, mesh)
+    x = jax.random.normal(jax.random.key(4), (8, 3, 16))
+    want = np.asarray(dense_forward(twin, x)[0])
+    run = nnx.jit(lambda l, x: l(x)[0])
+    with jax.set_mesh(mesh):
+        layouts = {
+            "unsharded": x,
+            "data only": jax.device_put(x, NamedSharding(mesh, P("data"))),
+            "both axes": jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))),
+        }
+        for name, batch in layouts.items():
+            np.testing.assert_allclose(np.asarray(run(layer, batch)), want, rtol=1e-5,
+                                       atol=1e-6, err_msg=name)
+        made_inside = nnx.jit(lambda l: l(jax.random.normal(jax.random.key(4), (8, 3, 16)))[0])
+        np.testing.assert_allclose(np.asarray(made_inside(layer)), want, rtol=1e-5, atol=1e-6)
 
 
 def test_capacity_factor_drops_and_reports():

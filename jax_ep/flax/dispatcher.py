@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ep import deepep, hybridep, ops, reference
-from jax_ep._checks import as_int32_ids, unroute_invalid_experts
+from jax_ep._checks import as_int32_ids, check_positive, unroute_invalid_experts
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "MoEFlexTokenDispatcher", "shared_dispatcher"]
@@ -76,6 +76,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
     def __init__(self, num_local_experts, local_expert_indices, config, ep_group=None):
         if not isinstance(config, TokenDispatcherConfig):
             raise ValueError(f"config: expected a TokenDispatcherConfig, got {type(config)}")
+        check_positive(num_local_experts, "num_local_experts")
         if config.num_moe_experts % num_local_experts:
             raise ValueError(f"num_local_experts: {num_local_experts} does not divide "
                              f"num_moe_experts={config.num_moe_experts}")
@@ -157,7 +158,12 @@ class MoEFlexTokenDispatcher(nnx.Module):
         """hidden [..., H], probs [T,E] (zero where not routed) -> (hidden [T,H], state)."""
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
-        probs = probs.reshape(num_local_tokens, self.config.num_moe_experts)
+        num_experts = self.config.num_moe_experts
+        if jnp.size(probs) != num_local_tokens * num_experts:
+            raise ValueError(f"probs: expected [num_local_tokens={num_local_tokens}, "
+                             f"num_moe_experts={num_experts}] values, got shape "
+                             f"{jnp.shape(probs)}")
+        probs = probs.reshape(num_local_tokens, num_experts)
         probs = probs.astype(router_dtype(self.config, probs.dtype))
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
             state = DispatchState(routing_map=probs != 0, probs=probs.astype(jnp.float32),
@@ -172,6 +178,12 @@ class MoEFlexTokenDispatcher(nnx.Module):
         """Top-k routing given directly: probs [T,K], indices [T,K] (-1 unrouted)."""
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
+        if jnp.shape(token_probs) != jnp.shape(token_indices):
+            raise ValueError(f"token_probs: expected the shape of token_indices "
+                             f"{jnp.shape(token_indices)}, got {jnp.shape(token_probs)}")
+        if jnp.size(token_indices) % max(num_local_tokens, 1):
+            raise ValueError(f"token_indices: expected [num_local_tokens={num_local_tokens}, "
+                             f"top-k], got shape {jnp.shape(token_indices)}")
         token_probs = token_probs.reshape(num_local_tokens, -1)
         token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, -1),
                                      self.config.num_moe_experts, "token_indices")
@@ -256,6 +268,10 @@ class MoEFlexTokenDispatcher(nnx.Module):
         """Expert outputs [N,H] -> rows in the received order (HybridEP: unchanged)."""
         if self.backend == "hybridep":
             return hidden_states
+        rows = state.sorted_indices.shape[0]
+        if jnp.ndim(hidden_states) != 2 or hidden_states.shape[0] != rows:
+            raise ValueError(f"hidden_states: expected the [{rows}, H] expert-major rows of "
+                             f"dispatch_postprocess, got shape {jnp.shape(hidden_states)}")
         return ops.unpermute(hidden_states, state.sorted_indices,
                              num_tokens=state.handle.num_recv, impl=self._local_impl)
 

@@ -9,12 +9,14 @@ inside your own `jax.shard_map` that binds the expert axis.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import flax
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ep.config import TokenDispatcherConfig
 from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
@@ -164,6 +166,9 @@ class MoELayer(nnx.Module):
         return y.reshape(x.shape).astype(x.dtype), aux
 
     def __call__(self, x):
+        hidden = self.router.shape[0]
+        if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
+            raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")
         shared = (None if self.shared_gate_up is None
                   else (self.shared_gate_up[...], self.shared_down[...]))
         params = (self.router[...], self.w_gate_up[...], self.w_down[...], shared)
@@ -178,12 +183,39 @@ class MoELayer(nnx.Module):
         if self.mesh is None:
             raise ValueError(f"mesh: the layer was built without a mesh, so call it inside a "
                              f"jax.shard_map that binds {axis!r}")
-        tokens_spec = P(self._token_axes())
+        token_axes = self._token_axes()
+        devices = math.prod(self.mesh.shape[a] for a in token_axes)
+        if x.ndim < 2 or x.shape[0] % devices:
+            raise ValueError(f"x: expected [batch, ..., hidden_size] with batch divisible by the "
+                             f"{devices} devices of mesh axes {token_axes}, got shape {x.shape}")
+        tokens_spec = P(token_axes)
         shared_spec = None if shared is None else (P(), P())
-        fn = jax.shard_map(self._local, mesh=self.mesh,
-                           in_specs=(tokens_spec, P(), P(axis), P(axis), shared_spec),
+        in_specs = (tokens_spec, P(), P(axis), P(axis), shared_spec)
+        fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P()))
-        return fn(x, *params)
+        return fn(*_laid_out(self.mesh, (x, *params), in_specs))
+
+
+def _laid_out(mesh, args, specs):
+    """args resharded to their shard_map in_specs where the mesh axes are Explicit: there
+    shard_map takes only inputs already laid out as it says (not a batch split over "data"
+    alone, nor one made inside jit), while with Auto axes it reshards them itself. An arg may
+    be None or a tuple of arrays (with a tuple of specs)."""
+    explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                if kind == jax.sharding.AxisType.Explicit}
+
+    def place(a, spec):
+        if a is None:
+            return None
+        if isinstance(a, tuple):
+            return tuple(place(u, v) for u, v in zip(a, spec))
+        named = {n for part in spec if part is not None
+                 for n in ((part,) if isinstance(part, str) else part)}
+        if explicit and named <= explicit:
+            return jax.sharding.reshard(a, NamedSharding(mesh, spec))
+        return a
+
+    return tuple(place(a, spec) for a, spec in zip(args, specs))
 
 
 def dense_forward(layer: MoELayer, x):
