@@ -21,7 +21,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ep import ops, transport as tp
+from jax_ep import _ffi, ops, transport as tp
 from jax_ep._checks import (
     check_experts,
     check_positive,
@@ -366,8 +366,11 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
     result. local_kernel(recv_x [R,H], recv_topk_idx [R,K], recv_topk_weights [R,K]) -> [R,H].
 
     One count exchange serves every chunk; every rank issues every chunk's collectives in the
-    same order (empty chunks included), so XLA can overlap chunk i+1's dispatch with chunk
-    i's expert compute.
+    same order, so XLA can overlap chunk i+1's dispatch with chunk i's expert compute. T is
+    static and the same on every rank, so a chunk that is empty here (T < chunks) is empty on
+    every rank: it sends and receives nothing, and it issues no collective (its output is
+    zero rows; jax 0.11's Shardy pass crashed compiling the gradient of an empty chunk's
+    FFI dispatch).
     """
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     num_experts = num_local_experts * num_ranks
@@ -384,6 +387,9 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
     transport = tp.resolve_transport(transport)
     outputs = []
     for i, (s, e) in enumerate(bounds):
+        if s == e:
+            outputs.append(_ffi.vary_like(jnp.zeros((0,) + x.shape[1:], x.dtype), x))
+            continue
         handle = _routing_plan(topk_idx[s:e], num_experts, axis_name, None, None, 1,
                                transport, impl, count_matrix=count_matrix[:, i])
         recv_x, recv_w = _dispatch_rows(x[s:e], topk_weights[s:e], handle)
