@@ -172,6 +172,13 @@ def train(args):
     model = build_model(args, mesh, jax)
     shard_params(model, mesh)
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
+    # The optimizer's step counters start on one device and come back from train_step
+    # replicated over the mesh; placing them there now keeps train_step at one compile.
+    replicated = NamedSharding(mesh, P())
+    nnx.update(optimizer, jax.tree.map(
+        lambda a: a if isinstance(a.sharding, NamedSharding)
+        else jax.device_put(np.asarray(a), replicated),
+        nnx.state(optimizer)))
     batch_sharding = NamedSharding(mesh, P(("data", "expert")))
 
     @nnx.jit
