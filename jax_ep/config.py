@@ -114,8 +114,8 @@ class TokenDispatcherConfig:
                  <= self.num_moe_experts, "moe_router_topk",
                  f"an int in [1, num_moe_experts={self.num_moe_experts}]", self.moe_router_topk)
         cf = self.moe_expert_capacity_factor
-        _require(cf is None or (isinstance(cf, numbers.Real) and not isinstance(cf, (bool, np.bool_))
-                                and math.isfinite(cf) and cf > 0),
+        is_real = isinstance(cf, numbers.Real) and not isinstance(cf, (bool, np.bool_))
+        _require(cf is None or (is_real and math.isfinite(cf) and cf > 0),
                  "moe_expert_capacity_factor", "None or a positive finite float", cf)
         for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms", "num_overlap_chunks"):
             _require(_positive_int(getattr(self, name)), name, "a positive int",

@@ -394,8 +394,8 @@ def test_capacity_factor_is_megatrons_per_expert_capacity(backend):
 
 @pytest.mark.parametrize("backend, extra", [
     ("deepep", {}), ("alltoall", {}), ("hybridep", {}),
-    ("hybridep", dict(moe_hybridep_compact_routing=True))], ids=["deepep", "alltoall",
-                                                               "hybridep-dense", "hybridep-compact"])
+    ("hybridep", dict(moe_hybridep_compact_routing=True))],
+    ids=["deepep", "alltoall", "hybridep-dense", "hybridep-compact"])
 @pytest.mark.parametrize("bad", [99, -5])
 def test_capacity_drop_keeps_invalid_ids_for_dispatch_to_count(bad, backend, extra):
     # The capacity drop clears only routed pairs it drops; an invalid id still reaches
