@@ -51,11 +51,14 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--zipf", type=float, default=1.0, help="exponent of the skewed routing")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity factor")
-    p.add_argument("--routings", default="uniform,skewed")
+    p.add_argument("--routings", default="uniform,skewed",
+                   help="comma list of routings: uniform (every expert equally likely), "
+                        "skewed (expert e picked ~ 1/(e+1)^zipf)")
     p.add_argument("--ll-tokens", type=int, default=64,
                    help="tokens per rank = num_max_dispatch_tokens_per_rank of the "
                         "low-latency runs (0: skip them)")
-    p.add_argument("--modes", default="all", help="comma list of modes or 'all'")
+    p.add_argument("--modes", default="all", help="comma list of mode name prefixes (sort_a2a, gshard, deepep, alltoall, "
+                        "hybridep) or 'all'")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

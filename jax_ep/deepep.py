@@ -235,6 +235,7 @@ _dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
 
 
 _combine_rows = tp.with_transpose(_reduce_back, _send)
+_sent_rows = tp.with_transpose(_send, _reduce_back)
 
 
 def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name,
@@ -247,7 +248,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         tuple of row arrays (x_fp8 float8_e4m3fn[T,H], scales f32[T,H/128]) that travel
         through one layout; recv_x is then the tuple of their received [R,...] arrays.
       topk_idx: [T,K] int32/int64 global expert ids, -1 = unrouted.
-      topk_weights: [T,K] float routing weights (None: ones).
+      topk_weights: [T,K] float routing weights (None: ones; then no weights are sent and
+        recv_topk_weights is 1 on every owned slot, 0 elsewhere).
       num_experts: E, a multiple of P; rank r owns experts [r*L, (r+1)*L).
       num_worst_tokens: R, rows of the receive buffers (default P*C: no drop). A smaller R
         bounds them: each rank fills its R rows with its sources' blocks in rank order, and
@@ -258,8 +260,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
       capacity: C, rows sent per destination (default T: no drop). Blocks beyond it drop their
         highest token indices; the count is handle.num_dropped.
       handle: a previous dispatch's handle to replay its layout (cached dispatch: topk_idx
-        is then ignored, the routing is the cached one; topk_weights, given or ones, travel
-        with the rows as without a handle).
+        is then ignored, the routing is the cached one; topk_weights, if given, travel with
+        the rows as without a handle).
       layout: a `get_dispatch_layout` result (num_tokens_per_rank i32[P], is_token_in_rank
         bool[T,P], num_tokens_per_expert i32[E]) for the same topk_idx; its per-rank counts
         feed the count exchange directly.
@@ -294,7 +296,9 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         raise ValueError(f"x: expected {handle.num_tokens} rows to match the handle, got "
                          f"shape {x.shape}")
     if topk_weights is None:
-        topk_weights = jnp.ones((x.shape[0], handle.recv_topk_idx.shape[1]), jnp.float32)
+        # Weights of ones arrive as ones on every owned slot: nothing to send.
+        recv_w = jnp.where(handle.recv_topk_idx >= 0, 1.0, 0.0).astype(jnp.float32)
+        return _sent_rows(x, handle), handle.recv_topk_idx, recv_w, handle
     recv_x, recv_w = _dispatch_rows(x, topk_weights, handle)
     return recv_x, handle.recv_topk_idx, recv_w, handle
 
@@ -313,8 +317,7 @@ def _dispatch_row_tuple(parts, topk_idx, topk_weights, *, axis_name, backend, ha
     first, recv_idx, recv_w, handle = dispatch(parts[0], topk_idx, topk_weights,
                                                axis_name=axis_name, backend=backend,
                                                handle=handle, **routing)
-    rest = tuple(dispatch(part, axis_name=axis_name, backend=backend, handle=handle)[0]
-                 for part in parts[1:])
+    rest = tuple(_sent_rows(part, handle) for part in parts[1:])
     return (first,) + rest, recv_idx, recv_w, handle
 
 

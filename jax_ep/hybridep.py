@@ -226,10 +226,21 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         topk_idx, _ = check_routing(topk_idx, None, num_experts)
         check_shape(topk_idx, (num_tokens, topk_idx.shape[1]), "topk_idx")
         check_shape(probs, topk_idx.shape, "probs")
-        layout_idx = _pad_rows(topk_idx, padded, -1)
     else:
         check_shape(routing_map, (num_tokens, num_experts), "routing_map")
         check_shape(probs, (num_tokens, num_experts), "probs")
+    if num_tokens == 0:
+        # No token anywhere (T is static and shared): the rows below are built without
+        # reading the empty inputs, which XLA's Shardy pass cannot compile when two or more
+        # zero-sized shard_map inputs feed a non-empty result.
+        x, probs = jnp.zeros((0, x.shape[1]), x.dtype), jnp.zeros((0,) + probs.shape[1:])
+        if compact:
+            topk_idx = jnp.full((0, topk_idx.shape[1]), -1, jnp.int32)
+        else:
+            routing_map = jnp.zeros((0, num_experts), bool)
+    if compact:
+        layout_idx = _pad_rows(topk_idx, padded, -1)
+    else:
         routing_map = _pad_rows(routing_map.astype(bool), padded, False)
         layout_idx = _dense_layout_idx(routing_map, num_ranks)
     x = _pad_rows(x, padded, 0)

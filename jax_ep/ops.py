@@ -372,8 +372,8 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     scales = (_sds((num_tokens, -(-groups // 4)), jnp.int32) if use_ue8m0
               else _sds((num_tokens, groups), jnp.float32))
     if x.size == 0:
-        return (_ffi.vary_like(jnp.zeros(x.shape, jnp.float8_e4m3fn), x),
-                _ffi.vary_like(jnp.zeros(scales.shape, scales.dtype), x))
+        return _typed_like_ffi((jnp.zeros(x.shape, jnp.float8_e4m3fn),
+                                jnp.zeros(scales.shape, scales.dtype)), x)
     results = (_sds(x.shape, jnp.float8_e4m3fn), scales)
     return tuple(_ffi.call("jax_ep_cast_to_fp8", results, x, round_scale=bool(round_scale),
                            use_ue8m0=bool(use_ue8m0)))

@@ -242,8 +242,9 @@ def test_invalid_expert_id_on_one_rank_is_unrouted():
         np.testing.assert_array_equal(g, c)
 
 
+@pytest.mark.parametrize("backend", ["deepep", "alltoall"])
 @pytest.mark.parametrize("compact", [False, True])
-def test_zero_tokens_dispatch_combine_and_gradients(compact):
+def test_zero_tokens_dispatch_combine_and_gradients(compact, backend):
     num_ranks, H, K, E, N = 4, 8, 2, 8, 8
     x = np.zeros((0, H), np.float32)
     idx = np.zeros((0, K), np.int32)
@@ -256,15 +257,17 @@ def test_zero_tokens_dispatch_combine_and_gradients(compact):
         def loss(x, b):
             px, pp, tpe, h = hybridep.hybridep_dispatch(x, probs=b, num_experts=E,
                                                         axis_name=AXIS, num_permuted_tokens=N,
-                                                        pad_multiple=4, **kw)
+                                                        pad_multiple=4, backend=backend, **kw)
             out = hybridep.hybridep_combine(px * pp[:, None], h)
-            return out.sum(), out
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, b)
-        # Only zero-sized results: a non-empty shard_map output computed from zero-sized inputs
-        # alone (px, tokens_per_expert) is rejected by jax 0.10's Shardy pass, and with another
-        # input beside them crashes jax 0.11's compiler - a JAX/XLA limitation, not jax_ep's.
-        return out, *grads
+            return out.sum(), (out, px, pp, tpe, h.num_dropped[None])
+        (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, b)
+        return *aux, *grads
 
     args = (x, idx, w) if compact else (x, rm, pr)
-    out, d_x, d_p = run_ep(body, ep_mesh(num_ranks), *args)
+    out, px, pp, tpe, dropped, d_x, d_p = run_ep(body, ep_mesh(num_ranks), *args)
     assert out.shape == (0, H) and d_x.shape == (0, H) and d_p.shape == args[2].shape
+    # Non-empty results from empty inputs: N zero rows per rank, empty blocks, nothing dropped.
+    np.testing.assert_array_equal(px, np.zeros((num_ranks * N, H), np.float32))
+    np.testing.assert_array_equal(pp, np.zeros((num_ranks * N,), np.float32))
+    np.testing.assert_array_equal(tpe, np.zeros((E,), np.int32))
+    np.testing.assert_array_equal(dropped, np.zeros((num_ranks,), np.int32))
