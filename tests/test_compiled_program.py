@@ -59,6 +59,25 @@ def test_deepep_dispatch_combine_collectives(backend, capacity):
     ], found
 
 
+@pytest.mark.parametrize("backend", ["deepep", "alltoall"])
+def test_dispatch_without_weights_and_cached_dispatch_send_no_weights(backend):
+    # Weights of ones arrive as ones: a dispatch without topk_weights, and a cached dispatch
+    # (a second part through the first's handle), exchange no weights.
+    def f(x, i, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, i, num_experts=E, axis_name=AXIS, backend=backend)
+        again = jax_ep.dispatch(x.astype(jnp.float32), axis_name=AXIS, backend=backend,
+                                handle=h)[0]
+        return rx, rw, again
+
+    found = _collectives(f, *_inputs())
+    assert found == [
+        ("all_gather", f"tensor<1x{NUM_RANKS}xi32>"),
+        ("all_to_all", f"tensor<{NUM_RANKS}x{T}x{K}xi32>"),          # local expert ids
+        ("all_to_all", f"tensor<{NUM_RANKS}x{T}x{H}xui16>"),         # tokens
+        ("all_to_all", f"tensor<{NUM_RANKS}x{T}x{H}xf32>"),          # cached: tokens only
+    ], found
+
+
 def test_receive_buffer_is_num_worst_tokens_rows():
     def f(x, i, w):
         rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,

@@ -241,13 +241,19 @@ def test_cached_dispatch_replays_the_handle():
 
     def body(x, x2, idx, w):
         rx, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)
-        rx2, ri2, _, _ = jax_ep.dispatch(x2, axis_name=AXIS, handle=h)
+        rx2, ri2, rw2, _ = jax_ep.dispatch(x2, axis_name=AXIS, handle=h)
         fresh, ri3, _, _ = jax_ep.dispatch(x2, idx, w, num_experts=E, axis_name=AXIS)
-        return rx2, fresh, ri2, ri3
+        # without weights: what sending explicit ones would deliver (none are sent)
+        ones_sent = jax_ep.dispatch(x2, idx, jnp.ones_like(w), num_experts=E,
+                                    axis_name=AXIS)[2]
+        return rx2, fresh, ri2, ri3, rw2, ones_sent
 
-    rx2, fresh, ri2, ri3 = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, x2, idx, w))
+    rx2, fresh, ri2, ri3, rw2, ones_sent = map(
+        np.asarray, run_ep(body, ep_mesh(num_ranks), x, x2, idx, w))
     np.testing.assert_array_equal(rx2, fresh)
     np.testing.assert_array_equal(ri2, ri3)
+    np.testing.assert_array_equal(rw2, ones_sent)
+    np.testing.assert_array_equal(rw2, np.where(ri2 >= 0, 1.0, 0.0))
 
 
 @pytest.mark.parametrize("chunks,T", [(2, 7), (3, 7), (3, 2), (2, 1)])
