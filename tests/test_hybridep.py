@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep_utils import AXIS, dense_moe, ep_mesh, random_routing, run_ep, shard
+from ep_utils import AXIS, dense_moe, ep_mesh, hybridep_oracle, random_routing, run_ep, shard
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
@@ -17,37 +17,6 @@ def _dense(idx, w, num_experts):
     rm, pr = reference.indices_to_multihot(jnp.asarray(idx), jnp.asarray(w),
                                            num_experts=num_experts)
     return np.asarray(rm), np.asarray(pr)
-
-
-def hybridep_oracle(x, routing_map, probs, num_ranks, num_permuted, pad_multiple):
-    """Numpy oracle from an all-gather of every rank's tokens: per destination rank, per local
-    expert, rows ordered by (source rank, source token), blocks padded, clamped to N."""
-    num_tokens = x.shape[0] // num_ranks
-    num_experts = routing_map.shape[1]
-    L = num_experts // num_ranks
-    m = pad_multiple or 1
-    out = []
-    for d in range(num_ranks):
-        px = np.zeros((num_permuted, x.shape[1]), x.dtype)
-        pp = np.zeros((num_permuted,), np.float32)
-        tpe, row, dropped = [], 0, 0
-        for l in range(L):
-            e = d * L + l
-            members = [p * num_tokens + t for p in range(num_ranks) for t in range(num_tokens)
-                       if routing_map[p * num_tokens + t, e]]
-            block = -(-len(members) // m) * m
-            # a block cut by the buffer end keeps a whole multiple of m rows
-            kept = max(0, min(block, (num_permuted - row) // m * m))
-            for j, g in enumerate(members):
-                if j < kept:
-                    px[row + j] = x[g]
-                    pp[row + j] = probs[g, e]
-                else:
-                    dropped += 1
-            tpe.append(kept)
-            row += block
-        out.append((px, pp, np.array(tpe), dropped))
-    return out
 
 
 def _run(mesh, x, idx, w, num_experts, num_permuted, pad_multiple, compact, backend="deepep"):

@@ -1,0 +1,113 @@
+"""Hypothesis properties of the layer-2 modes over ranks, shapes and routings (T = 0, empty
+ranks, K > L, unrouted tokens, capacity and receive-budget drops), against numpy oracles built
+from an all-gather of every rank's tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+from ep_utils import AXIS, deepep_layout, ep_mesh, hybridep_oracle, run_ep
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jax_ep
+from jax_ep import hybridep, reference
+
+H = 4
+
+
+@st.composite
+def ep_routings(draw):
+    """(num_ranks, T, K, E, x [P*T,H], topk_idx [P*T,K] distinct ids or -1, weights)."""
+    num_ranks = draw(st.sampled_from([1, 2, 4]))
+    num_local = draw(st.integers(1, 3))
+    num_experts = num_ranks * num_local
+    top_k = draw(st.integers(1, num_experts))
+    num_tokens = draw(st.integers(0, 5))
+    unrouted = draw(st.sampled_from([0.0, 0.3, 1.0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    rows = num_ranks * num_tokens
+    idx = np.argsort(rng.random((rows, num_experts)), axis=1)[:, :top_k]
+    if rows and draw(st.booleans()):  # rank 0's experts get nothing
+        idx = np.where(idx < num_local, -1, idx)
+    idx = np.where(rng.random(idx.shape) < unrouted, -1, idx).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+    x = rng.standard_normal((rows, H)).astype(np.float32)
+    return num_ranks, num_tokens, top_k, num_experts, x, idx, w
+
+
+def _deepep_oracle(x, idx, w, num_ranks, num_experts, capacity, num_recv):
+    """Per destination the rows kept (each source block cut to `capacity` rows, then the
+    source-major list cut to num_recv rows), and per source rank the rows it dropped."""
+    want = deepep_layout(x, idx, w, num_ranks, num_experts)
+    dropped = np.zeros(num_ranks, np.int64)
+    for d in want:
+        kept, per_source = [], np.zeros(num_ranks, np.int64)
+        for j, (p, _) in enumerate(d["src"]):
+            if per_source[p] < capacity and len(kept) < num_recv:
+                kept.append(j)
+                per_source[p] += 1
+            else:
+                dropped[p] += 1
+        for key in ("x", "idx", "w"):
+            d[key] = d[key][kept]
+        d["src"] = [d["src"][j] for j in kept]
+    return want, dropped
+
+
+@given(ep_routings(), st.sampled_from(["deepep", "alltoall"]), st.data())
+def test_dispatch_and_combine_match_the_oracle(routing, backend, data):
+    num_ranks, T, K, E, x, idx, w = routing
+    capacity = data.draw(st.sampled_from([None, 1, 2]), label="capacity")
+    cap = T if capacity is None else min(capacity, T)  # no more rows than tokens
+    num_worst = data.draw(st.sampled_from([None, max(1, num_ranks * cap - 1)]),
+                          label="num_worst_tokens")
+    R = num_ranks * cap if num_worst is None else num_worst
+
+    def body(x, idx, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                        backend=backend, capacity=capacity,
+                                        num_worst_tokens=num_worst)
+        out, _ = jax_ep.combine(rx, h)
+        return rx, ri, rw, h.num_recv_tokens[None], h.num_dropped[None], out
+
+    rx, ri, rw, n, dropped, out = map(np.asarray,
+                                      run_ep(body, ep_mesh(num_ranks), x, idx, w))
+    want, want_dropped = _deepep_oracle(x, idx, w, num_ranks, E, cap, R)
+    copies = np.zeros(num_ranks * T)
+    for d in range(num_ranks):
+        rows, m = slice(d * R, (d + 1) * R), len(want[d]["src"])
+        assert n[d] == m
+        np.testing.assert_array_equal(rx[rows][:m], want[d]["x"])
+        np.testing.assert_array_equal(ri[rows][:m], want[d]["idx"])
+        np.testing.assert_array_equal(rw[rows][:m], want[d]["w"])
+        assert not rx[rows][m:].any() and (ri[rows][m:] == -1).all() and not rw[rows][m:].any()
+        for p, t in want[d]["src"]:
+            copies[p * T + t] += 1
+    np.testing.assert_array_equal(dropped, want_dropped)
+    # identity experts: every kept copy comes back once
+    np.testing.assert_allclose(out, x * copies[:, None], rtol=1e-6)
+
+
+@given(ep_routings(), st.booleans(), st.data())
+def test_hybridep_matches_the_oracle(routing, compact, data):
+    num_ranks, T, K, E, x, idx, w = routing
+    N = data.draw(st.integers(0, num_ranks * T * min(K, E // num_ranks) + 4), label="N")
+    pad = data.draw(st.sampled_from([None, 2, 3]), label="pad_multiple")
+    backend = data.draw(st.sampled_from(["deepep", "alltoall"]), label="backend")
+    rm, pr = (np.asarray(a) for a in reference.indices_to_multihot(idx, w, num_experts=E))
+
+    def body(x, a, b):
+        kw = dict(topk_idx=a) if compact else dict(routing_map=a)
+        px, pp, tpe, h = hybridep.hybridep_dispatch(
+            x, probs=b, num_experts=E, axis_name=AXIS, num_permuted_tokens=N,
+            pad_multiple=pad, backend=backend, **kw)
+        return px, pp, tpe, h.num_dropped[None]
+
+    args = (x, idx, w) if compact else (x, rm, pr)
+    px, pp, tpe, dropped = map(np.asarray, run_ep(body, ep_mesh(num_ranks), *args))
+    L = E // num_ranks
+    for d, (wx, wp, wt, wd) in enumerate(hybridep_oracle(x, rm, pr, num_ranks, N, pad)):
+        np.testing.assert_array_equal(px[d * N:(d + 1) * N], wx)
+        np.testing.assert_array_equal(pp[d * N:(d + 1) * N], wp)
+        np.testing.assert_array_equal(tpe[d * L:(d + 1) * L], wt)
+        assert dropped[d] == wd
