@@ -1,6 +1,6 @@
-"""Hypothesis properties of the layer-2 modes over ranks, shapes and routings (T = 0, empty
-ranks, K > L, unrouted tokens, capacity and receive-budget drops), against numpy oracles built
-from an all-gather of every rank's tokens."""
+"""Hypothesis properties of the layer-2 modes (normal, HybridEP, low-latency) over ranks,
+shapes and routings (T = 0, empty ranks, K > L, unrouted tokens, capacity and receive-budget
+drops), against numpy oracles built from an all-gather of every rank's tokens."""
 
 from __future__ import annotations
 
@@ -111,3 +111,32 @@ def test_hybridep_matches_the_oracle(routing, compact, data):
         np.testing.assert_array_equal(pp[d * N:(d + 1) * N], wp)
         np.testing.assert_array_equal(tpe[d * L:(d + 1) * L], wt)
         assert dropped[d] == wd
+
+
+@given(ep_routings(), st.integers(0, 2))
+def test_low_latency_matches_the_oracle(routing, spare_slots):
+    num_ranks, T, K, E, x, idx, w = routing
+    tmax = max(T, 1) + spare_slots  # num_max_dispatch_tokens_per_rank
+    L = E // num_ranks
+
+    def body(x, i, w):
+        recv, count, h = jax_ep.low_latency_dispatch(
+            x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E, axis_name=AXIS)
+        return recv, count, h.src_info, jax_ep.low_latency_combine(recv, i, w, h)
+
+    recv, count, src_info, out = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, idx, w))
+    slots = num_ranks * tmax
+    recv = recv.reshape(num_ranks, L, slots, H)
+    count, src_info = count.reshape(num_ranks, L), src_info.reshape(num_ranks, L, slots)
+    for d in range(num_ranks):
+        for l in range(L):
+            # one slot per (token, expert) pair: source rank ascending, token ascending inside
+            selecting = [g for g in range(num_ranks * T) if d * L + l in idx[g]]
+            n = len(selecting)
+            assert count[d, l] == n
+            np.testing.assert_array_equal(recv[d, l, :n], x[selecting])
+            np.testing.assert_array_equal(src_info[d, l, :n], [g % T for g in selecting])
+            assert (src_info[d, l, n:] == -1).all() and not recv[d, l, n:].any()
+    # identity experts: the weighted sum of a token's copies
+    want = x * np.where(idx >= 0, w, 0.0).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
