@@ -144,13 +144,26 @@ def test_low_latency_matches_the_oracle(routing, spare_slots):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
+def _linear_experts(x, num_experts, seed):
+    """(scale f32[E,H]: expert e maps a row to row * scale[e], cot: a cotangent like x)."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((num_experts, H)).astype(np.float32),
+            rng.standard_normal(x.shape).astype(np.float32))
+
+
+def _dense_grads(x, idx, w, scale, cot):
+    """Single-device reference: d/d(x, w) of sum(cot * sum_k w[t,k] x[t] scale[idx[t,k]])."""
+    def loss(x, w):
+        picked = jnp.where((idx >= 0)[..., None], scale[np.clip(idx, 0, None)], 0.0)
+        return ((w[..., None] * x[:, None, :] * picked).sum(axis=1) * cot).sum()
+    return jax.grad(loss, argnums=(0, 1))(x, w)
+
+
 @given(ep_routings(), st.sampled_from(["deepep", "alltoall"]))
 def test_dispatch_combine_gradients_match_the_dense_reference(routing, backend):
     num_ranks, T, K, E, x, idx, w = routing
     L = E // num_ranks
-    rng = np.random.default_rng(T * 31 + E)
-    scale = rng.standard_normal((E, H)).astype(np.float32)  # expert e: y = x * scale[e]
-    cot = rng.standard_normal(x.shape).astype(np.float32)
+    scale, cot = _linear_experts(x, E, seed=T * 31 + E)
 
     def ep_loss(x, w, idx, scale, cot):
         rank = jax.lax.axis_index(AXIS)
@@ -164,11 +177,41 @@ def test_dispatch_combine_gradients_match_the_dense_reference(routing, backend):
     def body(x, w, idx, cot, scale):
         return jax.grad(ep_loss, argnums=(0, 1))(x, w, idx, scale, cot)
 
-    def dense_loss(x, w):
-        picked = jnp.where((idx >= 0)[..., None], scale[np.clip(idx, 0, None)], 0.0)
-        return ((w[..., None] * x[:, None, :] * picked).sum(axis=1) * cot).sum()
-
     d_x, d_w = run_ep(body, ep_mesh(num_ranks), x, w, idx, cot, replicated=(scale,))
-    want_x, want_w = jax.grad(dense_loss, argnums=(0, 1))(x, w)
+    want_x, want_w = _dense_grads(x, idx, w, scale, cot)
     np.testing.assert_allclose(d_x, want_x, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(d_w, want_w, rtol=1e-5, atol=1e-5)
+
+
+@given(ep_routings(), st.booleans(), st.sampled_from([None, 2, 3]))
+def test_hybridep_gradients_match_the_dense_reference(routing, compact, pad):
+    num_ranks, T, K, E, x, idx, w = routing
+    L = E // num_ranks
+    m = pad or 1
+    N = L * -(-num_ranks * T // m) * m  # room for every (token, local expert) pair: no drop
+    scale, cot = _linear_experts(x, E, seed=T * 37 + E)
+    rm, pr = (np.asarray(a) for a in reference.indices_to_multihot(idx, w, num_experts=E))
+
+    def ep_loss(x, probs, routing, scale, cot):
+        kw = dict(topk_idx=routing) if compact else dict(routing_map=routing)
+        px, pp, tpe, h = hybridep.hybridep_dispatch(x, probs=probs, num_experts=E,
+                                                    axis_name=AXIS, num_permuted_tokens=N,
+                                                    pad_multiple=pad, **kw)
+        expert = jnp.searchsorted(jnp.cumsum(tpe), jnp.arange(N), side="right")
+        local = jax.lax.dynamic_slice_in_dim(scale, jax.lax.axis_index(AXIS) * L, L)
+        y = px * pp[:, None] * local[jnp.clip(expert, 0, L - 1)]
+        out = hybridep.hybridep_combine(y, h)
+        return jax.lax.psum((out * cot).sum(), AXIS)
+
+    def body(x, probs, routing, cot, scale):
+        return jax.grad(ep_loss, argnums=(0, 1))(x, probs, routing, scale, cot)
+
+    args = (x, w, idx) if compact else (x, pr, rm)
+    d_x, d_p = run_ep(body, ep_mesh(num_ranks), *args, cot, replicated=(scale,))
+    want_x, want_w = _dense_grads(x, idx, w, scale, cot)
+    np.testing.assert_allclose(d_x, want_x, rtol=1e-5, atol=1e-5)
+    if compact:
+        np.testing.assert_allclose(d_p, want_w, rtol=1e-5, atol=1e-5)
+    else:  # d probs[t, e]: x[t] . (scale[e] * cot[t]) wherever e is routed, 0 elsewhere
+        want_p = np.einsum("th,eh->te", x * cot, scale) * rm
+        np.testing.assert_allclose(d_p, want_p, rtol=1e-5, atol=1e-5)
