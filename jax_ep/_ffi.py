@@ -6,7 +6,7 @@ import jax
 
 from jax_ep import _jax_ep
 
-__all__ = ["WITH_CUDA", "call", "vary_like"]
+__all__ = ["WITH_CUDA", "call", "make_varying", "vary_like"]
 
 WITH_CUDA: bool = bool(_jax_ep.with_cuda)
 
@@ -29,7 +29,8 @@ def _varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def _make_varying(x, axes: frozenset):
+def make_varying(x, axes: frozenset):
+    """x typed as varying over the manual mesh `axes` (inside shard_map)."""
     missing = tuple(sorted(axes - _varying_axes(x)))
     if not missing:
         return x
@@ -41,7 +42,7 @@ def _make_varying(x, axes: frozenset):
 def vary_like(x, *likes):
     """x typed as varying over (at least) the manual mesh axes any of `likes` varies over,
     inside shard_map, as an FFI call on `likes` would type its results; unchanged outside."""
-    return _make_varying(x, frozenset().union(*(_varying_axes(a) for a in likes)))
+    return make_varying(x, frozenset().union(*(_varying_axes(a) for a in likes)))
 
 
 def _varying_result(result, axes: frozenset, like):
@@ -63,7 +64,7 @@ def call(target: str, results, *args, **attrs):
     under `vmap` runs the handler once per batch element.
     """
     axes = frozenset().union(*(_varying_axes(a) for a in args))
-    args = tuple(_make_varying(a, axes) for a in args)
+    args = tuple(make_varying(a, axes) for a in args)
     single = not isinstance(results, (tuple, list))
     typed = [_varying_result(r, axes, args[0]) for r in ([results] if single else results)]
     fn = jax.ffi.ffi_call(target, typed[0] if single else typed, vmap_method="sequential")

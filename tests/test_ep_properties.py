@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import jax_ep
 from jax_ep import hybridep, reference
+from jax_ep.flax import MoEFlexTokenDispatcher
 
 H = 4
 
@@ -215,3 +216,31 @@ def test_hybridep_gradients_match_the_dense_reference(routing, compact, pad):
     else:  # d probs[t, e]: x[t] . (scale[e] * cot[t]) wherever e is routed, 0 elsewhere
         want_p = np.einsum("th,eh->te", x * cot, scale) * rm
         np.testing.assert_allclose(d_p, want_p, rtol=1e-5, atol=1e-5)
+
+
+@given(ep_routings(), st.sampled_from(["deepep", "alltoall", "hybridep", "uccl_ep"]),
+       st.booleans())
+def test_flax_dispatcher_round_trip(routing, backend, fusion):
+    # token_permutation2 -> gate-weighted identity experts -> token_unpermutation gives
+    # x * (sum of the token's routed probs), and its gradient is that sum times the cotangent.
+    num_ranks, T, K, E, x, idx, w = routing
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       moe_flex_dispatcher_backend=backend,
+                                       moe_permute_fusion=fusion, expert_axis_name=AXIS)
+    L = E // num_ranks
+    dispatcher = MoEFlexTokenDispatcher(L, range(L), cfg)
+    cot = np.random.default_rng(T + E).standard_normal(x.shape).astype(np.float32)
+
+    def round_trip(x, w, idx):
+        tokens, _, probs, state = dispatcher.token_permutation2(x, x.shape[0], w, idx)
+        return dispatcher.token_unpermutation(tokens * probs[:, None].astype(tokens.dtype),
+                                              state)
+
+    def body(x, w, idx, cot):
+        out, pull = jax.vjp(lambda x: round_trip(x, w, idx), x)
+        return out, pull(cot)[0]
+
+    out, d_x = run_ep(body, ep_mesh(num_ranks), x, w, idx, cot)
+    routed = np.where(idx >= 0, w, 0.0).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(out, x * routed, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(d_x, cot * routed, rtol=1e-5, atol=1e-6)

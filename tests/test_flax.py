@@ -159,6 +159,28 @@ def test_moe_layer_forward_and_grad_match_dense(backend, extra):
                                    atol=2e-6, err_msg=str(path))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_gives_empty_output_and_zero_gradients(backend):
+    # No token on any device: the counts psum'd over (data, expert) are constants there, and
+    # the balance loss is 0 (not 0/0).
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       moe_flex_dispatcher_backend=backend)
+    mesh = _mesh()
+    layer, _ = _layer_pair(cfg, mesh)
+    x = jnp.zeros((0, 6, 16))
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return y.sum() + aux["aux_loss"], (y, aux)
+
+    with jax.set_mesh(mesh):
+        (value, (y, aux)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+    assert y.shape == x.shape and float(value) == 0.0
+    assert int(aux["num_dropped"]) == 0 and not np.asarray(aux["tokens_per_expert"]).any()
+    for path, g in nnx.to_flat_state(nnx.state(grads, nnx.Param)):
+        assert not np.asarray(g[...]).any(), path
+
+
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
 def test_layer_takes_batches_in_any_layout(axis_type):
     # With Explicit mesh axes shard_map only takes inputs laid out as its in_specs say; the

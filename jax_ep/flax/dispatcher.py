@@ -184,8 +184,13 @@ class MoEFlexTokenDispatcher(nnx.Module):
         if jnp.size(token_indices) % max(num_local_tokens, 1):
             raise ValueError(f"token_indices: expected [num_local_tokens={num_local_tokens}, "
                              f"top-k], got shape {jnp.shape(token_indices)}")
-        token_probs = token_probs.reshape(num_local_tokens, -1)
-        token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, -1),
+        if num_local_tokens:
+            top_k = jnp.size(token_indices) // num_local_tokens
+        else:  # no tokens: the width cannot be inferred from the size
+            top_k = (jnp.shape(token_indices)[-1] if jnp.ndim(token_indices) >= 2
+                     else self.config.moe_router_topk)
+        token_probs = token_probs.reshape(num_local_tokens, top_k)
+        token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, top_k),
                                      self.config.num_moe_experts, "token_indices")
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
             token_indices, num_invalid = unroute_invalid_experts(token_indices,

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ep.config import TokenDispatcherConfig
 from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
-from jax_ep import ops
+from jax_ep import _ffi, ops
 
 __all__ = ["MoELayer", "dense_forward", "shard_params", "swiglu_experts"]
 
@@ -62,6 +62,13 @@ def _route(tokens, router, config, score_function):
     return scores, probs.astype(jnp.float32), ids.astype(jnp.int32)
 
 
+def _sum_over(axes, *values):
+    """psum of per-device values over the mesh `axes` (inside shard_map). A value that does not
+    vary over one of them (a constant, e.g. a count of an empty batch) still counts once per
+    device."""
+    return jax.lax.psum(tuple(_ffi.make_varying(v, frozenset(axes)) for v in values), axes)
+
+
 def _aux_loss(scores, ids, num_experts, coeff, axes):
     """Switch-style balance loss coeff * E * sum_e f_e * P_e over every token of `axes`, plus
     the global routed-slot count per expert i32[E]."""
@@ -69,7 +76,8 @@ def _aux_loss(scores, ids, num_experts, coeff, axes):
     score_sum = scores.astype(jnp.float32).sum(axis=0)
     num_tokens = jnp.asarray(scores.shape[0], jnp.float32)
     if axes:
-        counts, score_sum, num_tokens = jax.lax.psum((counts, score_sum, num_tokens), axes)
+        counts, score_sum, num_tokens = _sum_over(axes, counts, score_sum, num_tokens)
+    num_tokens = jnp.maximum(num_tokens, 1.0)  # an empty batch has no loss (not 0/0)
     fraction = counts / (num_tokens * ids.shape[1])
     mean_score = score_sum / num_tokens
     return coeff * num_experts * jnp.sum(fraction * mean_score), counts
@@ -161,7 +169,7 @@ class MoELayer(nnx.Module):
             dropped = state.num_dropped
         if shared is not None:
             y = y + _swiglu(tokens, *shared)
-        dropped = jax.lax.psum(dropped, self._token_axes())
+        (dropped,) = _sum_over(self._token_axes(), dropped)
         aux = {"aux_loss": aux_loss, "tokens_per_expert": counts, "num_dropped": dropped}
         return y.reshape(x.shape).astype(x.dtype), aux
 
