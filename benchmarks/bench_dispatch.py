@@ -57,8 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--ll-tokens", type=int, default=64,
                    help="tokens per rank = num_max_dispatch_tokens_per_rank of the "
                         "low-latency runs (0: skip them)")
-    p.add_argument("--modes", default="all", help="comma list of mode name prefixes (sort_a2a, gshard, deepep, alltoall, "
-                        "hybridep) or 'all'")
+    p.add_argument("--modes", default="all",
+                   help="comma list of mode name prefixes (sort_a2a, gshard, deepep, "
+                        "alltoall, hybridep) or 'all'")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

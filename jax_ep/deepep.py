@@ -213,29 +213,16 @@ def _reduce_back(y, handle):
     return out.reshape((handle.num_tokens,) + y.shape[1:])
 
 
-@jax.custom_vjp
-def _dispatch_rows(x, topk_weights, handle):
-    recv_x = _send(x, handle)
-    recv_w = _send(topk_weights, handle)
-    return recv_x, jnp.where(handle.recv_topk_idx >= 0, recv_w, 0.0)
-
-
-def _dispatch_rows_fwd(x, topk_weights, handle):
-    return _dispatch_rows(x, topk_weights, handle), handle
-
-
-def _dispatch_rows_bwd(handle, cotangents):
-    d_recv_x, d_recv_w = cotangents
-    d_x = _reduce_back(d_recv_x, handle).astype(d_recv_x.dtype)
-    d_w = _reduce_back(jnp.where(handle.recv_topk_idx >= 0, d_recv_w, 0.0), handle)
-    return d_x, d_w, None
-
-
-_dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
-
-
 _combine_rows = tp.with_transpose(_reduce_back, _send)
 _sent_rows = tp.with_transpose(_send, _reduce_back)
+
+
+def _dispatch_rows(x, topk_weights, handle):
+    """x [T,H] and topk_weights [T,K] to their owning ranks; the weights of slots owned
+    elsewhere read 0 (so their cotangents are dropped before the reduce-back)."""
+    recv_x = _sent_rows(x, handle)
+    recv_w = _sent_rows(topk_weights, handle)
+    return recv_x, jnp.where(handle.recv_topk_idx >= 0, recv_w, 0.0)
 
 
 def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name,
