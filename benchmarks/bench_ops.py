@@ -1,9 +1,9 @@
 """Layer-1 op benchmark: every jax_ep.ops kernel, FFI handler against the pure-JAX reference,
 in one process, next to a plain device copy of the same number of bytes.
 
-    python -m benchmarks.bench_ops                         # T=4096, H=2048 and 7168, K=8, E=64, bf16
+    python -m benchmarks.bench_ops               # T=4096, H=2048 and 7168, K=8, E=64, bf16
     python -m benchmarks.bench_ops --hidden 2048 7168 --tokens 4096 --iters 20
-    python -m benchmarks.bench_ops --sweep                 # data-moving ops vs T and vs H
+    python -m benchmarks.bench_ops --sweep       # data-moving ops vs T and vs H
 
 For each op and hidden size: the jitted FFI call (impl="ffi"), the jitted reference
 (impl="xla") and the copy below are each timed as the median of --iters calls after --warmup

@@ -85,6 +85,84 @@ def test_dispatcher_and_layer_errors_name_the_argument():
         layer(jnp.zeros((6, 4, 16)))
 
 
+def test_dispatcher_checks_local_experts_against_the_config_and_the_mesh():
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       expert_axis_name=AXIS)
+    for bad in ([0, 1, 2], [3, 1], [1, 2], [8, 9], []):
+        with pytest.raises(ValueError, match=r"local_expert_indices: expected the 2 "):
+            MoEFlexTokenDispatcher(2, bad, cfg)
+    assert MoEFlexTokenDispatcher(2, [6, 7], cfg).local_expert_indices == (6, 7)
+    # 4 local experts of 8 is an expert axis of 2 devices, not 4: an error, not a wrong split.
+    d = MoEFlexTokenDispatcher(4, range(4), cfg)
+    rng = np.random.default_rng(5)
+    idx, w = random_routing(rng, 8, 2, 8)
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    for backend in BACKENDS:
+        d = MoEFlexTokenDispatcher(4, range(4), dataclasses.replace(
+            cfg, moe_flex_dispatcher_backend=backend))
+        with pytest.raises(ValueError, match="num_local_experts: 4 local experts of "
+                           "num_moe_experts=8 need an expert axis of 2 devices, but axis "
+                           f"'{AXIS}' has 4"):
+            run_ep(lambda x, i, w: d.token_permutation2(x, x.shape[0], w, i)[0],
+                   ep_mesh(4), x, idx, w)
+
+
+def test_dispatcher_takes_pytorch_keywords_and_rejects_probs_in_place_of_the_state():
+    num_ranks, T, H, K, E = 2, 4, 8, 2, 4
+    rng = np.random.default_rng(6)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       expert_axis_name=AXIS)
+    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+    def staged(x, i, w):
+        hidden, state = d.dispatch_preprocess2(x, x.shape[0], w, i)
+        received, state = d.dispatch_all_to_all(hidden, state, async_finish=False,
+                                                allocate_on_comm_stream=False)
+        tokens, _, pp, state = d.dispatch_postprocess(received, state)
+        rows = d.combine_preprocess(tokens * pp[:, None], state)
+        out = d.combine_all_to_all(rows, state, async_finish=False,
+                                   allocate_on_comm_stream=False)
+        return d.combine_postprocess(out, state)
+
+    out = np.asarray(run_ep(staged, ep_mesh(num_ranks), x, idx, w))
+    np.testing.assert_allclose(out, x * np.where(idx >= 0, w, 0).sum(1, keepdims=True),
+                               rtol=1e-5)
+
+    def probs_as_state(x, i, w):
+        hidden, _ = d.dispatch_preprocess2(x, x.shape[0], w, i)
+        return d.dispatch_all_to_all(hidden, w)[0][0]
+    with pytest.raises(ValueError, match="dispatch_all_to_all: state: expected the "
+                       "DispatchState returned by the dispatch side, got"):
+        run_ep(probs_as_state, ep_mesh(num_ranks), x, idx, w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permuted_probs_follow_an_fp64_router_dtype(backend):
+    """PyTorch casts permuted_probs to float64 when moe_router_dtype is "fp64"."""
+    num_ranks, T, H, K, E = 2, 4, 8, 2, 4
+    rng = np.random.default_rng(7)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    got = {}
+    for dtype in ("fp32", "fp64"):
+        cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                           moe_router_dtype=dtype,
+                                           moe_flex_dispatcher_backend=backend,
+                                           expert_axis_name=AXIS)
+        d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+        def body(x, i, w):
+            tokens, _, pp, state = d.token_permutation2(x, x.shape[0], w, i)
+            return pp, d.token_unpermutation(tokens * pp[:, None].astype(tokens.dtype), state)
+        with jax.enable_x64(True):
+            got[dtype] = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    assert got["fp32"][0].dtype == jnp.float32 and got["fp64"][0].dtype == jnp.float64
+    np.testing.assert_array_equal(np.asarray(got["fp64"][0]), np.asarray(got["fp32"][0]))
+    np.testing.assert_array_equal(np.asarray(got["fp64"][1]), np.asarray(got["fp32"][1]))
+
+
 def test_token_unpermutation_checks_the_rows_it_gets():
     num_ranks, T, H, K, E = 4, 6, 8, 2, 8
     rng = np.random.default_rng(3)

@@ -97,11 +97,12 @@ def _assert_permute_equal(got, want):
         if y is None:
             assert x is None, name
             continue
-        assert x.dtype == y.dtype and x.shape == y.shape, (name, x.dtype, y.dtype, x.shape, y.shape)
+        assert x.dtype == y.dtype and x.shape == y.shape, (
+            name, x.dtype, y.dtype, x.shape, y.shape)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
 
 
-# ----------------------------------------------------------------------------- permute vs reference
+# ------------------------------------------------------------------------ permute vs reference
 
 PERMUTE_CASES = [
     # T, H, E, pad_multiple, drop_and_pad, num_out mode, dtype, with probs
@@ -451,7 +452,8 @@ def test_gather_rows_ffi_matches_reference(rng, shape, dtype):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     valid = (row_idx >= 0) & (row_idx < shape[0])
     for r, i in enumerate(row_idx):
-        np.testing.assert_array_equal(np.asarray(got)[r], x[i] if valid[r] else np.zeros_like(x[0]))
+        want = x[i] if valid[r] else np.zeros_like(x[0])
+        np.testing.assert_array_equal(np.asarray(got)[r], want)
 
 
 @pytest.mark.parametrize("impl", ["ffi", "xla"])

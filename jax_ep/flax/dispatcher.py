@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ep import deepep, hybridep, ops, reference
+from jax_ep import deepep, hybridep, ops, reference, transport
 from jax_ep._checks import as_int32_ids, check_positive, unroute_invalid_experts
 from jax_ep.config import TokenDispatcherConfig
 
@@ -65,12 +65,37 @@ def router_dtype(config: TokenDispatcherConfig, default):
     return default if dtype is None else dtype
 
 
+def _check_local_expert_indices(indices, num_local_experts, num_experts):
+    """The global ids of one rank's experts: L consecutive ids starting at a multiple of L."""
+    ids = tuple(int(i) for i in indices)
+    first = ids[0] if ids else 0
+    expected = tuple(range(first, first + num_local_experts))
+    if ids != expected or first % num_local_experts or first + num_local_experts > num_experts:
+        raise ValueError(f"local_expert_indices: expected the {num_local_experts} consecutive "
+                         f"ids r*{num_local_experts} ... r*{num_local_experts}+"
+                         f"{num_local_experts - 1} of one rank (num_moe_experts={num_experts}), "
+                         f"got {list(ids)}")
+    return ids
+
+
+def _check_state(state, method):
+    if not isinstance(state, DispatchState):
+        raise ValueError(f"{method}: state: expected the DispatchState returned by the "
+                         f"dispatch side, got {type(state).__name__} (pass probs by keyword)")
+
+
 class MoEFlexTokenDispatcher(nnx.Module):
     """Flex token dispatcher over the "deepep", "uccl_ep", "alltoall" and "hybridep" modes.
 
-    num_local_experts: L = E / P; local_expert_indices: the global ids of this rank's experts
-    (informational: rank r owns [r*L, (r+1)*L)); config: TokenDispatcherConfig; ep_group: the
+    num_local_experts: L = E / P, so the expert axis must have P = E / L devices (checked when
+    the dispatch is traced); local_expert_indices: the L consecutive global ids of one rank's
+    experts, r*L ... r*L + L - 1 (informational: one module serves every rank of the SPMD
+    program, and rank r owns [r*L, (r+1)*L)); config: TokenDispatcherConfig; ep_group: the
     expert mesh axis name (defaults to config.expert_axis_name).
+
+    The methods that take the dispatch state (the PyTorch dispatcher's `self` fields) take it
+    as their second argument; async_finish / allocate_on_comm_stream are accepted for
+    signature compatibility and ignored (XLA schedules the collectives).
     """
 
     def __init__(self, num_local_experts, local_expert_indices, config, ep_group=None):
@@ -82,7 +107,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
                              f"num_moe_experts={config.num_moe_experts}")
         self.config = config
         self.num_local_experts = int(num_local_experts)
-        self.local_expert_indices = tuple(int(i) for i in local_expert_indices)
+        self.local_expert_indices = _check_local_expert_indices(
+            local_expert_indices, self.num_local_experts, config.num_moe_experts)
         self.axis_name = ep_group or config.expert_axis_name
         self.ep_size = config.num_moe_experts // self.num_local_experts
         self.tp_size = 1
@@ -129,6 +155,20 @@ class MoEFlexTokenDispatcher(nnx.Module):
         drop = routed & ~jnp.take_along_axis(keep, jnp.clip(idx, 0, num_experts - 1), axis=1)
         return dataclasses.replace(state, token_indices=jnp.where(drop, -1, idx),
                                    token_probs=jnp.where(drop, 0.0, w)), dropped
+
+    def _check_axis_size(self):
+        """The expert axis (bound by the enclosing shard_map) must have ep_size devices."""
+        _, size = transport.axis_rank_and_size(self.axis_name)
+        if size != self.ep_size:
+            raise ValueError(f"num_local_experts: {self.num_local_experts} local experts of "
+                             f"num_moe_experts={self.config.num_moe_experts} need an expert "
+                             f"axis of {self.ep_size} devices, but axis {self.axis_name!r} "
+                             f"has {size}")
+
+    def _probs_in_router_dtype(self, permuted_probs):
+        if self.config.moe_router_dtype == "fp64":
+            return permuted_probs.astype(router_dtype(self.config, jnp.float32))
+        return permuted_probs
 
     def _num_permuted(self, num_rows, top_k):
         """Static rows of the permuted buffer: every row's local slots plus block padding."""
@@ -204,9 +244,16 @@ class MoEFlexTokenDispatcher(nnx.Module):
                                      token_probs=token_probs.astype(jnp.float32),
                                      hidden_shape=hidden_shape)
 
-    def dispatch_all_to_all(self, hidden_states, state, probs=None):
-        """[T,H] -> the EP mode's received rows (HybridEP: already permuted), new state."""
-        del probs  # the routing probs travel in the state
+    def dispatch_all_to_all(self, hidden_states, state, probs=None, async_finish=True,
+                            allocate_on_comm_stream=True):
+        """[T,H] -> the EP mode's received rows (HybridEP: already permuted), new state.
+
+        probs is ignored (the routing probs travel in the state), as are async_finish and
+        allocate_on_comm_stream. ValueError if the expert axis does not have
+        num_moe_experts / num_local_experts devices."""
+        del probs, async_finish, allocate_on_comm_stream
+        _check_state(state, "dispatch_all_to_all")
+        self._check_axis_size()
         cfg = self.config
         state, dropped = self._drop_to_expert_capacity(state, hidden_states.shape[0])
         if self.backend == "hybridep":
@@ -240,10 +287,12 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
     def dispatch_postprocess(self, hidden_states, state):
         """Received rows -> (global_input_tokens [N,H], tokens_per_expert i32[L],
-        permuted_probs f32[N], state): expert-major rows for a grouped GEMM."""
+        permuted_probs [N], state): expert-major rows for a grouped GEMM. permuted_probs is
+        float32, or float64 with moe_router_dtype="fp64" (as in PyTorch)."""
+        _check_state(state, "dispatch_postprocess")
         if self.backend == "hybridep":
             px, pp, tpe = hidden_states
-            return px, tpe, pp, state
+            return px, tpe, self._probs_in_router_dtype(pp), state
         recv_x, recv_idx, recv_w = hidden_states
         routing_map, probs = self.local_multihot(recv_idx, recv_w)
         n = self._num_permuted(recv_x.shape[0], recv_idx.shape[1])
@@ -251,7 +300,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
             recv_x, routing_map, probs, num_out_tokens=n,
             pad_multiple=self.config.moe_router_expert_pad_multiple, impl=self._local_impl)
         state = dataclasses.replace(state, sorted_indices=sorted_indices)
-        return permuted, tokens_per_expert, permuted_probs, state
+        return permuted, tokens_per_expert, self._probs_in_router_dtype(permuted_probs), state
 
     def token_permutation(self, hidden_states, num_local_tokens, probs):
         """preprocess -> all_to_all -> postprocess. Returns (global_input_tokens,
@@ -271,6 +320,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
     def combine_preprocess(self, hidden_states, state):
         """Expert outputs [N,H] -> rows in the received order (HybridEP: unchanged)."""
+        _check_state(state, "combine_preprocess")
         if self.backend == "hybridep":
             return hidden_states
         rows = state.sorted_indices.shape[0]
@@ -280,14 +330,19 @@ class MoEFlexTokenDispatcher(nnx.Module):
         return ops.unpermute(hidden_states, state.sorted_indices,
                              num_tokens=state.handle.num_recv, impl=self._local_impl)
 
-    def combine_all_to_all(self, hidden_states, state):
-        """Rows back to their source tokens, summed: -> [T,H]."""
+    def combine_all_to_all(self, hidden_states, state, async_finish=True,
+                           allocate_on_comm_stream=True):
+        """Rows back to their source tokens, summed: -> [T,H]. async_finish and
+        allocate_on_comm_stream are ignored."""
+        del async_finish, allocate_on_comm_stream
+        _check_state(state, "combine_all_to_all")
         if self.backend == "hybridep":
             return hybridep.hybridep_combine(hidden_states, state.handle)
         return deepep.combine(hidden_states, state.handle)[0]
 
     def combine_postprocess(self, hidden_states, state):
         """[T,H] -> the dispatch input's original shape."""
+        _check_state(state, "combine_postprocess")
         return hidden_states.reshape(state.hidden_shape)
 
     def token_unpermutation(self, hidden_states, state):
@@ -304,6 +359,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         if self.backend == "hybridep":
             raise ValueError("moe_deepep_async_dispatch: chunked overlap needs a deepep-family "
                              "backend, got 'hybridep'")
+        self._check_axis_size()
         _, state = self.dispatch_preprocess2(hidden_states, hidden_states.shape[0], token_probs,
                                              token_indices)
         state, dropped = self._drop_to_expert_capacity(state, hidden_states.shape[0])

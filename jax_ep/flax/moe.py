@@ -38,6 +38,12 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down):
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, tokens_per_expert)
 
 
+def _weighted(expert_out, probs):
+    """Expert outputs [..., H] times their probs [...]: the product in the probs' (router)
+    dtype, cast back to the outputs' dtype, as PyTorch MoE experts weight bf16 activations."""
+    return (expert_out * probs[..., None]).astype(expert_out.dtype)
+
+
 def _swiglu(x, w_gate_up, w_down):
     gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
     return (jax.nn.silu(gate) * up) @ w_down
@@ -159,13 +165,13 @@ class MoELayer(nnx.Module):
                 px, pp, rows, tpe = ops.permute(recv_x, routing_map, rprobs, num_out_tokens=n,
                                                 pad_multiple=cfg.moe_router_expert_pad_multiple,
                                                 impl=d._local_impl)
-                out = swiglu_experts(px, tpe, w_gate_up, w_down) * pp[:, None].astype(px.dtype)
+                out = _weighted(swiglu_experts(px, tpe, w_gate_up, w_down), pp)
                 return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
             y, dropped = d.overlapped_forward(tokens, probs, ids, local_kernel)
         else:
             permuted, tpe, pp, state = d.token_permutation2(tokens, tokens.shape[0], probs, ids)
             out = swiglu_experts(permuted, tpe, w_gate_up, w_down)
-            y = d.token_unpermutation(out * pp[:, None].astype(out.dtype), state)
+            y = d.token_unpermutation(_weighted(out, pp), state)
             dropped = state.num_dropped
         if shared is not None:
             y = y + _swiglu(tokens, *shared)
@@ -236,7 +242,7 @@ def dense_forward(layer: MoELayer, x):
     every = jax.vmap(lambda a, b: _swiglu(tokens, a, b))(layer.w_gate_up[...],
                                                          layer.w_down[...])  # [E,T,H]
     picked = every[ids, jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
-    y = jnp.sum(picked * probs[..., None].astype(picked.dtype), axis=1)
+    y = jnp.sum(_weighted(picked, probs), axis=1)
     if layer.shared_gate_up is not None:
         y = y + _swiglu(tokens, layer.shared_gate_up[...], layer.shared_down[...])
     return y.reshape(x.shape).astype(x.dtype), aux_loss
