@@ -11,6 +11,7 @@ __all__ = [
     "as_int32_ids",
     "check_experts",
     "check_float",
+    "check_float_weights",
     "check_positive",
     "check_rank",
     "check_routing",
@@ -36,6 +37,12 @@ def check_shape(x, shape: tuple, name: str) -> None:
 def check_float(x, name: str) -> None:
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise ValueError(f"{name}: expected float32, bfloat16 or float16, got {x.dtype}")
+
+
+def check_float_weights(x, name: str) -> None:
+    """Weights and probs: any float dtype (they are cast to float32)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name}: expected a float array, got {x.dtype}")
 
 
 def check_positive(value, name: str, *, allow_zero: bool = False) -> int:
@@ -69,8 +76,7 @@ def check_routing(topk_idx, topk_weights, num_experts: int):
         raise ValueError(f"topk_idx: top-k {top_k} exceeds num_experts {num_experts}")
     if topk_weights is not None:
         check_shape(topk_weights, (num_tokens, top_k), "topk_weights")
-        if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
-            raise ValueError(f"topk_weights: expected a float array, got {topk_weights.dtype}")
+        check_float_weights(topk_weights, "topk_weights")
         topk_weights = topk_weights.astype(jnp.float32)
     return as_int32_ids(topk_idx, num_experts, "topk_idx"), topk_weights
 

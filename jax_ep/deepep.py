@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax_ep import _ffi, ops, transport as tp
 from jax_ep._checks import (
     check_experts,
+    check_float,
     check_positive,
     check_rank,
     check_routing,
@@ -233,7 +234,9 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
     Call inside `jax.shard_map` over `axis_name` (P ranks; P = 1 runs no collective).
       x: [T,H] f32/bf16/f16, this rank's tokens; or, as DeepEP's FP8 dispatch takes it, a
         tuple of row arrays (x_fp8 float8_e4m3fn[T,H], scales f32[T,H/128]) that travel
-        through one layout; recv_x is then the tuple of their received [R,...] arrays.
+        through one layout; recv_x is then the tuple of their received [R,...] arrays. The
+        rows are moved as they are, so any dtype dispatches (FP8 parts, integer scales);
+        combine takes f32/bf16/f16 rows.
       topk_idx: [T,K] int32/int64 global expert ids, -1 = unrouted.
       topk_weights: [T,K] float routing weights (None: ones; then no weights are sent and
         recv_topk_weights is 1 on every owned slot, 0 elsewhere).
@@ -330,6 +333,7 @@ def combine(y, handle, *, topk_weights=None):
     if not isinstance(handle, DispatchHandle):
         raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got {type(handle)}")
     check_rank(y, 2, "y")
+    check_float(y, "y")
     if y.shape[0] != handle.num_recv:
         raise ValueError(f"y: expected {handle.num_recv} rows (the dispatch's receive buffer), "
                          f"got shape {y.shape}")

@@ -25,7 +25,15 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import deepep, ops, reference, transport as tp
-from jax_ep._checks import check_experts, check_positive, check_rank, check_routing, check_shape
+from jax_ep._checks import (
+    check_experts,
+    check_float,
+    check_float_weights,
+    check_positive,
+    check_rank,
+    check_routing,
+    check_shape,
+)
 
 __all__ = [
     "COMBINE_CHUNK",
@@ -212,6 +220,7 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         raise ValueError("routing_map / topk_idx: pass exactly one of them (dense or compact "
                          "routing)")
     check_rank(x, 2, "x")
+    check_float_weights(probs, "probs")
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     num_local = check_experts(num_experts, num_ranks)
     num_permuted_tokens = check_positive(num_permuted_tokens, "num_permuted_tokens",
@@ -280,4 +289,5 @@ def hybridep_combine(y, handle):
         raise ValueError(f"handle: expected a HybridEPHandle, got {type(handle)}")
     check_rank(y, 2, "y")
     check_shape(y, (handle.sorted_rows.shape[0], y.shape[1]), "y")
+    check_float(y, "y")
     return _hybrid_combine_rows(y, handle)[:handle.num_tokens]

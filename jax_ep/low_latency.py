@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax_ep import _ffi, deepep, ops, reference, transport as tp
 from jax_ep._checks import (
     check_experts,
+    check_float,
     check_positive,
     check_rank,
     check_routing,
@@ -223,6 +224,7 @@ def low_latency_combine(y, topk_idx, topk_weights, handle):
     if not isinstance(handle, LowLatencyHandle):
         raise ValueError(f"handle: expected a LowLatencyHandle, got {type(handle)}")
     check_shape(y, handle.src_info.shape + (y.shape[-1],), "y")
+    check_float(y, "y")
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, handle.num_experts)
     check_shape(topk_idx, (handle.num_tokens, topk_idx.shape[1]), "topk_idx")
     _, dense_w = reference.indices_to_multihot(topk_idx, topk_weights,

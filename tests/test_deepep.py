@@ -490,6 +490,44 @@ def test_bad_inputs_raise_at_trace_time(kwargs, match):
         run_ep(lambda x, i, w: jax_ep.dispatch(x, i, w, **kwargs)[0], mesh, x, idx, w)
 
 
+def test_integer_rows_dispatch_as_data_and_combines_name_y():
+    """Dispatch moves rows of any dtype (DeepEP's FP8 pair travels as x_fp8 and its scales),
+    so integer rows arrive exactly; combining them is an error naming y (not a layer-1
+    argument name), in every mode. hybridep's probs must be float."""
+    mesh = ep_mesh(2)
+    rng = np.random.default_rng(11)
+    idx, w = random_routing(rng, 8, 2, 4)
+    x = rng.integers(-1000, 1000, (8, 8)).astype(np.int32)
+
+    def body(x, i, w):
+        ri, _, _, _ = jax_ep.dispatch(x, i, num_experts=4, axis_name=AXIS)
+        rf, _, _, _ = jax_ep.dispatch(x.astype(jnp.float32), i, num_experts=4, axis_name=AXIS)
+        return ri, rf
+    got_int, got_float = run_ep(body, mesh, x, idx, w)
+    assert got_int.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got_int), np.asarray(got_float).astype(np.int32))
+
+    def combines(x, i, w):
+        xf = x.astype(jnp.float32)
+        rx, _, _, h = jax_ep.dispatch(xf, i, w, num_experts=4, axis_name=AXIS)
+        _, _, lh = jax_ep.low_latency_dispatch(xf, i, num_max_dispatch_tokens_per_rank=4,
+                                               num_experts=4, axis_name=AXIS)
+        px, _, _, hh = jax_ep.hybridep_dispatch(xf, topk_idx=i, probs=w, num_experts=4,
+                                                axis_name=AXIS, num_permuted_tokens=8)
+        return (lambda: jax_ep.combine(rx.astype(jnp.int32), h)[0],
+                lambda: jax_ep.low_latency_combine(
+                    jnp.zeros(lh.src_info.shape + (8,), jnp.int32), i, w, lh),
+                lambda: jax_ep.hybridep_combine(px.astype(jnp.int32), hh))
+
+    for which in range(3):
+        with pytest.raises(ValueError, match=r"y: expected float32, bfloat16 or float16, got"):
+            run_ep(lambda x, i, w: combines(x, i, w)[which](), mesh, x, idx, w)
+    with pytest.raises(ValueError, match=r"probs: expected a float array, got int32"):
+        run_ep(lambda x, i: jax_ep.hybridep_dispatch(
+            x.astype(jnp.float32), topk_idx=i, probs=i, num_experts=4, axis_name=AXIS,
+            num_permuted_tokens=8)[0], mesh, x, idx)
+
+
 def test_mismatched_shapes_raise():
     mesh = ep_mesh(2)
     x = np.zeros((8, 8), np.float32)
