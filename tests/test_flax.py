@@ -85,6 +85,20 @@ def test_dispatcher_and_layer_errors_name_the_argument():
         layer(jnp.zeros((6, 4, 16)))
 
 
+def _routed_tokens(seed, num_tokens, H, K, E, unrouted=0.1):
+    """x f32[T,H] and a random routing (idx i32[T,K], w f32[T,K])."""
+    rng = np.random.default_rng(seed)
+    idx, w = random_routing(rng, num_tokens, K, E, unrouted=unrouted)
+    return rng.standard_normal((num_tokens, H)).astype(np.float32), idx, w
+
+
+def _dispatcher(num_ranks, E, K, **config):
+    """A dispatcher for E experts over num_ranks ranks of the test axis."""
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       expert_axis_name=AXIS, **config)
+    return MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+
 def test_dispatcher_checks_local_experts_against_the_config_and_the_mesh():
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
                                        expert_axis_name=AXIS)
@@ -93,10 +107,7 @@ def test_dispatcher_checks_local_experts_against_the_config_and_the_mesh():
             MoEFlexTokenDispatcher(2, bad, cfg)
     assert MoEFlexTokenDispatcher(2, [6, 7], cfg).local_expert_indices == (6, 7)
     # 4 local experts of 8 is an expert axis of 2 devices, not 4: an error, not a wrong split.
-    d = MoEFlexTokenDispatcher(4, range(4), cfg)
-    rng = np.random.default_rng(5)
-    idx, w = random_routing(rng, 8, 2, 8)
-    x = rng.standard_normal((8, 16)).astype(np.float32)
+    x, idx, w = _routed_tokens(5, 8, 16, 2, 8)
     for backend in BACKENDS:
         d = MoEFlexTokenDispatcher(4, range(4), dataclasses.replace(
             cfg, moe_flex_dispatcher_backend=backend))
@@ -109,12 +120,8 @@ def test_dispatcher_checks_local_experts_against_the_config_and_the_mesh():
 
 def test_dispatcher_takes_pytorch_keywords_and_rejects_probs_in_place_of_the_state():
     num_ranks, T, H, K, E = 2, 4, 8, 2, 4
-    rng = np.random.default_rng(6)
-    idx, w = random_routing(rng, num_ranks * T, K, E)
-    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
-    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
-                                       expert_axis_name=AXIS)
-    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+    x, idx, w = _routed_tokens(6, num_ranks * T, H, K, E)
+    d = _dispatcher(num_ranks, E, K)
 
     def staged(x, i, w):
         hidden, state = d.dispatch_preprocess2(x, x.shape[0], w, i)
@@ -142,16 +149,11 @@ def test_dispatcher_takes_pytorch_keywords_and_rejects_probs_in_place_of_the_sta
 def test_permuted_probs_follow_an_fp64_router_dtype(backend):
     """PyTorch casts permuted_probs to float64 when moe_router_dtype is "fp64"."""
     num_ranks, T, H, K, E = 2, 4, 8, 2, 4
-    rng = np.random.default_rng(7)
-    idx, w = random_routing(rng, num_ranks * T, K, E)
-    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    x, idx, w = _routed_tokens(7, num_ranks * T, H, K, E)
     got = {}
     for dtype in ("fp32", "fp64"):
-        cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
-                                           moe_router_dtype=dtype,
-                                           moe_flex_dispatcher_backend=backend,
-                                           expert_axis_name=AXIS)
-        d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+        d = _dispatcher(num_ranks, E, K, moe_router_dtype=dtype,
+                        moe_flex_dispatcher_backend=backend)
 
         def body(x, i, w):
             tokens, _, pp, state = d.token_permutation2(x, x.shape[0], w, i)
@@ -165,12 +167,8 @@ def test_permuted_probs_follow_an_fp64_router_dtype(backend):
 
 def test_token_unpermutation_checks_the_rows_it_gets():
     num_ranks, T, H, K, E = 4, 6, 8, 2, 8
-    rng = np.random.default_rng(3)
-    idx, w = random_routing(rng, num_ranks * T, K, E)
-    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
-    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
-                                       expert_axis_name=AXIS)
-    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+    x, idx, w = _routed_tokens(3, num_ranks * T, H, K, E)
+    d = _dispatcher(num_ranks, E, K)
 
     def body(x, i, w):
         tokens, _, _, state = d.token_permutation2(x, x.shape[0], w, i)
@@ -302,12 +300,8 @@ def test_capacity_factor_drops_and_reports():
 
 def test_dispatcher_methods_match_functional_ops():
     num_ranks, T, H, K, E = 4, 6, 8, 2, 8
-    rng = np.random.default_rng(0)
-    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
-    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
-    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
-                                       expert_axis_name=AXIS, moe_permute_fusion=True)
-    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+    x, idx, w = _routed_tokens(0, num_ranks * T, H, K, E, unrouted=0.0)
+    d = _dispatcher(num_ranks, E, K, moe_permute_fusion=True)
 
     def body(x, i, w):
         hidden, state = d.dispatch_preprocess2(x, x.shape[0], w, i)
