@@ -147,9 +147,13 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
         routing_map, num_out_tokens=n, pad_multiple=pad_multiple, drop_and_pad=drop_and_pad)
     token_of_pair = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], row.shape)
     sorted_indices = jnp.full((n,), -1, jnp.int32).at[row].set(token_of_pair, mode="drop")
-    permuted = gather_rows(tokens, sorted_indices)
+    # Gathered in fp32 (exact) so that the gradient, a scatter-add of the row cotangents onto
+    # their tokens, accumulates in fp32 as the FFI backward (an unpermute) does.
+    permuted = gather_rows(tokens.astype(jnp.float32), sorted_indices).astype(tokens.dtype)
     permuted_probs = None
-    if probs is not None:
+    if probs is not None and n == 0:  # JAX cannot differentiate a scatter into nothing
+        permuted_probs = jnp.zeros((0,), jnp.float32)
+    elif probs is not None:
         permuted_probs = jnp.zeros((n,), jnp.float32).at[row].set(probs, mode="drop")
     return permuted, permuted_probs, sorted_indices, tokens_per_expert
 
@@ -167,6 +171,8 @@ def gather_rows(x, row_idx):
 def unpermute(permuted, sorted_indices, *, num_tokens, probs=None):
     """permuted [N,H], sorted_indices i32[N] -> [num_tokens,H]: per token, the fp32 sum of its
     rows (times probs), cast back to permuted.dtype; -1 rows are ignored."""
+    if num_tokens == 0:  # nothing to sum into (and JAX cannot differentiate a scatter into
+        return jnp.zeros((0,) + permuted.shape[1:], permuted.dtype)  # an empty array)
     values = permuted.astype(jnp.float32)
     if probs is not None:
         values = values * probs.astype(jnp.float32)[:, None]

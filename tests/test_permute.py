@@ -544,6 +544,45 @@ def test_unpermute_grad_ffi_matches_autodiff(rng, dtype, with_probs):
     assert not _f32(gx_ffi)[pad_rows].any() and not np.asarray(gp_ffi)[pad_rows].any()
 
 
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_permute_grad_accumulates_bf16_rows_in_fp32(impl):
+    """A token sent to three experts gets the sum of its three row cotangents, added in fp32
+    and rounded once: 1 + 2^-8 + 2^-8 = 1.0078125 (bf16 steps would round each 1 + 2^-8 back
+    to 1, as autodiff of a bf16 gather did for impl="xla")."""
+    tokens = jnp.ones((1, 1), BF16)
+    routing_map = jnp.ones((1, 3), bool)
+    d_rows = jnp.asarray([[1.0], [2.0 ** -8], [2.0 ** -8]], BF16)
+    _, vjp = jax.vjp(lambda x: ops.permute(x, routing_map, num_out_tokens=3, impl=impl)[0],
+                     tokens)
+    (d_tokens,) = vjp(d_rows)
+    assert d_tokens.dtype == BF16 and float(d_tokens[0, 0]) == 1.0078125
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_grads_through_empty_buffers_are_zero(impl):
+    """num_out_tokens=0 with tokens, and unpermute to num_tokens=0 with rows: the outputs are
+    empty, so every gradient is zero (autodiff of a scatter into an empty array used to fail
+    for impl="xla")."""
+    tokens, probs = jnp.ones((2, 8)), jnp.full((2, 3), 0.5)
+    routing_map = jnp.ones((2, 3), bool)
+
+    def permute_loss(x, p):
+        permuted, pp, _, _ = ops.permute(x, routing_map, p, num_out_tokens=0, impl=impl)
+        return permuted.sum() + pp.sum()
+    for g, like in zip(jax.grad(permute_loss, argnums=(0, 1))(tokens, probs), (tokens, probs)):
+        assert g.shape == like.shape and not np.asarray(g).any()
+
+    rows, row_probs = jnp.ones((3, 8)), jnp.ones(3)
+    for with_probs in (False, True):
+        def unpermute_loss(y, p):
+            out = ops.unpermute(y, jnp.full((3,), -1, jnp.int32), num_tokens=0,
+                                probs=p if with_probs else None, impl=impl)
+            assert out.shape == (0, 8)
+            return out.sum()
+        gy, gp = jax.grad(unpermute_loss, argnums=(0, 1))(rows, row_probs)
+        assert gy.shape == rows.shape and not np.asarray(gy).any() and not np.asarray(gp).any()
+
+
 def test_permute_unpermute_chain_grad(rng):
     """grad through permute -> expert scaling -> unpermute(probs) equals autodiff of the reference,
     for pad_multiple and drop_and_pad layouts."""
