@@ -171,8 +171,8 @@ def gather_rows(x, row_idx):
 def unpermute(permuted, sorted_indices, *, num_tokens, probs=None):
     """permuted [N,H], sorted_indices i32[N] -> [num_tokens,H]: per token, the fp32 sum of its
     rows (times probs), cast back to permuted.dtype; -1 rows are ignored."""
-    if num_tokens == 0:  # nothing to sum into (and JAX cannot differentiate a scatter into
-        return jnp.zeros((0,) + permuted.shape[1:], permuted.dtype)  # an empty array)
+    if num_tokens == 0:  # JAX cannot differentiate a scatter into nothing
+        return jnp.zeros((0,) + permuted.shape[1:], permuted.dtype)
     values = permuted.astype(jnp.float32)
     if probs is not None:
         values = values * probs.astype(jnp.float32)[:, None]

@@ -166,9 +166,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
                              f"has {size}")
 
     def _probs_in_router_dtype(self, permuted_probs):
-        if self.config.moe_router_dtype == "fp64":
-            return permuted_probs.astype(router_dtype(self.config, jnp.float32))
-        return permuted_probs
+        return permuted_probs.astype(router_dtype(self.config, permuted_probs.dtype))
 
     def _num_permuted(self, num_rows, top_k):
         """Static rows of the permuted buffer: every row's local slots plus block padding."""
