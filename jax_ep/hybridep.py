@@ -24,7 +24,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ep import deepep, ops, reference, transport as tp
+from jax_ep import _ffi, deepep, ops, reference, transport as tp
 from jax_ep._checks import (
     check_experts,
     check_float,
@@ -241,12 +241,16 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
     if num_tokens == 0:
         # No token anywhere (T is static and shared): the rows below are built without
         # reading the empty inputs, which XLA's Shardy pass cannot compile when two or more
-        # zero-sized shard_map inputs feed a non-empty result.
-        x, probs = jnp.zeros((0, x.shape[1]), x.dtype), jnp.zeros((0,) + probs.shape[1:])
+        # zero-sized shard_map inputs feed a non-empty result. They keep the inputs'
+        # varying type, so that with no collective (P = 1) the results still vary as the
+        # inputs do.
+        def fresh(like, value):
+            return _ffi.vary_like(jnp.full(like.shape, value, like.dtype), like)
+        x, probs = fresh(x, 0), fresh(probs, 0)
         if compact:
-            topk_idx = jnp.full((0, topk_idx.shape[1]), -1, jnp.int32)
+            topk_idx = fresh(topk_idx, -1)
         else:
-            routing_map = jnp.zeros((0, num_experts), bool)
+            routing_map = fresh(routing_map, False)
     if compact:
         layout_idx = _pad_rows(topk_idx, padded, -1)
     else:

@@ -211,10 +211,11 @@ def test_invalid_expert_id_on_one_rank_is_unrouted():
         np.testing.assert_array_equal(g, c)
 
 
+@pytest.mark.parametrize("num_ranks", [1, 4])
 @pytest.mark.parametrize("backend", ["deepep", "alltoall"])
 @pytest.mark.parametrize("compact", [False, True])
-def test_zero_tokens_dispatch_combine_and_gradients(compact, backend):
-    num_ranks, H, K, E, N = 4, 8, 2, 8, 8
+def test_zero_tokens_dispatch_combine_and_gradients(compact, backend, num_ranks):
+    H, K, E, N = 8, 2, 8, 8
     x = np.zeros((0, H), np.float32)
     idx = np.zeros((0, K), np.int32)
     w = np.zeros((0, K), np.float32)
@@ -230,11 +231,15 @@ def test_zero_tokens_dispatch_combine_and_gradients(compact, backend):
             out = hybridep.hybridep_combine(px * pp[:, None], h)
             return out.sum(), (out, px, pp, tpe, h.num_dropped[None])
         (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, b)
-        return *aux, *grads
+        # A cotangent that varies over the axis, as a shard_map input does: the combined
+        # output must be typed varying too (at P = 1 no collective makes it so).
+        _, pull = jax.vjp(lambda x: loss(x, b)[1][0], x)
+        return *aux, *grads, pull(x)[0]
 
     args = (x, idx, w) if compact else (x, rm, pr)
-    out, px, pp, tpe, dropped, d_x, d_p = run_ep(body, ep_mesh(num_ranks), *args)
+    out, px, pp, tpe, dropped, d_x, d_p, d_x_vjp = run_ep(body, ep_mesh(num_ranks), *args)
     assert out.shape == (0, H) and d_x.shape == (0, H) and d_p.shape == args[2].shape
+    assert d_x_vjp.shape == (0, H)
     # Non-empty results from empty inputs: N zero rows per rank, empty blocks, nothing dropped.
     np.testing.assert_array_equal(px, np.zeros((num_ranks * N, H), np.float32))
     np.testing.assert_array_equal(pp, np.zeros((num_ranks * N,), np.float32))
