@@ -6,9 +6,10 @@ in one process, next to a plain device copy of the same number of bytes.
     python -m benchmarks.bench_ops --sweep       # data-moving ops vs T and vs H
 
 For each op and hidden size: the jitted FFI call (impl="ffi"), the jitted reference
-(impl="xla") and the copy below are each timed as the median of --iters calls after --warmup
-calls, each call closed by jax.block_until_ready. The three are timed round-robin (one call of
-each per round), so the shared machine's slow stretches fall on all of them alike.
+(impl="xla") and the copy below are each timed as the median of at least --iters calls after
+--warmup calls, each call closed by jax.block_until_ready; fast ops get more calls, until the
+slowest of the three has had --min-time seconds of timed calls. The three are timed round-robin
+(one call of each per round), so the shared machine's slow stretches fall on all of them alike.
 
 Effective bandwidth. Every op is counted by its compulsory memory traffic:
 
@@ -34,6 +35,7 @@ bench_ops_{gbs,time}_vs_{tokens,hidden}.png (FFI solid vs reference, plus the co
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import statistics
@@ -59,24 +61,32 @@ def _nbytes(tree) -> int:
                    for x in jax.tree.leaves(tree)))
 
 
-def _median_times(calls, warmup: int, iters: int):
-    """(median seconds, minor page faults per call) of each (fn, args) in `calls`, timed
-    round-robin (one call of each per round) so that a slow stretch of this shared machine
-    weighs on every candidate alike. The faults (getrusage, outside the timed span) show
-    whether a candidate writes into freshly mapped pages (see common.keep_host_heap)."""
+def _median_times(calls, warmup: int, iters: int, min_time: float):
+    """(median seconds, minor page faults per call, calls timed) of each (fn, args) in
+    `calls`, timed round-robin (one call of each per round) so that a slow stretch of this
+    shared machine weighs on every candidate alike. Runs at least `iters` rounds, and more for
+    fast ops (up to 5000), until the slowest candidate has had about `min_time` seconds of
+    timed calls: a median of 20 calls of a 0.2 ms op spans 4 ms of a noisy machine. The faults
+    (getrusage, outside the timed span) show whether a candidate writes into freshly mapped
+    pages (see common.keep_host_heap)."""
+    slowest = 0.0
     for fn, args in calls:
         for _ in range(warmup):
+            t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
+        slowest = max(slowest, time.perf_counter() - t0)
+    rounds = max(iters, min(5000, math.ceil(min_time / max(slowest, 1e-9))))
     times = [[] for _ in calls]
     faults = [0] * len(calls)
-    for _ in range(iters):
+    for _ in range(rounds):
         for i, (fn, args) in enumerate(calls):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[i].append(time.perf_counter() - t0)
             faults[i] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    return [(statistics.median(samples), n / iters) for samples, n in zip(times, faults)]
+    return [(statistics.median(samples), n / rounds, rounds)
+            for samples, n in zip(times, faults)]
 
 
 def _unpermute_weighted(permuted, sorted_indices, probs, *, num_tokens, impl):
@@ -126,7 +136,7 @@ def build_cases(T, H, K, E, P, dtype, seed=0):
     ]
 
 
-def bench_shape(T, H, K, E, P, dtype, warmup, iters, only=None):
+def bench_shape(T, H, K, E, P, dtype, warmup, iters, min_time, only=None):
     rows = []
     for name, make, args in build_cases(T, H, K, E, P, dtype):
         if only and not any(o in name for o in only):
@@ -135,17 +145,18 @@ def bench_shape(T, H, K, E, P, dtype, warmup, iters, only=None):
         nbytes = _nbytes(args) + _nbytes(jax.eval_shape(ffi, *args))
         words = jnp.zeros((max(1, nbytes // 8),), jnp.uint32)  # nbytes / 2 bytes, copied once
         zero = jnp.uint32(0)
-        (t_ffi, f_ffi), (t_ref, f_ref), (t_copy, f_copy) = _median_times(
-            [(ffi, args), (ref, args), (_copy, (words, zero))], warmup, iters)
+        (t_ffi, f_ffi, calls), (t_ref, f_ref, _), (t_copy, f_copy, _) = _median_times(
+            [(ffi, args), (ref, args), (_copy, (words, zero))], warmup, iters, min_time)
         gbs = lambda t: nbytes / t / 1e9  # noqa: E731
         rows.append(dict(op=name, tokens=T, hidden=H, bytes=nbytes, ffi_ms=t_ffi * 1e3,
                          ref_ms=t_ref * 1e3, copy_ms=t_copy * 1e3, ffi_gbs=gbs(t_ffi),
                          ref_gbs=gbs(t_ref), copy_gbs=gbs(t_copy), ffi_over_ref=t_ref / t_ffi,
                          ffi_pct_copy=100 * t_copy / t_ffi, ref_pct_copy=100 * t_copy / t_ref,
+                         calls_timed=calls,
                          page_faults_per_call=dict(ffi=f_ffi, ref=f_ref, copy=f_copy)))
         print(f"  {name:24s} T={T} H={H}: ffi {t_ffi * 1e3:9.3f} ms  ref {t_ref * 1e3:9.3f} ms  "
-              f"copy {t_copy * 1e3:8.3f} ms  (page faults/call {f_ffi:.0f} / {f_ref:.0f} / "
-              f"{f_copy:.0f})", flush=True)
+              f"copy {t_copy * 1e3:8.3f} ms  (median of {calls}; page faults/call "
+              f"{f_ffi:.0f} / {f_ref:.0f} / {f_copy:.0f})", flush=True)
     return rows
 
 
@@ -165,11 +176,11 @@ def sweep(a, dtype, out):
         rows = []
         for T, H in shapes:
             rows += bench_shape(T, H, a.topk, a.experts, a.ranks, dtype, a.warmup, a.iters,
-                                [o for o in DATA_OPS if not a.ops or any(f in o for f in a.ops)])
+                                a.min_time, [o for o in DATA_OPS if not a.ops or any(f in o for f in a.ops)])
         results[axis] = rows
         fixed = f"H={H0}" if axis == "tokens" else f"T={a.tokens}"
         title = (f"data-moving ops vs {axis}, {jax.default_backend()}: {fixed} K={a.topk} "
-                 f"E={a.experts} {a.dtype} (median of {a.iters})")
+                 f"E={a.experts} {a.dtype} (median of >= {a.iters})")
         md += print_table(title, COLUMNS, _table_rows(rows)) + "\n"
         xs = [T if axis == "tokens" else H for T, H in shapes]
         ops_run = list(dict.fromkeys(r["op"] for r in rows))
@@ -208,7 +219,10 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=8, help="P for the dispatch/send layouts")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="timed rounds, at least")
+    p.add_argument("--min-time", type=float, default=0.25,
+                   help="seconds of timed calls the slowest candidate of an op gets, at least "
+                        "(fast ops run more than --iters rounds)")
     p.add_argument("--ops", nargs="*", help="only ops whose name contains one of these")
     p.add_argument("--out", default=os.path.join("benchmarks", "out"))
     p.add_argument("--sweep", action="store_true",
@@ -221,7 +235,8 @@ def main(argv=None):
     env = env_info()
     print(f"jax {jax.__version__} on {jax.default_backend()} ({env.get('device_kind')}), "
           f"{os.cpu_count()} CPUs; T={a.tokens} K={a.topk} E={a.experts} P={a.ranks} "
-          f"{a.dtype}; median of {a.iters} after {a.warmup} warm-up; {heap}", flush=True)
+          f"{a.dtype}; median of >= {a.iters} rounds and >= {a.min_time} s after {a.warmup} "
+          f"warm-up; {heap}", flush=True)
 
     os.makedirs(a.out, exist_ok=True)
     if a.sweep:
@@ -229,14 +244,15 @@ def main(argv=None):
     rows = []
     for H in a.hidden:
         rows += bench_shape(a.tokens, H, a.topk, a.experts, a.ranks, dtype, a.warmup, a.iters,
-                            a.ops)
+                            a.min_time, a.ops)
 
     title = (f"jax_ep layer-1 ops, {jax.default_backend()}: T={a.tokens} K={a.topk} "
-             f"E={a.experts} P={a.ranks} {a.dtype} (median of {a.iters})")
+             f"E={a.experts} P={a.ranks} {a.dtype} (median of >= {a.iters})")
     md = print_table(title, COLUMNS, _table_rows(rows))
 
     config = dict(tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts=a.experts,
                   ranks=a.ranks, dtype=a.dtype, warmup=a.warmup, iters=a.iters,
+                  min_time=a.min_time,
                   bytes_formula="sum(input nbytes) + sum(output nbytes)",
                   copy_baseline="jit(x ^ c) on uint32[bytes/8], c a runtime 0")
     json_path = write_json(os.path.join(a.out, "bench_ops.json"),

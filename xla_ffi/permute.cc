@@ -121,8 +121,8 @@ void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
 
 namespace {
 
-ffi::Error MultihotCpu(I32 topk_idx, F32 topk_probs, int64_t num_experts, PredOut routing_map,
-                       F32Out probs) {
+ffi::Error MultihotCpu(ffi::ThreadPool pool, I32 topk_idx, F32 topk_probs, int64_t num_experts,
+                       PredOut routing_map, F32Out probs) {
   int64_t T, K;
   if (auto err = CheckMultihotArgs(topk_idx, topk_probs, num_experts, routing_map, probs, &T, &K);
       err.failure())
@@ -133,16 +133,19 @@ ffi::Error MultihotCpu(I32 topk_idx, F32 topk_probs, int64_t num_experts, PredOu
   const float* p = topk_probs.typed_data();
   bool* map = routing_map->typed_data();
   float* dense = probs->typed_data();
-  for (int64_t t = 0; t < T; ++t) {  // clear a row, then scatter its slots while it is cached
-    std::fill(map + t * E, map + (t + 1) * E, false);
-    std::fill(dense + t * E, dense + (t + 1) * E, 0.0f);
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t e = idx[t * K + k];
-      if (e < 0) continue;
-      map[t * E + e] = true;
-      dense[t * E + e] += p[t * K + k];
+  const int64_t row_bytes = E * int64_t(sizeof(bool) + sizeof(float));
+  ParallelFor(pool, T, GrainItems(row_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {  // clear a row, then scatter its slots while cached
+      std::fill(map + t * E, map + (t + 1) * E, false);
+      std::fill(dense + t * E, dense + (t + 1) * E, 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = idx[t * K + k];
+        if (e < 0) continue;
+        map[t * E + e] = true;
+        dense[t * E + e] += p[t * K + k];
+      }
     }
-  }
+  });
   return ffi::Error::Success();
 }
 
@@ -239,6 +242,7 @@ ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpIndicesToMultihotCpu, jax_ep::MultihotCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<jax_ep::I32>()        // topk_idx [T, K]
                                   .Arg<jax_ep::F32>()        // topk_probs [T, K]
                                   .Attr<int64_t>("num_experts")
