@@ -6,7 +6,7 @@ import jax
 
 from jax_ep import _jax_ep
 
-__all__ = ["WITH_CUDA", "call", "make_varying", "vary_like"]
+__all__ = ["WITH_CUDA", "call", "make_varying", "vary_like", "varying_axes"]
 
 WITH_CUDA: bool = bool(_jax_ep.with_cuda)
 
@@ -20,7 +20,7 @@ def _register_all() -> None:
 _register_all()
 
 
-def _varying_axes(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     """Manual mesh axes `x` varies over inside shard_map (empty outside)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax >= 0.10
@@ -31,7 +31,7 @@ def _varying_axes(x) -> frozenset:
 
 def make_varying(x, axes: frozenset):
     """x typed as varying over the manual mesh `axes` (inside shard_map)."""
-    missing = tuple(sorted(axes - _varying_axes(x)))
+    missing = tuple(sorted(axes - varying_axes(x)))
     if not missing:
         return x
     if hasattr(jax.lax, "pcast"):
@@ -42,7 +42,7 @@ def make_varying(x, axes: frozenset):
 def vary_like(x, *likes):
     """x typed as varying over (at least) the manual mesh axes any of `likes` varies over,
     inside shard_map, as an FFI call on `likes` would type its results; unchanged outside."""
-    return make_varying(x, frozenset().union(*(_varying_axes(a) for a in likes)))
+    return make_varying(x, frozenset().union(*(varying_axes(a) for a in likes)))
 
 
 def _varying_result(result, axes: frozenset, like):
@@ -63,7 +63,7 @@ def call(target: str, results, *args, **attrs):
     axes and the results are typed the same way (an FFI call is per-device work). Batching
     under `vmap` runs the handler once per batch element.
     """
-    axes = frozenset().union(*(_varying_axes(a) for a in args))
+    axes = frozenset().union(*(varying_axes(a) for a in args))
     args = tuple(make_varying(a, axes) for a in args)
     single = not isinstance(results, (tuple, list))
     typed = [_varying_result(r, axes, args[0]) for r in ([results] if single else results)]

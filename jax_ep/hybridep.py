@@ -241,11 +241,13 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
     if num_tokens == 0:
         # No token anywhere (T is static and shared): the rows below are built without
         # reading the empty inputs, which XLA's Shardy pass cannot compile when two or more
-        # zero-sized shard_map inputs feed a non-empty result. They keep the inputs'
-        # varying type, so that with no collective (P = 1) the results still vary as the
-        # inputs do.
+        # zero-sized shard_map inputs feed a non-empty result. They vary over the expert axis
+        # where the inputs do, as the collectives below would make them, so that at P = 1
+        # the results still vary as the inputs do. Not over other axes (data): with jax 0.11
+        # that cast crashes Shardy when it compiles the VJP on a (data, expert) mesh.
         def fresh(like, value):
-            return _ffi.vary_like(jnp.full(like.shape, value, like.dtype), like)
+            axes = frozenset({axis_name}) & _ffi.varying_axes(like)
+            return _ffi.make_varying(jnp.full(like.shape, value, like.dtype), axes)
         x, probs = fresh(x, 0), fresh(probs, 0)
         if compact:
             topk_idx = fresh(topk_idx, -1)

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from _helpers import jit_op, random_routing_map, ref
 from jax_ep import ops
-from jax_ep._ffi import _varying_axes
+from jax_ep._ffi import varying_axes
 
 F32, BF16, F16 = np.float32, ml_dtypes.bfloat16, np.float16
 DTYPES = [F32, BF16, F16]
@@ -834,7 +834,7 @@ def test_empty_results_vary_like_their_inputs_inside_shard_map(ep_mesh, impl):
         }
         for name, out in outs.items():
             for leaf in jax.tree.leaves(out):
-                if "ep" not in _varying_axes(leaf):
+                if "ep" not in varying_axes(leaf):
                     unvarying.append(name)
         return x
 

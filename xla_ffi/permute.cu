@@ -407,6 +407,9 @@ __global__ void __launch_bounds__(kThreads)
 
 inline size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// The largest alignment XLA's FFI scratch allocator accepts.
+constexpr size_t kFfiScratchAlignment = 16;
+
 ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, Any permuted,
                          I32 sorted_indices, F32 probs, AnyOut out) {
   int64_t N, H;
@@ -445,17 +448,20 @@ ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, Any
                              "cub::DeviceScan::ExclusiveSum (size query)");
         err.failure())
       return err;
+    // Every piece starts on a 256-byte boundary (CUB's own alignment). XLA's scratch allocator
+    // refuses alignments above 16 ("Unsupported alignment", xla/ffi/ffi_api.cc), so the block
+    // is requested 16-aligned with room to align its start by hand.
     const size_t a = 256;
     const size_t n_bytes = AlignUp(size_t(N) * sizeof(int32_t), a);
     const size_t t_bytes = AlignUp(size_t(T + 1) * sizeof(int32_t), a);
     const size_t temp_bytes = AlignUp(std::max<size_t>(std::max(sort_bytes, scan_bytes), 1), a);
-    const size_t total = 4 * n_bytes + 2 * t_bytes + temp_bytes;
-    std::optional<void*> mem = scratch.Allocate(total, a);
+    const size_t total = 4 * n_bytes + 2 * t_bytes + temp_bytes + a - kFfiScratchAlignment;
+    std::optional<void*> mem = scratch.Allocate(total, kFfiScratchAlignment);
     if (!mem.has_value() || *mem == nullptr) {
       return ffi::Error::Internal("jax_ep CUDA unpermute: could not allocate " +
                                   std::to_string(total) + " bytes of scratch memory");
     }
-    char* p = static_cast<char*>(*mem);
+    char* p = reinterpret_cast<char*>(AlignUp(reinterpret_cast<uintptr_t>(*mem), a));
     int32_t* keys = reinterpret_cast<int32_t*>(p);
     int32_t* keys_sorted = reinterpret_cast<int32_t*>(p + n_bytes);
     int32_t* rows = reinterpret_cast<int32_t*>(p + 2 * n_bytes);
