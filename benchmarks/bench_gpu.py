@@ -11,8 +11,9 @@ Kernels (bf16 data, K=8, P=8 ranks for the send side, C = T rows per rank):
   combine        the combine reduction: unpermute of a [P*C,H] receive buffer by token index
   fp8_cast       per_token_cast_to_fp8: [T,H] bf16 -> e4m3 codes + f32 scale per 128 channels
 Effective bandwidth = the bytes an op must touch (rows read + rows written + index/prob/scale
-arrays; padding rows are not read) / median time of >= 20 calls after warm-up, every call
-closed by jax.block_until_ready (torch: torch.cuda.synchronize). "copy" is a jitted `x ^ c`
+arrays; padding rows are not read) / median time per call over >= 20 samples after warm-up,
+each sample a batch of back-to-back calls (about 2 ms of them) closed by one
+jax.block_until_ready (torch: torch.cuda.synchronize). "copy" is a jitted `x ^ c`
 over uint32 words holding half those bytes (c a runtime 0: read + write = the same bytes, and
 XLA can neither fold it away nor alias the output), timed the same way. The PyTorch column is
 what MoE dispatchers fall back to without fused kernels: argsort + index_select to permute,
@@ -51,11 +52,12 @@ def parse_args(argv=None):
                    help=f"comma list of TxHxE (default {DEFAULT_SHAPES})")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--ranks", type=int, default=8, help="P of the send/combine buffers")
-    p.add_argument("--iters", type=int, default=30, help="timed calls per measurement (>= 20)")
+    p.add_argument("--iters", type=int, default=30,
+                   help="timed samples (batches of calls) per measurement (>= 20)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=75.0,
-                   help="start no new shape after this many seconds (device_check.sh gives "
-                        "the script 120 s)")
+                   help="start no new shape after this many seconds (device_check.sh passes "
+                        "60 and stops the script at 90 s)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch column")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes on CPU (no GPU needed): exercises every code path")
@@ -65,31 +67,39 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- timing
 
 
-def _median_jax(fn, args, warmup, iters):
-    import jax
-    out = jax.block_until_ready(fn(*args))  # compiles
+# A timed sample is a batch of back-to-back calls closed by one synchronisation, so the
+# host's dispatch and sync (tens of microseconds) do not swamp a kernel of a few microseconds.
+SAMPLE_S = 2e-3
+
+
+def _median_of_batches(call, sync, warmup, iters):
+    """Median seconds per call of `call()` (which returns its output), over `iters` samples of
+    n calls each, n chosen from the warm-up so that a sample lasts about SAMPLE_S."""
+    out = call()  # compiles
+    sync(out)
+    t0 = time.perf_counter()
     for _ in range(warmup):
-        out = jax.block_until_ready(fn(*args))
+        out = call()
+    sync(out)
+    single = (time.perf_counter() - t0) / max(warmup, 1)
+    n = max(1, min(1000, round(SAMPLE_S / max(single, 1e-7))))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
+        for _ in range(n):
+            out = call()
+        sync(out)
+        times.append((time.perf_counter() - t0) / n)
     return statistics.median(times), out
+
+
+def _median_jax(fn, args, warmup, iters):
+    import jax
+    return _median_of_batches(lambda: fn(*args), jax.block_until_ready, warmup, iters)
 
 
 def _median_torch(fn, sync, warmup, iters):
-    out = fn()
-    for _ in range(warmup):
-        out = fn()
-    sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return _median_of_batches(fn, lambda _: sync(), warmup, iters)
 
 
 # ----------------------------------------------------------------------------- torch path

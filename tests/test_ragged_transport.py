@@ -3,7 +3,8 @@
 XLA:CPU has no ragged-all-to-all, so these tests swap in an emulation of
 `jax.lax.ragged_all_to_all` built from `all_gather` that follows the documented semantics
 (`output_offsets` index the *receiver's* output), and require the "ragged" transport to give
-exactly the padded all_to_all transport's results. The real collective runs in tests/gpu.
+exactly the padded all_to_all transport's results. The real collective runs in tests/gpu
+only on a machine with two or more GPUs (one GPU is one rank, where no transport collects).
 """
 
 from __future__ import annotations

@@ -4,14 +4,15 @@
 #
 #   bash tests/gpu/device_check.sh            # from anywhere; OUT defaults to ./out
 #
-# Steps, each under its own timeout (worst case about 7.5 minutes, typically 3 to 4):
-#   1. pip install -e . with JAX_EP_CUDA=ON, sm_90 only        -> $OUT/build.log
-#   2. python -m pytest tests/gpu -q                            -> $OUT/pytest_gpu.log
-#   3. benchmarks/bench_gpu.py --out $OUT, if that file exists  -> $OUT/bench_gpu.log
+# Steps, each under its own timeout and all within DEADLINE (420 s; typically 3 to 4 minutes):
+#   1. pip install -e . with JAX_EP_CUDA=ON, sm_90 only          -> $OUT/build.log
+#   2. pytest: the layer-1 handlers (contract, ops), then the EP modes and the MoE layer, then
+#      a few op tests with every handler inside a CUDA graph      -> $OUT/pytest_gpu.log
+#   3. benchmarks/bench_gpu.py --out $OUT                          -> $OUT/bench_gpu.log
 #   4. opt-in (SANITIZE=1): a small GPU test subset under compute-sanitizer memcheck
-#                                                               -> $OUT/sanitizer.log
-# Prints a short summary; exits non-zero if the build or the tests failed.
-set -euo pipefail
+#                                                                 -> $OUT/sanitizer.log
+# Prints a short summary; exits non-zero if the build or any test step failed.
+set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-./out}"
@@ -20,55 +21,93 @@ OUT="$(cd "$OUT" && pwd)"
 PY="${PYTHON:-python3}"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 ))s; }
+# Every step runs under `limit SECONDS cmd...`: at most SECONDS, and never past DEADLINE
+# seconds from the start (a step with under 10 s left is skipped, rc 124). SIGINT first, so
+# that pytest still prints its failures and summary; SIGKILL 15 s later for a process stuck in
+# the driver.
+DEADLINE="${DEADLINE:-420}"
+limit() {
+  local s=$1 left=$(( DEADLINE - ($(date +%s) - T0) )); shift
+  [ "$left" -lt "$s" ] && s=$left
+  [ "$s" -lt 10 ] && { echo "skipped (deadline): $*"; return 124; }
+  timeout -s INT -k 15 "$s" "$@"
+}
+
+export PYTHONUNBUFFERED=1
+export JAX_PLATFORMS=cuda,cpu           # a CUDA start-up failure is an error, not a CPU fallback
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-16}"
+if ! command -v nvcc > /dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="/usr/local/cuda/bin:$PATH" CUDACXX=/usr/local/cuda/bin/nvcc
+fi
 
 build_rc=0 import_rc=0 test_rc=0 bench_rc=skipped san_rc=skipped
 
 # 1. Build and install (editable) with the CUDA handlers for sm_90.
 {
   echo "== $(date -u +%FT%TZ) $(uname -n)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-  nvcc --version | tail -n 2 || true
-  "$PY" -c "import sys, jax; print('python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())" || true
+  limit 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  command -v nvcc && nvcc --version | tail -n 2
+  limit 60 "$PY" -c "
+import sys, sysconfig, os, jax, cmake, nanobind, scikit_build_core as s
+inc = sysconfig.get_paths()['include']
+print('python', sys.version.split()[0], sys.executable, 'Python.h', os.path.exists(inc + '/Python.h'))
+print('jax', jax.__version__, 'cmake', cmake.__version__, 'nanobind', nanobind.__version__,
+      'scikit-build-core', s.__version__)
+print(jax.devices())"
   echo "== pip install"
 } > "$OUT/build.log" 2>&1
-JAX_EP_CUDA=ON timeout 180 "$PY" -m pip install --no-build-isolation --no-deps --no-index -v -e . \
+JAX_EP_CUDA=ON limit 180 "$PY" -m pip install --no-build-isolation --no-deps --no-index -v -e . \
   --config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES=90 >> "$OUT/build.log" 2>&1 \
   || build_rc=$?
 echo "[$(elapsed)] build rc=$build_rc"
 if [ "$build_rc" = 0 ]; then
-  timeout 60 "$PY" -c "
-import jax_ep, jax_ep._ffi as f
+  limit 60 "$PY" -c "
+import jax, jax_ep, jax_ep._ffi as f
 from jax_ep import _jax_ep
+assert jax.default_backend() == 'gpu', f'JAX runs on {jax.default_backend()}, not the GPU'
 assert f.WITH_CUDA, 'built without CUDA handlers'
 print('jax_ep CUDA targets:', sorted(_jax_ep.registrations()['CUDA']))
 " >> "$OUT/build.log" 2>&1 || import_rc=$?
   echo "[$(elapsed)] import rc=$import_rc"
 fi
 
-# 2. The GPU tests.
+# 2. The GPU tests, one pytest process per group (a crash or timeout in one group leaves the
+#    others' results), the layer-1 handlers first. pytest rc 5 means nothing ran (all skipped).
+PYTEST=(-m pytest -o addopts= -q -rfEsx -p no:cacheprovider -o faulthandler_timeout=60
+        --durations=8)
+run_group() {  # run_group NAME SECONDS [pytest args...]
+  local name=$1 secs=$2 rc=0; shift 2
+  echo "===== $name" >> "$OUT/pytest_gpu.log"
+  limit "$secs" "$PY" "${PYTEST[@]}" "$@" >> "$OUT/pytest_gpu.log" 2>&1 || rc=$?
+  echo "[$(elapsed)] pytest $name rc=$rc: $(grep -E '[0-9]+ (passed|failed|error|skipped)' \
+    "$OUT/pytest_gpu.log" | tail -n 1)"
+  [ "$rc" = 0 ] || test_rc=$rc
+}
+: > "$OUT/pytest_gpu.log"
 if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
-  timeout 150 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -rfEsx \
-    > "$OUT/pytest_gpu.log" 2>&1 || test_rc=$?
+  run_group ops 150 tests/gpu/test_cuda_contract.py tests/gpu/test_cuda_ops.py
+  run_group modes 100 tests/gpu/test_cuda_modes.py
+  XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" run_group cuda-graphs 45 \
+    tests/gpu/test_cuda_ops.py -k "spec_send or (test_permute_cases and drop) or unpermute_deterministic or fp8_cast_back"
 else
-  echo "build failed: tests not run" > "$OUT/pytest_gpu.log"
+  echo "build failed: tests not run" >> "$OUT/pytest_gpu.log"
   test_rc=1
 fi
-echo "[$(elapsed)] pytest rc=$test_rc: $(tail -n 1 "$OUT/pytest_gpu.log")"
 
-# 3. The benchmark (written separately), when present.
-if [ -f benchmarks/bench_gpu.py ] && [ "$build_rc" = 0 ]; then
+# 3. The benchmark.
+if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
   bench_rc=0
-  timeout 120 "$PY" benchmarks/bench_gpu.py --out "$OUT" > "$OUT/bench_gpu.log" 2>&1 \
+  limit 90 "$PY" benchmarks/bench_gpu.py --out "$OUT" --budget-s 60 > "$OUT/bench_gpu.log" 2>&1 \
     || bench_rc=$?
   echo "[$(elapsed)] bench rc=$bench_rc"
 fi
 
 # 4. Opt-in memory check of the handlers (one allocation per buffer so that an out-of-bounds
-#    access cannot hide inside XLA's memory pool).
+#    access cannot hide inside XLA's memory pool). Needs the Firecracker runtime (KINDS.md).
 if [ "${SANITIZE:-0}" = 1 ] && [ "$build_rc" = 0 ] && command -v compute-sanitizer > /dev/null; then
   san_rc=0
-  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout 120 compute-sanitizer --tool memcheck \
-    --error-exitcode 86 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -x \
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform limit 90 compute-sanitizer --tool memcheck \
+    --error-exitcode 86 "$PY" "${PYTEST[@]}" tests/gpu/test_cuda_ops.py -x \
     -k "invalid or edge_cases or spec_send or (test_permute_cases and drop_and_pad)" \
     > "$OUT/sanitizer.log" 2>&1 || san_rc=$?
   echo "[$(elapsed)] compute-sanitizer rc=$san_rc"
@@ -76,10 +115,10 @@ fi
 
 echo "== summary ($(elapsed))"
 echo "build:   rc=$build_rc (import rc=$import_rc)  $OUT/build.log"
-echo "pytest:  rc=$test_rc  $(grep -E '(passed|failed|error)' "$OUT/pytest_gpu.log" | tail -n 1 || true)"
-grep -E '^(FAILED|ERROR|XFAIL)' "$OUT/pytest_gpu.log" | head -n 20 || true
+echo "pytest:  rc=$test_rc"
+grep -E '^(=====|FAILED|ERROR)|[0-9]+ (passed|failed|error|skipped)' "$OUT/pytest_gpu.log" | head -n 30
 echo "bench:   rc=$bench_rc"
-[ -f "$OUT/bench_gpu.log" ] && tail -n 15 "$OUT/bench_gpu.log" || true
+[ -f "$OUT/bench_gpu.log" ] && tail -n 15 "$OUT/bench_gpu.log"
 echo "sanitizer: rc=$san_rc"
-[ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitizer.log" | tail -n 5 || true
+[ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitizer.log" | tail -n 5
 [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ] && [ "$test_rc" = 0 ]

@@ -1,7 +1,9 @@
 """The EP modes and the MoE layer on the GPU (CUDA handlers end to end), one rank per GPU.
 
 With one GPU the expert axis has P = 1 (collective-free); with more, the "auto" transport is
-ragged_all_to_all, checked against the padded all_to_all transport bit for bit.
+ragged_all_to_all, checked against the padded all_to_all transport bit for bit. On one GPU,
+P = 4 and 8 ranks are also emulated with jax.vmap over the expert axis (all_to_all only:
+ragged_all_to_all has no batching rule) and checked against the CPU handlers.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ import jax_ep  # noqa: E402
 from jax_ep import hybridep, ops  # noqa: E402
 
 NUM_RANKS = len(jax.devices())
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+    """fp32 matmuls in full fp32: by default XLA:GPU runs them in TF32 on Hopper (10-bit
+    mantissas), far outside the 2e-4 the dense comparisons below allow."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def test_deepep_ffi_equals_alltoall_and_dense_on_gpu():
@@ -140,3 +150,47 @@ def test_moe_layer_trains_on_gpu():
         y, _ = nnx.jit(lambda l, x: l(x))(layer, xs)
     np.testing.assert_allclose(np.asarray(y), np.asarray(dense_forward(twin, x)[0]),
                                rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("num_ranks", [4, 8])
+def test_multi_rank_modes_emulated_by_vmap_on_one_gpu(num_ranks):
+    # One GPU cannot hold P > 1 JAX devices, so P ranks are emulated by jax.vmap over the
+    # expert axis (all_to_all batches; ragged_all_to_all does not): the CUDA handlers then run
+    # real multi-rank layouts, and must equal shard_map over P CPU devices (the CPU handlers)
+    # bit for bit where the contract is bitwise, and to fp32 rounding in the sums.
+    T, H, K, E = 32, 128, 4, 4 * num_ranks
+    rng = np.random.default_rng(num_ranks)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+
+    def f(x, i, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                        transport="all_to_all")
+        y, yw = jax_ep.combine(rx, h, topk_weights=rw)
+        px, pp, tpe, hh = hybridep.hybridep_dispatch(
+            x, topk_idx=i, probs=w, num_experts=E, axis_name=AXIS,
+            num_permuted_tokens=num_ranks * T * K, transport="all_to_all")
+        (q, s), count, lh = jax_ep.low_latency_dispatch(
+            x, i, num_max_dispatch_tokens_per_rank=T, num_experts=E, axis_name=AXIS,
+            use_fp8=True)
+        deq = ops.per_token_cast_back(q.reshape(-1, H), s.reshape(q.shape[0] * q.shape[1], -1),
+                                      dtype=jnp.float32).reshape(q.shape)
+        ll = jax_ep.low_latency_combine(deq, i, w, lh)
+        exact = (rx, ri, rw, h.num_recv_tokens[None], px, pp, tpe, q, s, count)
+        summed = (y, yw, hybridep.hybridep_combine(px, hh), ll)
+        return exact, summed
+
+    def ranks(a):
+        return jnp.reshape(a, (num_ranks, -1) + a.shape[1:])
+
+    gpu = jax.jit(jax.vmap(f, axis_name=AXIS))(*jax.device_put(
+        (ranks(x), ranks(jnp.asarray(idx)), ranks(jnp.asarray(w))), jax.devices()[0]))
+    cpu_mesh = jax.make_mesh((num_ranks,), (AXIS,), devices=jax.devices("cpu")[:num_ranks])
+    cpu = run_ep(f, cpu_mesh, x, idx, w)
+    gpu_exact, gpu_summed = jax.tree.map(
+        lambda a: np.asarray(a).reshape((-1,) + a.shape[2:]), gpu)
+    for got, want in zip(gpu_exact, cpu[0]):
+        np.testing.assert_array_equal(got.view(np.uint8), np.asarray(want).view(np.uint8))
+    for got, want in zip(gpu_summed, cpu[1]):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=1e-5, atol=1e-6)
