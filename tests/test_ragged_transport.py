@@ -104,3 +104,26 @@ def test_hybridep_ragged_equals_all_to_all(ragged, compact):
 def test_ragged_is_refused_on_cpu():
     with pytest.raises(ValueError, match="ragged"):
         transport.resolve_transport("ragged")
+
+
+def test_auto_follows_the_mesh_devices_not_the_default_backend(monkeypatch):
+    # On a GPU host (default backend patched to "gpu"), "auto" inside shard_map over CPU
+    # devices must still pick all_to_all (XLA:CPU has no ragged_all_to_all); where no mesh
+    # says (vmap, outside shard_map) it follows the default backend.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    seen = {}
+
+    def f(x):
+        seen["shard_map"] = transport.resolve_transport("auto")
+        with pytest.raises(ValueError, match="ragged"):
+            transport.resolve_transport("ragged")
+        return x
+
+    run_ep(f, ep_mesh(4), np.zeros((8, 2), np.float32))
+
+    def g(x):
+        seen["vmap"] = transport.resolve_transport("auto")
+        return x
+
+    jax.vmap(g, axis_name=AXIS)(jnp.zeros((4, 2)))
+    assert seen == {"shard_map": "all_to_all", "vmap": "ragged"}
