@@ -71,10 +71,11 @@ def _median_times(calls, warmup: int, iters: int, min_time: float):
     pages (see common.keep_host_heap)."""
     slowest = 0.0
     for fn, args in calls:
-        for _ in range(warmup):
+        jax.block_until_ready(fn(*args))  # compiles
+        for _ in range(max(warmup, 1)):
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
-        slowest = max(slowest, time.perf_counter() - t0)
+            slowest = max(slowest, time.perf_counter() - t0)
     rounds = max(iters, min(5000, math.ceil(min_time / max(slowest, 1e-9))))
     times = [[] for _ in calls]
     faults = [0] * len(calls)

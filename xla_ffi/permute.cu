@@ -450,12 +450,13 @@ ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, Any
       return err;
     // Every piece starts on a 256-byte boundary (CUB's own alignment). XLA's scratch allocator
     // refuses alignments above 16 ("Unsupported alignment", xla/ffi/ffi_api.cc), so the block
-    // is requested 16-aligned with room to align its start by hand.
+    // is requested 16-aligned with room (a - 1 bytes, whatever it returns) to align its start
+    // by hand.
     const size_t a = 256;
     const size_t n_bytes = AlignUp(size_t(N) * sizeof(int32_t), a);
     const size_t t_bytes = AlignUp(size_t(T + 1) * sizeof(int32_t), a);
     const size_t temp_bytes = AlignUp(std::max<size_t>(std::max(sort_bytes, scan_bytes), 1), a);
-    const size_t total = 4 * n_bytes + 2 * t_bytes + temp_bytes + a - kFfiScratchAlignment;
+    const size_t total = 4 * n_bytes + 2 * t_bytes + temp_bytes + a - 1;
     std::optional<void*> mem = scratch.Allocate(total, kFfiScratchAlignment);
     if (!mem.has_value() || *mem == nullptr) {
       return ffi::Error::Internal("jax_ep CUDA unpermute: could not allocate " +

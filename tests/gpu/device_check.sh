@@ -4,10 +4,11 @@
 #
 #   bash tests/gpu/device_check.sh            # from anywhere; OUT defaults to ./out
 #
-# Steps, each under its own timeout and all within DEADLINE (420 s; typically 3 to 4 minutes):
+# Steps, each under its own timeout and all within DEADLINE (450 s; typically 3 to 4 minutes):
 #   1. pip install -e . with JAX_EP_CUDA=ON, sm_90 only          -> $OUT/build.log
 #   2. pytest: the layer-1 handlers (contract, ops), then the EP modes and the MoE layer, then
-#      a few op tests with every handler inside a CUDA graph      -> $OUT/pytest_gpu.log
+#      a few op tests with XLA's minimum CUDA-graph size at 1, so the handlers marked
+#      graph-compatible (all but unpermute) run inside graphs     -> $OUT/pytest_gpu.log
 #   3. benchmarks/bench_gpu.py --out $OUT                          -> $OUT/bench_gpu.log
 #   4. opt-in (SANITIZE=1): a small GPU test subset under compute-sanitizer memcheck
 #                                                                 -> $OUT/sanitizer.log
@@ -25,7 +26,7 @@ elapsed() { echo $(( $(date +%s) - T0 ))s; }
 # seconds from the start (a step with under 10 s left is skipped, rc 124). SIGINT first, so
 # that pytest still prints its failures and summary; SIGKILL 15 s later for a process stuck in
 # the driver.
-DEADLINE="${DEADLINE:-420}"
+DEADLINE="${DEADLINE:-450}"
 limit() {
   local s=$1 left=$(( DEADLINE - ($(date +%s) - T0) )); shift
   [ "$left" -lt "$s" ] && s=$left
@@ -75,18 +76,20 @@ fi
 #    others' results), the layer-1 handlers first. pytest rc 5 means nothing ran (all skipped).
 PYTEST=(-m pytest -o addopts= -q -rfEsx -p no:cacheprovider -o faulthandler_timeout=60
         --durations=8)
+SUMMARY_RE='^===== [a-z-]+$|^(FAILED|ERROR) |^[0-9]+ (passed|failed|errors?|skipped|deselected)'
 run_group() {  # run_group NAME SECONDS [pytest args...]
-  local name=$1 secs=$2 rc=0; shift 2
+  local name=$1 secs=$2 rc=0 start; shift 2
+  start=$(wc -l < "$OUT/pytest_gpu.log")
   echo "===== $name" >> "$OUT/pytest_gpu.log"
   limit "$secs" "$PY" "${PYTEST[@]}" "$@" >> "$OUT/pytest_gpu.log" 2>&1 || rc=$?
-  echo "[$(elapsed)] pytest $name rc=$rc: $(grep -E '[0-9]+ (passed|failed|error|skipped)' \
-    "$OUT/pytest_gpu.log" | tail -n 1)"
+  echo "[$(elapsed)] pytest $name rc=$rc: $(tail -n +$((start + 1)) "$OUT/pytest_gpu.log" \
+    | grep -E '^[0-9]+ (passed|failed|errors?|skipped)' | tail -n 1)"
   [ "$rc" = 0 ] || test_rc=$rc
 }
 : > "$OUT/pytest_gpu.log"
 if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
   run_group ops 150 tests/gpu/test_cuda_contract.py tests/gpu/test_cuda_ops.py
-  run_group modes 100 tests/gpu/test_cuda_modes.py
+  run_group modes 120 tests/gpu/test_cuda_modes.py
   XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" run_group cuda-graphs 45 \
     tests/gpu/test_cuda_ops.py -k "spec_send or (test_permute_cases and drop) or unpermute_deterministic or fp8_cast_back"
 else
@@ -116,7 +119,7 @@ fi
 echo "== summary ($(elapsed))"
 echo "build:   rc=$build_rc (import rc=$import_rc)  $OUT/build.log"
 echo "pytest:  rc=$test_rc"
-grep -E '^(=====|FAILED|ERROR)|[0-9]+ (passed|failed|error|skipped)' "$OUT/pytest_gpu.log" | head -n 30
+grep -E "$SUMMARY_RE" "$OUT/pytest_gpu.log" | head -n 60
 echo "bench:   rc=$bench_rc"
 [ -f "$OUT/bench_gpu.log" ] && tail -n 15 "$OUT/bench_gpu.log"
 echo "sanitizer: rc=$san_rc"
