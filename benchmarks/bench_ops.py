@@ -173,11 +173,12 @@ def sweep(a, dtype, out):
     runs = {"tokens": [(T, H0) for T in a.sweep_tokens],
             "hidden": [(a.tokens, H) for H in a.sweep_hidden]}
     results, md = {}, ""
+    only = [o for o in DATA_OPS if not a.ops or any(f in o for f in a.ops)]
     for axis, shapes in runs.items():
         rows = []
         for T, H in shapes:
             rows += bench_shape(T, H, a.topk, a.experts, a.ranks, dtype, a.warmup, a.iters,
-                                a.min_time, [o for o in DATA_OPS if not a.ops or any(f in o for f in a.ops)])
+                                a.min_time, only)
         results[axis] = rows
         fixed = f"H={H0}" if axis == "tokens" else f"T={a.tokens}"
         title = (f"data-moving ops vs {axis}, {jax.default_backend()}: {fixed} K={a.topk} "
