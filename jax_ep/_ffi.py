@@ -1,23 +1,86 @@
-"""Loads the compiled extension and registers its XLA FFI targets (CPU always, CUDA if built)."""
+"""Loads the compiled extension and registers its XLA FFI targets (CPU always, CUDA if built,
+and the emulated CUDA handlers on the CPU platform where the JAX_EP_CUDA_EMU build made them).
+
+`JAX_EP_USE_CUDA_EMU=1` in the environment (read at import) routes every FFI call to the
+emulated CUDA handlers: the .cu kernels run on the CPU under the CUDA emulator (xla_ffi/emu).
+`use_handlers` switches that per trace, for tests that compare both on one machine.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
 
 import jax
 
 from jax_ep import _jax_ep
 
-__all__ = ["WITH_CUDA", "call", "make_varying", "vary_like", "varying_axes"]
+__all__ = ["EMULATED_CUDA_SUFFIX", "WITH_CUDA", "WITH_CUDA_EMU", "call", "handlers",
+           "make_varying", "use_handlers", "vary_like", "varying_axes"]
 
 WITH_CUDA: bool = bool(_jax_ep.with_cuda)
+EMULATED_CUDA_SUFFIX = "_cuda_emu"
+
+
+def _load_emulated_cuda():
+    try:
+        return importlib.import_module("jax_ep._jax_ep_cuda_emu")
+    except ImportError:
+        return None
+
+
+_jax_ep_cuda_emu = _load_emulated_cuda()
+WITH_CUDA_EMU: bool = _jax_ep_cuda_emu is not None
 
 
 def _register_all() -> None:
-    for platform, targets in _jax_ep.registrations().items():
-        for name, capsule in targets.items():
-            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+    modules = [_jax_ep] + ([_jax_ep_cuda_emu] if WITH_CUDA_EMU else [])
+    for module in modules:
+        for platform, targets in module.registrations().items():
+            for name, capsule in targets.items():
+                jax.ffi.register_ffi_target(name, capsule, platform=platform)
 
 
 _register_all()
+
+
+def _handlers_from_env() -> str:
+    value = os.environ.get("JAX_EP_USE_CUDA_EMU", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"JAX_EP_USE_CUDA_EMU must be 0 or 1, got {value!r}")
+    if value == "1" and not WITH_CUDA_EMU:
+        raise ImportError("JAX_EP_USE_CUDA_EMU=1, but this jax_ep build has no emulated CUDA "
+                          "handlers: reinstall with JAX_EP_CUDA_EMU=ON pip install -e .")
+    return "cuda_emu" if value == "1" else "native"
+
+
+_DEFAULT_HANDLERS = _handlers_from_env()
+_local = threading.local()
+
+
+def handlers() -> str:
+    """The handlers FFI calls traced now use: "native" (the platform's own: CPU or CUDA) or
+    "cuda_emu" (the CUDA handlers under the emulator, on the CPU platform)."""
+    return getattr(_local, "handlers", _DEFAULT_HANDLERS)
+
+
+@contextlib.contextmanager
+def use_handlers(kind: str):
+    """Traces FFI calls inside the block with `kind` handlers ("native" or "cuda_emu"). It acts
+    at trace time: a function jitted outside the block keeps the handlers it was traced with."""
+    if kind not in ("native", "cuda_emu"):
+        raise ValueError(f"kind must be 'native' or 'cuda_emu', got {kind!r}")
+    if kind == "cuda_emu" and not WITH_CUDA_EMU:
+        raise ValueError("this jax_ep build has no emulated CUDA handlers "
+                         "(reinstall with JAX_EP_CUDA_EMU=ON)")
+    previous = handlers()
+    _local.handlers = kind
+    try:
+        yield
+    finally:
+        _local.handlers = previous
 
 
 def varying_axes(x) -> frozenset:
@@ -58,6 +121,7 @@ def _varying_result(result, axes: frozenset, like):
 
 def call(target: str, results, *args, **attrs):
     """Runs FFI target `target` on `args` with static `attrs`; `results` are ShapeDtypeStructs.
+    With the "cuda_emu" handlers (see `use_handlers`) it runs `target` + "_cuda_emu".
 
     Inside shard_map every argument is made to vary over the union of the arguments' manual
     axes and the results are typed the same way (an FFI call is per-device work). Batching
@@ -67,5 +131,7 @@ def call(target: str, results, *args, **attrs):
     args = tuple(make_varying(a, axes) for a in args)
     single = not isinstance(results, (tuple, list))
     typed = [_varying_result(r, axes, args[0]) for r in ([results] if single else results)]
+    if handlers() == "cuda_emu":
+        target += EMULATED_CUDA_SUFFIX
     fn = jax.ffi.ffi_call(target, typed[0] if single else typed, vmap_method="sequential")
     return fn(*args, **attrs)

@@ -7,6 +7,8 @@ import functools
 import jax
 import numpy as np
 
+from jax_ep import _ffi
+
 
 @functools.lru_cache(maxsize=None)
 def _jitted(fn, static_items):
@@ -25,6 +27,15 @@ def jit_op(fn, *args, **kwargs):
 def ref(fn, *args, **static):
     """The pure-JAX reference (impl="xla") of op `fn`, jitted."""
     return jit_op(fn, *args, impl="xla", **static)
+
+
+def cuda_contract() -> bool:
+    """True when the FFI calls traced now run the CUDA handlers (under the CUDA emulator on this
+    CPU: JAX_EP_USE_CUDA_EMU=1), whose contract differs from the CPU handlers' in two documented
+    ways: expert ids outside [-1, E) (and unpermute indices outside [-1, T)) are unrouted and
+    counted instead of an InvalidArgument error, and denormal floats are kept where XLA:CPU,
+    which runs the CPU handlers and the reference, flushes them to zero."""
+    return _ffi.handlers() == "cuda_emu"
 
 
 def random_routing(rng: np.random.Generator, num_tokens: int, top_k: int, num_experts: int,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from _helpers import jit_op, ref
+from _helpers import cuda_contract, jit_op, ref
 from jax_ep import ops
 
 # (T, K, E, P): K > L in several rows (L = E / P), P = 1, P = E, T = 1.
@@ -119,14 +119,19 @@ def test_wide_expert_ids_outside_range_are_not_wrapped_into_range(dtype, bad):
     with jax.enable_x64(True):
         idx = jnp.asarray(np.array([[1, 0], [2, bad]], dtype))
         w = jnp.ones((2, 2), jnp.float32)
-        with pytest.raises(Exception, match="outside"):
-            jax.block_until_ready(ops.get_dispatch_layout(idx, num_experts=8, num_ranks=2))
-        with pytest.raises(Exception, match="outside"):
-            jax.block_until_ready(ops.indices_to_multihot(idx, w, num_experts=8))
-        _, _, per_expert = ops.get_dispatch_layout(idx, num_experts=8, num_ranks=2, impl="xla")
-        np.testing.assert_array_equal(per_expert, [1, 1, 1, 0, 0, 0, 0, 0])
-        routing_map, _ = ops.indices_to_multihot(idx, w, num_experts=8, impl="xla")
-        assert int(routing_map.sum()) == 3
+        impls = ["xla"]
+        if cuda_contract():  # the CUDA handlers count the id as unrouted, as the reference does
+            impls.append("ffi")
+        else:
+            with pytest.raises(Exception, match="outside"):
+                jax.block_until_ready(ops.get_dispatch_layout(idx, num_experts=8, num_ranks=2))
+            with pytest.raises(Exception, match="outside"):
+                jax.block_until_ready(ops.indices_to_multihot(idx, w, num_experts=8))
+        for impl in impls:
+            _, _, per_expert = ops.get_dispatch_layout(idx, num_experts=8, num_ranks=2, impl=impl)
+            np.testing.assert_array_equal(per_expert, [1, 1, 1, 0, 0, 0, 0, 0])
+            routing_map, _ = ops.indices_to_multihot(idx, w, num_experts=8, impl=impl)
+            assert int(routing_map.sum()) == 3
 
 
 def test_dispatch_layout_int64_topk_idx_accepted():
@@ -516,6 +521,15 @@ def test_layout_bad_impl():
 def test_expert_id_out_of_range_raises_at_run_time(bad):
     idx = jnp.array([[0, 1], [2, bad]], jnp.int32)
     w = jnp.ones((2, 2), jnp.float32)
+    if cuda_contract():  # unrouted on the CUDA handlers: the reference's results, bitwise
+        for op, kw in [(ops.get_dispatch_layout, dict(num_experts=8, num_ranks=2)),
+                       (ops.build_send_layout, dict(num_ranks=2, num_local_experts=4)),
+                       (ops.indices_to_multihot, dict(num_experts=8))]:
+            args = (idx,) if op is ops.get_dispatch_layout else (idx, w)
+            for got, want in zip(jax.tree.leaves(op(*args, **kw)),
+                                 jax.tree.leaves(op(*args, impl="xla", **kw))):
+                np.testing.assert_array_equal(got, want)
+        return
     with pytest.raises(Exception, match="outside"):
         jax.block_until_ready(ops.get_dispatch_layout(idx, num_experts=8, num_ranks=2))
     with pytest.raises(Exception, match="outside"):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from _helpers import jit_op, random_routing_map, ref
+from _helpers import cuda_contract, jit_op, random_routing_map, ref
 from jax_ep import ops
 from jax_ep._ffi import varying_axes
 
@@ -905,6 +905,13 @@ def test_unpermute_and_gather_rows_bad_arguments(impl):
 
 def test_unpermute_index_out_of_range_raises_at_run_time():
     permuted = jnp.ones((4, 2))
+    if cuda_contract():  # the CUDA handler ignores such rows, as the reference does
+        for idx, probs in [([0, 1, 99, -1], None), ([0, -2, 1, -1], jnp.ones(4))]:
+            kw = dict(num_tokens=3, probs=probs)
+            idx = jnp.asarray(idx, jnp.int32)
+            np.testing.assert_array_equal(ops.unpermute(permuted, idx, **kw),
+                                          ops.unpermute(permuted, idx, impl="xla", **kw))
+        return
     with pytest.raises(Exception, match="outside"):
         jax.block_until_ready(ops.unpermute(permuted, jnp.asarray([0, 1, 99, -1], jnp.int32),
                                             num_tokens=3))

@@ -2,20 +2,10 @@
 // with the CPU handlers always and the CUDA handlers when the build found nvcc.
 #include <nanobind/nanobind.h>
 
+#include "targets.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
-
-// Each XLA_FFI_DEFINE_HANDLER_SYMBOL defines an extern "C" symbol.
-#define JAX_EP_TARGETS(X)                        \
-  X("jax_ep_dispatch_layout", JaxEpDispatchLayout) \
-  X("jax_ep_send_layout", JaxEpSendLayout)         \
-  X("jax_ep_indices_to_multihot", JaxEpIndicesToMultihot) \
-  X("jax_ep_permute", JaxEpPermute)                \
-  X("jax_ep_gather_rows", JaxEpGatherRows)         \
-  X("jax_ep_unpermute", JaxEpUnpermute)            \
-  X("jax_ep_cast_to_fp8", JaxEpCastToFp8)          \
-  X("jax_ep_cast_back", JaxEpCastBack)
 
 #define JAX_EP_DECLARE(name, symbol) extern "C" XLA_FFI_Error* symbol##Cpu(XLA_FFI_CallFrame*);
 JAX_EP_TARGETS(JAX_EP_DECLARE)

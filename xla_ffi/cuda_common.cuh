@@ -1,6 +1,8 @@
 // Shared by the CUDA (.cu) handlers: device-side float I/O for float32 / bfloat16 / float16
 // storage (bit-exact with the CPU handlers' Fp32Io), the dtype dispatch that picks it, 16-byte
-// vector helpers for row movement, and the launch / CUDA-call error checks.
+// vector helpers for row movement, the launch / CUDA-call error checks, and the two source forms
+// that differ between nvcc and the CUDA emulator (xla_ffi/emu, the JAX_EP_CUDA_EMU build, which
+// compiles these files as host C++): kernel launches and dynamic shared memory.
 //
 // Include this header before any CUB header: it wraps CUB in a private namespace so that the
 // extension's CUB instantiations never collide with another library's (jaxlib's) in the process.
@@ -21,6 +23,18 @@
 #include <type_traits>
 
 #include "common.h"
+
+// JAX_EP_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...) is
+// kernel<<<grid, block, shared_bytes, stream>>>(args...); JAX_EP_EXTERN_SHARED(T, name) is
+// `extern __shared__ T name[]`. Nothing else in a .cu file differs between the two builds.
+#if defined(CUDA_EMU)
+#define JAX_EP_LAUNCH CUDA_EMU_LAUNCH
+#define JAX_EP_EXTERN_SHARED CUDA_EMU_EXTERN_SHARED
+#else
+#define JAX_EP_LAUNCH(grid, block, shared_bytes, stream, ...) \
+  __VA_ARGS__<<<grid, block, shared_bytes, stream>>>
+#define JAX_EP_EXTERN_SHARED(T, name) extern __shared__ T name[]
+#endif
 
 namespace jax_ep {
 

@@ -157,11 +157,11 @@ ffi::Error CastToFp8Cuda(cudaStream_t stream, Any x, bool round_scale, bool use_
     const S* src = static_cast<const S*>(x.untyped_data());
     const unsigned grid = GridFor(T * G, kWarpsPerBlock, int64_t(1) << 20);
     if (Aligned(src, 4 * sizeof(S)) && Aligned(q, 4)) {
-      CastToFp8Kernel<Tag, true><<<grid, kThreads, 0, stream>>>(src, T, H, round_scale,
-                                                                use_ue8m0, q, f32_scales, ue8m0);
+      JAX_EP_LAUNCH(grid, kThreads, 0, stream, CastToFp8Kernel<Tag, true>)(
+          src, T, H, round_scale, use_ue8m0, q, f32_scales, ue8m0);
     } else {
-      CastToFp8Kernel<Tag, false><<<grid, kThreads, 0, stream>>>(src, T, H, round_scale,
-                                                                 use_ue8m0, q, f32_scales, ue8m0);
+      JAX_EP_LAUNCH(grid, kThreads, 0, stream, CastToFp8Kernel<Tag, false>)(
+          src, T, H, round_scale, use_ue8m0, q, f32_scales, ue8m0);
     }
     return CheckLaunch("CastToFp8Kernel");
   });
@@ -184,11 +184,11 @@ ffi::Error CastBackCuda(cudaStream_t stream, Any x_fp8, Any scales, bool use_ue8
     S* dst = static_cast<S*>(out->untyped_data());
     const unsigned grid = GridFor(T * G, kWarpsPerBlock, int64_t(1) << 20);
     if (Aligned(dst, 4 * sizeof(S)) && Aligned(q, 4)) {
-      CastBackKernel<Tag, true><<<grid, kThreads, 0, stream>>>(q, f32_scales, ue8m0, use_ue8m0,
-                                                               T, H, dst);
+      JAX_EP_LAUNCH(grid, kThreads, 0, stream, CastBackKernel<Tag, true>)(
+          q, f32_scales, ue8m0, use_ue8m0, T, H, dst);
     } else {
-      CastBackKernel<Tag, false><<<grid, kThreads, 0, stream>>>(q, f32_scales, ue8m0, use_ue8m0,
-                                                                T, H, dst);
+      JAX_EP_LAUNCH(grid, kThreads, 0, stream, CastBackKernel<Tag, false>)(
+          q, f32_scales, ue8m0, use_ue8m0, T, H, dst);
     }
     return CheckLaunch("CastBackKernel");
   });

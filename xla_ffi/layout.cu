@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
                          int32_t P, int32_t L, int32_t* __restrict__ per_rank,
                          bool* __restrict__ in_rank, int32_t* __restrict__ per_expert,
                          int32_t* __restrict__ num_invalid) {
-  extern __shared__ int32_t smem[];
+  JAX_EP_EXTERN_SHARED(int32_t, smem);
   int32_t* c_expert = per_expert;
   int32_t* c_rank = per_rank;
   int32_t* c_invalid = num_invalid;
@@ -126,11 +126,11 @@ ffi::Error DispatchLayoutCuda(cudaStream_t stream, I32 topk_idx, int64_t num_exp
   const size_t smem = size_t(E + P + 1) * sizeof(int32_t);
   const unsigned grid = GridFor(T, kThreads, 256);
   if (smem <= kMaxSharedHistogramBytes) {
-    DispatchLayoutKernel<true><<<grid, kThreads, smem, stream>>>(
+    JAX_EP_LAUNCH(grid, kThreads, smem, stream, DispatchLayoutKernel<true>)(
         topk_idx.typed_data(), T, int(K), int32_t(E), int32_t(P), int32_t(L), per_rank, in_rank,
         per_expert, invalid);
   } else {
-    DispatchLayoutKernel<false><<<grid, kThreads, 0, stream>>>(
+    JAX_EP_LAUNCH(grid, kThreads, 0, stream, DispatchLayoutKernel<false>)(
         topk_idx.typed_data(), T, int(K), int32_t(E), int32_t(P), int32_t(L), per_rank, in_rank,
         per_expert, invalid);
   }
@@ -144,7 +144,7 @@ template <bool kShared>
 __global__ void __launch_bounds__(kThreads)
     SendCountKernel(const int32_t* __restrict__ idx, int64_t T, int K, int32_t E, int32_t P,
                     int32_t L, int32_t* __restrict__ counts) {
-  extern __shared__ int32_t smem[];
+  JAX_EP_EXTERN_SHARED(int32_t, smem);
   int32_t* c = counts;
   if (kShared) {
     c = smem;
@@ -281,15 +281,15 @@ ffi::Error SendLayoutCuda(cudaStream_t stream, I32 topk_idx, F32 topk_weights, i
     const unsigned grid = GridFor(T, kThreads, 256);
     const size_t smem = size_t(P) * sizeof(int32_t);
     if (smem <= kMaxSharedHistogramBytes) {
-      SendCountKernel<true><<<grid, kThreads, smem, stream>>>(topk_idx.typed_data(), T, int(K),
-                                                              E, int32_t(P), int32_t(L), counts);
+      JAX_EP_LAUNCH(grid, kThreads, smem, stream, SendCountKernel<true>)(
+          topk_idx.typed_data(), T, int(K), E, int32_t(P), int32_t(L), counts);
     } else {
-      SendCountKernel<false><<<grid, kThreads, 0, stream>>>(topk_idx.typed_data(), T, int(K),
-                                                            E, int32_t(P), int32_t(L), counts);
+      JAX_EP_LAUNCH(grid, kThreads, 0, stream, SendCountKernel<false>)(
+          topk_idx.typed_data(), T, int(K), E, int32_t(P), int32_t(L), counts);
     }
     if (auto err = CheckLaunch("SendCountKernel"); err.failure()) return err;
   }
-  SendPlaceKernel<<<unsigned(P), kScanThreads, 0, stream>>>(
+  JAX_EP_LAUNCH(unsigned(P), kScanThreads, 0, stream, SendPlaceKernel)(
       topk_idx.typed_data(), topk_weights.typed_data(), T, int(K), E, int32_t(P), int32_t(L),
       counts, token_idx->typed_data(), rank->typed_data(), local_idx->typed_data(),
       weights->typed_data(), num_send->typed_data());

@@ -73,9 +73,9 @@ ffi::Error MultihotCuda(cudaStream_t stream, I32 topk_idx, F32 topk_probs, int64
   const int64_t E = num_experts;
   if (K > INT32_MAX) return ffi::Error::InvalidArgument("topk_idx: top-k must fit in int32");
   if (T * E == 0) return ffi::Error::Success();
-  MultihotKernel<<<GridFor(T * E, kThreads, 1 << 16), kThreads, 0, stream>>>(
-      topk_idx.typed_data(), topk_probs.typed_data(), T, int(K), E, routing_map->typed_data(),
-      probs->typed_data());
+  JAX_EP_LAUNCH(GridFor(T * E, kThreads, 1 << 16), kThreads, 0, stream, MultihotKernel)(
+      topk_idx.typed_data(), topk_probs.typed_data(), T, int(K), E,
+      routing_map->typed_data(), probs->typed_data());
   return CheckLaunch("MultihotKernel");
 }
 
@@ -129,9 +129,8 @@ ffi::Error LaunchGatherRows(const void* x, int64_t num_src, int64_t row_bytes,
     int lanes = 1;
     while (lanes < 32 && lanes < nvec) lanes *= 2;
     const unsigned grid = GridFor(num_rows * lanes, kThreads, int64_t(1) << 20);
-    GatherRowsKernel<V><<<grid, kThreads, 0, stream>>>(static_cast<const V*>(x), num_src, nvec,
-                                                       idx, num_rows, static_cast<V*>(out),
-                                                       lanes);
+    JAX_EP_LAUNCH(grid, kThreads, 0, stream, GatherRowsKernel<V>)(
+        static_cast<const V*>(x), num_src, nvec, idx, num_rows, static_cast<V*>(out), lanes);
     return CheckLaunch("GatherRowsKernel");
   });
 }
@@ -297,20 +296,21 @@ ffi::Error PermuteCuda(cudaStream_t stream, Any tokens, Pred routing_map, F32 pr
     const int bx = int(std::min<int64_t>(kThreads, (E + 31) / 32 * 32));
     const dim3 block(bx, kThreads / bx);
     const int64_t tokens_per_block = 256;
-    CountRoutedKernel<<<GridFor(T, int(tokens_per_block), INT32_MAX), block, 0, stream>>>(
-        map, T, E, tokens_per_block, per_expert);
+    const unsigned grid = GridFor(T, int(tokens_per_block), INT32_MAX);
+    JAX_EP_LAUNCH(grid, block, 0, stream, CountRoutedKernel)(map, T, E, tokens_per_block,
+                                                             per_expert);
     if (auto err = CheckLaunch("CountRoutedKernel"); err.failure()) return err;
     // (2) rows of the kept (token, expert) pairs.
     if (N > 0) {
-      PermutePlaceKernel<<<unsigned(E), kScanThreads, 0, stream>>>(
+      JAX_EP_LAUNCH(unsigned(E), kScanThreads, 0, stream, PermutePlaceKernel)(
           map, has_probs ? probs.typed_data() : nullptr, T, E, N, m, drop_and_pad, per_expert,
           order, out_probs);
       if (auto err = CheckLaunch("PermutePlaceKernel"); err.failure()) return err;
     }
   }
   // (3) reported block sizes and the drop count (also for T == 0 or N == 0).
-  PermuteFinalizeKernel<<<1, kScanThreads, 0, stream>>>(per_expert, E, N, m, drop_and_pad,
-                                                         num_dropped->typed_data());
+  JAX_EP_LAUNCH(1, kScanThreads, 0, stream, PermuteFinalizeKernel)(
+      per_expert, E, N, m, drop_and_pad, num_dropped->typed_data());
   if (auto err = CheckLaunch("PermuteFinalizeKernel"); err.failure()) return err;
   // (4) the token rows (padding rows, sorted_indices -1, come out zero).
   return LaunchGatherRows(tokens.untyped_data(), T, row_bytes, order, N, permuted->untyped_data(),
@@ -474,7 +474,7 @@ ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, Any
     if (auto err = MemsetAsync(count, 0, size_t(T + 1) * sizeof(int32_t), stream, "memset");
         err.failure())
       return err;
-    UnpermuteKeysKernel<<<GridFor(N, kThreads, 1 << 16), kThreads, 0, stream>>>(
+    JAX_EP_LAUNCH(GridFor(N, kThreads, 1 << 16), kThreads, 0, stream, UnpermuteKeysKernel)(
         sorted_indices.typed_data(), N, int32_t(T), keys, rows, count);
     if (auto err = CheckLaunch("UnpermuteKeysKernel"); err.failure()) return err;
     size_t bytes = temp_bytes;
@@ -506,8 +506,8 @@ ffi::Error UnpermuteCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, Any
     const unsigned grid = GridFor(T * chunks * 32, kThreads, int64_t(1) << 20);
     auto launch = [&](auto vec_c) {
       constexpr int kVec = decltype(vec_c)::value;
-      UnpermuteReduceKernel<Tag, kVec>
-          <<<grid, kThreads, 0, stream>>>(src, rows_sorted, begin, w, T, H, dst);
+      JAX_EP_LAUNCH(grid, kThreads, 0, stream, UnpermuteReduceKernel<Tag, kVec>)(
+          src, rows_sorted, begin, w, T, H, dst);
     };
     switch (vec) {
       case 8:

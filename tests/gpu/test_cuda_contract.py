@@ -10,7 +10,9 @@ import jax
 import pytest
 
 if jax.devices()[0].platform != "gpu":
-    pytest.skip("needs a GPU as JAX's default device", allow_module_level=True)
+    pytest.skip("needs a GPU as JAX's default device (under the CUDA emulator "
+                "tests/test_ffi_contract.py runs the emulated handlers itself)",
+                allow_module_level=True)
 
 from test_ffi_contract import (  # noqa: E402,F401  (tests/ is on sys.path via its conftest)
     test_ffi_target_rejects_results_that_do_not_match_its_operands,

@@ -16,10 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-if jax.devices()[0].platform != "gpu":
-    pytest.skip("needs a GPU as JAX's default device", allow_module_level=True)
-
 from jax_ep import _ffi, ops  # noqa: E402
+
+# Under the CUDA emulator (JAX_EP_USE_CUDA_EMU=1) the CUDA handlers run on CPU device 0 and
+# the CPU handlers they are compared with on the same device, traced with the native handlers.
+EMULATED = _ffi.handlers() == "cuda_emu"
+if jax.devices()[0].platform != "gpu" and not EMULATED:
+    pytest.skip("needs a GPU as JAX's default device, or the emulated CUDA handlers "
+                "(JAX_EP_USE_CUDA_EMU=1)", allow_module_level=True)
 
 GPU = jax.devices()[0]
 CPU = jax.devices("cpu")[0]
@@ -33,17 +37,20 @@ TARGETS = ["jax_ep_dispatch_layout", "jax_ep_send_layout", "jax_ep_indices_to_mu
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(fn, static_items):
+def _jitted(fn, static_items, handlers):
     return jax.jit(functools.partial(fn, **dict(static_items)))
 
 
-def run(fn, *args, device=GPU, **kwargs):
-    """fn(*args, **kwargs) jitted on `device`: array keywords are traced, the others static."""
+def run(fn, *args, on_cpu=False, **kwargs):
+    """fn(*args, **kwargs) jitted on the GPU (the CUDA handlers), or with on_cpu on the CPU
+    (the CPU handlers): array keywords are traced, the others static."""
     dynamic = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
     static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in dynamic))
+    device, handlers = (CPU, "native") if on_cpu else (GPU, _ffi.handlers())
     args = jax.device_put(args, device)
     dynamic = jax.device_put(dynamic, device)
-    return jax.block_until_ready(_jitted(fn, static)(*args, **dynamic))
+    with _ffi.use_handlers(handlers):
+        return jax.block_until_ready(_jitted(fn, static, handlers)(*args, **dynamic))
 
 
 def bits(a):
@@ -112,6 +119,12 @@ def sanitize(idx, E):
 
 
 def test_built_with_cuda():
+    if EMULATED:
+        from jax_ep import _jax_ep_cuda_emu
+
+        names = sorted(_jax_ep_cuda_emu.registrations()["cpu"])
+        assert names == sorted(t + _ffi.EMULATED_CUDA_SUFFIX for t in TARGETS)
+        return
     from jax_ep import _jax_ep
 
     assert _ffi.WITH_CUDA, "jax_ep was built without its CUDA handlers (JAX_EP_CUDA=ON?)"
@@ -155,7 +168,7 @@ def test_send_layout(kind, T, K, E, P):
     want = run(ops.build_send_layout, idx, w, impl="xla", **kw)
     assert_tree_bitwise(got, want, "send_layout")
     # The same on the CPU handler (the semantic contract).
-    assert_tree_bitwise(got, run(ops.build_send_layout, idx, w, device=CPU, **kw), "vs CPU")
+    assert_tree_bitwise(got, run(ops.build_send_layout, idx, w, on_cpu=True, **kw), "vs CPU")
 
 
 def test_spec_send_layout_example():
@@ -216,7 +229,7 @@ def test_indices_to_multihot(kind, T, K, E):
     got = run(ops.indices_to_multihot, idx, p, num_experts=E)
     assert_tree_bitwise(got, run(ops.indices_to_multihot, idx, p, num_experts=E, impl="xla"),
                         "multihot vs xla")
-    assert_tree_bitwise(got, run(ops.indices_to_multihot, idx, p, num_experts=E, device=CPU),
+    assert_tree_bitwise(got, run(ops.indices_to_multihot, idx, p, num_experts=E, on_cpu=True),
                         "multihot vs CPU")
 
 
@@ -389,7 +402,7 @@ def test_unpermute_matches_cpu_handler(dtype):
     N, T, H = 500, 120, 136
     x, idx, probs = _unpermute_inputs(rng, N, T, H, dtype, invalid=False)
     got = run(ops.unpermute, x, idx, num_tokens=T, probs=probs)
-    want = run(ops.unpermute, x, idx, num_tokens=T, probs=probs, device=CPU)
+    want = run(ops.unpermute, x, idx, num_tokens=T, probs=probs, on_cpu=True)
     assert_bitwise(got, want, "unpermute vs CPU handler")
 
 
@@ -492,7 +505,7 @@ def test_fp8_cast(dtype, T, H, round_scale, use_ue8m0):
     x = _fp8_input(rng, T, H, dtype)
     kw = dict(round_scale=round_scale, use_ue8m0=use_ue8m0)
     q, s = run(ops.per_token_cast_to_fp8, x, **kw)
-    q_cpu, s_cpu = run(ops.per_token_cast_to_fp8, x, device=CPU, **kw)
+    q_cpu, s_cpu = run(ops.per_token_cast_to_fp8, x, on_cpu=True, **kw)
     assert_bitwise(q, q_cpu, "fp8 codes vs CPU handler")
     assert_bitwise(s, s_cpu, "scales vs CPU handler")
     q_xla, s_xla = run(ops.per_token_cast_to_fp8, x, impl="xla", **kw)
@@ -509,14 +522,14 @@ def test_fp8_non_finite_block(bad, round_scale, use_ue8m0):
     x[2, 200] = bad
     kw = dict(round_scale=round_scale, use_ue8m0=use_ue8m0)
     q, s = run(ops.per_token_cast_to_fp8, x, **kw)
-    q_cpu, s_cpu = run(ops.per_token_cast_to_fp8, x, device=CPU, **kw)
+    q_cpu, s_cpu = run(ops.per_token_cast_to_fp8, x, on_cpu=True, **kw)
     assert_bitwise(q, q_cpu, "fp8 codes vs CPU handler")
     assert_bitwise(s, s_cpu, "scales vs CPU handler")
     np.testing.assert_array_equal(bits(q)[2, 128:256], 0x7F)
     for dtype in FLOAT_DTYPES:
         back_kw = dict(use_ue8m0=use_ue8m0, dtype=dtype)
         assert_bitwise(run(ops.per_token_cast_back, q, s, **back_kw),
-                       run(ops.per_token_cast_back, q, s, device=CPU, **back_kw),
+                       run(ops.per_token_cast_back, q, s, on_cpu=True, **back_kw),
                        f"cast back to {dtype} vs CPU handler")
 
 
@@ -530,7 +543,7 @@ def test_fp8_cast_back(out_dtype, use_ue8m0):
     back = run(ops.per_token_cast_back, q, s, **kw)
     assert back.dtype == jnp.dtype(out_dtype)
     assert_bitwise(back, run(ops.per_token_cast_back, q, s, impl="xla", **kw), "vs xla")
-    assert_bitwise(back, run(ops.per_token_cast_back, q, s, device=CPU, **kw), "vs CPU handler")
+    assert_bitwise(back, run(ops.per_token_cast_back, q, s, on_cpu=True, **kw), "vs CPU handler")
 
 
 def test_fp8_roundtrip_accuracy():
