@@ -1,4 +1,5 @@
-"""MoELayer (Flax NNX): router top-k, SwiGLU experts as grouped GEMMs (`jax.lax.ragged_dot`)
+"""MoELayer (Flax NNX): router top-k, SwiGLU experts as grouped GEMMs (`jax_ep.ops.grouped_matmul`:
+tiled on CPU, `jax.lax.ragged_dot` on GPU/TPU, chosen by `TokenDispatcherConfig.grouped_gemm_impl`)
 sharded over the expert mesh axis, the flex dispatcher, an optional shared expert and the
 load-balancing auxiliary loss.
 
@@ -30,12 +31,13 @@ _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(
                  >= (0, 12) else "sharding_names")
 
 
-def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down):
+def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto"):
     """Grouped SwiGLU: tokens [N,H] in expert-major blocks of tokens_per_expert i32[L] rows,
-    w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past the blocks give zeros)."""
-    h = jax.lax.ragged_dot(tokens, w_gate_up, tokens_per_expert)
+    w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past the blocks give zeros). impl: the
+    grouped GEMM (`jax_ep.ops.grouped_matmul`'s "auto", "tiled" or "ragged_dot")."""
+    h = ops.grouped_matmul(tokens, w_gate_up, tokens_per_expert, impl=impl)
     gate, up = jnp.split(h, 2, axis=-1)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, tokens_per_expert)
+    return ops.grouped_matmul(jax.nn.silu(gate) * up, w_down, tokens_per_expert, impl=impl)
 
 
 def _weighted(expert_out, probs):
@@ -165,12 +167,13 @@ class MoELayer(nnx.Module):
                 px, pp, rows, tpe = ops.permute(recv_x, routing_map, rprobs, num_out_tokens=n,
                                                 pad_multiple=cfg.moe_router_expert_pad_multiple,
                                                 impl=d._local_impl)
-                out = _weighted(swiglu_experts(px, tpe, w_gate_up, w_down), pp)
+                out = _weighted(swiglu_experts(px, tpe, w_gate_up, w_down,
+                                                impl=cfg.grouped_gemm_impl), pp)
                 return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
             y, dropped = d.overlapped_forward(tokens, probs, ids, local_kernel)
         else:
             permuted, tpe, pp, state = d.token_permutation2(tokens, tokens.shape[0], probs, ids)
-            out = swiglu_experts(permuted, tpe, w_gate_up, w_down)
+            out = swiglu_experts(permuted, tpe, w_gate_up, w_down, impl=cfg.grouped_gemm_impl)
             y = d.token_unpermutation(_weighted(out, pp), state)
             dropped = state.num_dropped
         if shared is not None:
