@@ -11,6 +11,7 @@ inside your own `jax.shard_map` that binds the expert axis.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -31,13 +32,16 @@ _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(
                  >= (0, 12) else "sharding_names")
 
 
-def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto"):
+def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
+                   tile_rows=None):
     """Grouped SwiGLU: tokens [N,H] in expert-major blocks of tokens_per_expert i32[L] rows,
-    w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past the blocks give zeros). impl: the
-    grouped GEMM (`jax_ep.ops.grouped_matmul`'s "auto", "tiled" or "ragged_dot")."""
-    h = ops.grouped_matmul(tokens, w_gate_up, tokens_per_expert, impl=impl)
-    gate, up = jnp.split(h, 2, axis=-1)
-    return ops.grouped_matmul(jax.nn.silu(gate) * up, w_down, tokens_per_expert, impl=impl)
+    w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past the blocks give zeros). impl and
+    tile_rows: the grouped GEMM's (`jax_ep.ops.grouped_matmul`: "auto", "tiled" or
+    "ragged_dot")."""
+    gmm = partial(ops.grouped_matmul, group_sizes=tokens_per_expert, impl=impl,
+                  tile_rows=tile_rows)
+    gate, up = jnp.split(gmm(tokens, w_gate_up), 2, axis=-1)
+    return gmm(jax.nn.silu(gate) * up, w_down)
 
 
 def _weighted(expert_out, probs):
