@@ -148,13 +148,15 @@ def main(argv=None):
         else:
             wanted += ["maxtext dense dropless", f"maxtext capacity {a.capacity_factor:g}"]
     for backend in wanted:
+        mesh_context = partial(jax.set_mesh, mesh)  # (jax.set_mesh(m) alone sets it for good)
         if backend.startswith("maxtext"):
-            params, x_peer, fn = peer_maxtext.layer(
+            params, x_peer, fn, peer_mesh = peer_maxtext.layer(
                 a, mesh, dtype, capacity_factor=(None if "dropless" in backend
                                                  else a.capacity_factor))
             step = jax.jit(jax.value_and_grad(fn, has_aux=True))
             args = (params, x_peer)
             extra = {}
+            mesh_context = partial(jax.set_mesh, peer_mesh)
         elif backend == "gshard":
             layer = make_layer("deepep")  # same parameters (same seed)
             body, cap = gshard_layer(a, a.expert_parallel)
@@ -181,12 +183,13 @@ def main(argv=None):
             step = jax.jit(jax.value_and_grad(loss, has_aux=True))
             args = (state, x)
             extra = {}
-        with jax.set_mesh(mesh):
+        with mesh_context():
             t, ((value, dropped), _) = common.time_fn(step, *args, warmup=a.warmup,
                                                       iters=a.iters, jit=False,
                                                       keep_output=True)
-        t.update(extra, loss=float(value), dropped_slots=int(dropped),
-                 dropped_fraction=int(dropped) / (num_tokens * a.topk),
+        dropped = float("nan") if dropped is None else int(dropped)  # MaxText: no count
+        t.update(extra, loss=float(value), dropped_slots=dropped,
+                 dropped_fraction=dropped / (num_tokens * a.topk),
                  tokens_per_s=num_tokens / t["median_s"])
         results["runs"][backend] = t
         print(f"  {backend:22s} {t['median_s'] * 1e3:9.1f} ms/step  {t['tokens_per_s']:9.0f} "
