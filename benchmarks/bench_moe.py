@@ -24,7 +24,9 @@ with the same shapes, mesh, dtype and loss, timed by the same code in the same p
 dense dropless path and its capacity path (--capacity-factor, which drops). It needs Python
 >= 3.12 and `pip install --no-deps maxtext` plus its layers' imports (see
 benchmarks/RESULTS.md); without it the rows are skipped with a message.
---baseline names the row the speedup column divides by.
+--baseline names the row the speedup column divides by. Every row is timed round-robin
+(one call of each per round, after each compiled and warmed up), so the ratios hold on a
+shared machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity")
     p.add_argument("--backends", default=",".join(BACKENDS) + ",gshard")
-    p.add_argument("--tile-rows", default="32",
+    p.add_argument("--tile-rows", default="64",
                    help="comma-separated tile sizes of the experts-only tiled GEMM rows")
     p.add_argument("--peer", default="", choices=["", "maxtext"],
                    help="also time this peer's MoE layer side by side")
@@ -147,15 +149,16 @@ def main(argv=None):
             print(f"--peer maxtext: skipped, {missing}")
         else:
             wanted += ["maxtext dense dropless", f"maxtext capacity {a.capacity_factor:g}"]
+    calls, extras = {}, {}
     for backend in wanted:
         mesh_context = partial(jax.set_mesh, mesh)  # (jax.set_mesh(m) alone sets it for good)
+        extras[backend] = {}
         if backend.startswith("maxtext"):
             params, x_peer, fn, peer_mesh = peer_maxtext.layer(
                 a, mesh, dtype, capacity_factor=(None if "dropless" in backend
                                                  else a.capacity_factor))
             step = jax.jit(jax.value_and_grad(fn, has_aux=True))
             args = (params, x_peer)
-            extra = {}
             mesh_context = partial(jax.set_mesh, peer_mesh)
         elif backend == "gshard":
             layer = make_layer("deepep")  # same parameters (same seed)
@@ -171,7 +174,7 @@ def main(argv=None):
 
             step = jax.jit(jax.value_and_grad(loss, has_aux=True))
             args = (params, x)
-            extra = {"capacity": cap}
+            extras[backend] = {"capacity": cap}
         else:
             layer = make_layer(backend)
             graphdef, state = nnx.split(layer)
@@ -182,19 +185,7 @@ def main(argv=None):
 
             step = jax.jit(jax.value_and_grad(loss, has_aux=True))
             args = (state, x)
-            extra = {}
-        with mesh_context():
-            t, ((value, dropped), _) = common.time_fn(step, *args, warmup=a.warmup,
-                                                      iters=a.iters, jit=False,
-                                                      keep_output=True)
-        dropped = float("nan") if dropped is None else int(dropped)  # MaxText: no count
-        t.update(extra, loss=float(value), dropped_slots=dropped,
-                 dropped_fraction=dropped / (num_tokens * a.topk),
-                 tokens_per_s=num_tokens / t["median_s"])
-        results["runs"][backend] = t
-        print(f"  {backend:22s} {t['median_s'] * 1e3:9.1f} ms/step  {t['tokens_per_s']:9.0f} "
-              f"tokens/s  loss {t['loss']:.6f}  dropped {t['dropped_fraction']:.1%}  "
-              f"(first call {t['compile_s']:.1f} s)", flush=True)
+        calls[backend] = (step, args, mesh_context)
 
     # The expert GEMMs alone at the deepep backend's permuted-buffer size.
     from jax_ep.flax import swiglu_experts
@@ -213,20 +204,35 @@ def main(argv=None):
     rows = jax.device_put(jax.random.normal(jax.random.key(2), (devices * n_rows, a.hidden),
                                             dtype), NamedSharding(mesh, spec))
     gemms = [("ragged_dot", None)] + [("tiled", int(t)) for t in a.tile_rows.split(",") if t]
+    experts_only = []
     for impl, tile_rows in gemms:
         experts_fn = jax.shard_map(partial(experts_loss, impl=impl, tile_rows=tile_rows),
                                    mesh=mesh, in_specs=(P("expert"), P("expert"), spec),
                                    out_specs=P())
-        with jax.set_mesh(mesh):
-            t = common.time_fn(jax.value_and_grad(experts_fn, argnums=(0, 1)),
-                               layer.w_gate_up[...], layer.w_down[...], rows,
-                               warmup=a.warmup, iters=a.iters)
-        t.update(rows_per_device=n_rows, loss=float("nan"), dropped_fraction=float("nan"),
-                 tokens_per_s=num_tokens / t["median_s"])
         name = (f"experts only ({impl}{f' {tile_rows}-row tiles' if tile_rows else ''}, "
                 f"N={n_rows}, {L * per_expert} routed)")
+        experts_only.append(name)
+        calls[name] = (jax.jit(jax.value_and_grad(experts_fn, argnums=(0, 1))),
+                       (layer.w_gate_up[...], layer.w_down[...], rows),
+                       partial(jax.set_mesh, mesh))
+
+    timed = common.time_round_robin(calls, warmup=a.warmup, iters=a.iters)
+    for name, (t, out) in timed.items():
+        if name in experts_only:
+            t.update(rows_per_device=n_rows, loss=float("nan"), dropped_fraction=float("nan"),
+                     tokens_per_s=num_tokens / t["median_s"])
+            results["runs"][name] = t
+            print(f"  {name} {t['median_s'] * 1e3:9.1f} ms", flush=True)
+            continue
+        (value, dropped), _ = out
+        dropped = float("nan") if dropped is None else int(dropped)  # MaxText: no count
+        t.update(extras[name], loss=float(value), dropped_slots=dropped,
+                 dropped_fraction=dropped / (num_tokens * a.topk),
+                 tokens_per_s=num_tokens / t["median_s"])
         results["runs"][name] = t
-        print(f"  {name} {t['median_s'] * 1e3:9.1f} ms", flush=True)
+        print(f"  {name:22s} {t['median_s'] * 1e3:9.1f} ms/step  {t['tokens_per_s']:9.0f} "
+              f"tokens/s  loss {t['loss']:.6f}  dropped {t['dropped_fraction']:.1%}  "
+              f"(first call {t['compile_s']:.1f} s)", flush=True)
 
     runs = results["runs"]
     ref = runs.get(a.baseline, {}).get("median_s")

@@ -406,11 +406,12 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
 # ----------------------------------------------------------------------------- grouped GEMM
 
 GROUPED_MATMUL_IMPLS = ("auto", "tiled", "ragged_dot")
-# Rows per tile of the tiled grouped GEMM, measured on XLA:CPU (benchmarks/bench_moe.py
-# --tile-rows; 32 was fastest or within 5% of it from 32 to 1024 routed rows per expert at
-# H = 64-256): smaller tiles waste fewer rows where a tile straddles a group boundary,
-# larger ones pay the loop's per-iteration cost less often.
-GROUPED_MATMUL_TILE_ROWS = 32
+# Rows per tile of the tiled grouped GEMM, measured on XLA:CPU (bench_moe --tile-rows, the
+# layer's experts on 8 emulated devices, H = F = 256, 32-128 routed rows per expert): 64 was
+# the fastest or within 4% of it; 32 lost up to 40%, 128 up to 33%. Smaller tiles waste
+# fewer rows where a tile straddles a group boundary, larger ones pay the loop's
+# per-iteration cost less often.
+GROUPED_MATMUL_TILE_ROWS = 64
 
 
 def _default_platform() -> str:
