@@ -6,7 +6,7 @@ import jax
 
 from jax_ep import _jax_ep
 
-__all__ = ["WITH_CUDA", "call", "make_varying", "vary_like", "varying_axes"]
+__all__ = ["WITH_CUDA", "call", "make_varying", "trace_platform", "vary_like", "varying_axes"]
 
 WITH_CUDA: bool = bool(_jax_ep.with_cuda)
 
@@ -18,6 +18,13 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+def trace_platform() -> str:
+    """Platform the traced program runs on: the enclosing shard_map mesh's devices ("cpu",
+    "gpu", "tpu"), or JAX's default backend where no mesh says (under vmap, outside a mesh)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
 
 
 def varying_axes(x) -> frozenset:

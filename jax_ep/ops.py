@@ -414,12 +414,6 @@ GROUPED_MATMUL_IMPLS = ("auto", "tiled", "ragged_dot")
 GROUPED_MATMUL_TILE_ROWS = 64
 
 
-def _default_platform() -> str:
-    """The platform this trace runs on: the enclosing mesh's devices, else JAX's default."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
-
-
 def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     """Grouped GEMM with the semantics of `jax.lax.ragged_dot`: x [N,H] rows in consecutive
     groups of group_sizes i32[G] rows, w [G,H,F] -> [N,F] in x's dtype (fp32 accumulation),
@@ -450,7 +444,7 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
                                                                              "tile_rows")
     if impl == "auto":
-        impl = "tiled" if _default_platform() == "cpu" else "ragged_dot"
+        impl = "tiled" if _ffi.trace_platform() == "cpu" else "ragged_dot"
     group_sizes = group_sizes.astype(jnp.int32)
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes)
