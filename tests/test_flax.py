@@ -217,6 +217,8 @@ def _mesh():
 def test_moe_layer_forward_and_grad_match_dense(backend, extra):
     if extra.get("moe_deepep_async_dispatch") and backend == "hybridep":
         pytest.skip("chunked overlap is a deepep-family feature")
+    if "grouped_gemm_impl" in extra and backend != "deepep":
+        pytest.skip("the experts' GEMM is the same code under every backend")
     cfg = jax_ep.TokenDispatcherConfig(**dict(dict(num_moe_experts=8, moe_router_topk=2,
                                                    moe_flex_dispatcher_backend=backend,
                                                    moe_permute_fusion=True), **extra))
