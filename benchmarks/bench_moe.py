@@ -9,12 +9,24 @@ Every variant computes loss = mean(y^2) of the layer output y (softmax router, t
 experts, weighted sum) and its gradient with respect to all parameters; the jax_ep backends
 give the same loss (no token is dropped), GShard drops the slots past its capacity.
 "hybridep" is the config default (dense [T,E] routing map); "hybridep-compact" sets
-moe_hybridep_compact_routing=True (top-k ids on the wire).
+moe_hybridep_compact_routing=True (top-k ids on the wire). A ":impl" suffix picks the experts'
+grouped GEMM (TokenDispatcherConfig.grouped_gemm_impl): "deepep:ragged_dot" is the layer with
+jax.lax.ragged_dot, which XLA:CPU lowers to one dense matmul over every local expert; plain
+names use "auto" (the tiled jax_ep.ops.grouped_matmul on CPU).
 
-One more row times the layer's expert GEMMs alone (jax_ep.flax.swiglu_experts, i.e.
-jax.lax.ragged_dot, forward + backward) on the permuted buffer the deepep backend feeds them
-(N = P*T*min(K, L) rows per device, the no-drop worst case), to separate expert compute from
-dispatch: XLA:CPU lowers ragged_dot to one dense [N, L*H] matmul, L times the useful FLOPs.
+More rows time the layer's expert GEMMs alone (jax_ep.flax.swiglu_experts, forward +
+backward) on the permuted buffer the deepep backend feeds them (N = P*T*min(K, L) rows per
+device, the no-drop worst case, with the T*K balanced slots routed), once with ragged_dot
+and once per --tile-rows with the tiled grouped GEMM, to separate expert compute from dispatch.
+
+--peer maxtext adds MaxText's RoutedMoE (benchmarks/peer_maxtext.py) built from its pyconfig
+with the same shapes, mesh, dtype and loss, timed by the same code in the same process: its
+dense dropless path and its capacity path (--capacity-factor, which drops). It needs Python
+>= 3.12 and `pip install --no-deps maxtext` plus its layers' imports (see
+benchmarks/RESULTS.md); without it the rows are skipped with a message.
+--baseline names the row the speedup column divides by. Every row is timed round-robin
+(one call of each per round, after each compiled and warmed up), so the ratios hold on a
+shared machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -22,10 +34,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from functools import partial
 
 from benchmarks import common
 
-BACKENDS = ("deepep", "alltoall", "hybridep", "hybridep-compact")
+BACKENDS = ("deepep", "deepep:ragged_dot", "alltoall", "hybridep", "hybridep-compact")
 
 
 def parse_args(argv=None):
@@ -43,6 +56,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity")
     p.add_argument("--backends", default=",".join(BACKENDS) + ",gshard")
+    p.add_argument("--tile-rows", default="64",
+                   help="comma-separated tile sizes of the experts-only tiled GEMM rows")
+    p.add_argument("--peer", default="", choices=["", "maxtext"],
+                   help="also time this peer's MoE layer side by side")
+    p.add_argument("--baseline", default="gshard", help="row the speedup column divides by")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default="benchmarks/out")
@@ -112,18 +130,37 @@ def main(argv=None):
           f"H={a.hidden} F={a.ffn} E={a.experts} K={a.topk} {a.dtype}")
 
     def make_layer(backend):
+        name, _, impl = backend.partition(":")
         cfg = jax_ep.TokenDispatcherConfig(
             num_moe_experts=a.experts, moe_router_topk=a.topk,
-            moe_flex_dispatcher_backend=backend.split("-")[0],
-            moe_hybridep_compact_routing=backend.endswith("-compact"),
-            moe_permute_fusion=backend != "alltoall", moe_share_token_dispatcher=False)
+            moe_flex_dispatcher_backend=name.split("-")[0],
+            moe_hybridep_compact_routing=name.endswith("-compact"),
+            moe_permute_fusion=name != "alltoall", moe_share_token_dispatcher=False,
+            grouped_gemm_impl=impl or "auto")
         layer = MoELayer(cfg, a.hidden, a.ffn, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype)
         return shard_params(layer, mesh)
 
     results = {"config": vars(a), "num_tokens": num_tokens, "runs": {}}
     wanted = [b.strip() for b in a.backends.split(",")]
+    if a.peer == "maxtext":
+        from benchmarks import peer_maxtext
+        missing = peer_maxtext.missing()
+        if missing:
+            print(f"--peer maxtext: skipped, {missing}")
+        else:
+            wanted += ["maxtext dense dropless", f"maxtext capacity {a.capacity_factor:g}"]
+    calls, extras = {}, {}
     for backend in wanted:
-        if backend == "gshard":
+        mesh_context = partial(jax.set_mesh, mesh)  # (jax.set_mesh(m) alone sets it for good)
+        extras[backend] = {}
+        if backend.startswith("maxtext"):
+            params, x_peer, fn, peer_mesh = peer_maxtext.layer(
+                a, mesh, dtype, capacity_factor=(None if "dropless" in backend
+                                                 else a.capacity_factor))
+            step = jax.jit(jax.value_and_grad(fn, has_aux=True))
+            args = (params, x_peer)
+            mesh_context = partial(jax.set_mesh, peer_mesh)
+        elif backend == "gshard":
             layer = make_layer("deepep")  # same parameters (same seed)
             body, cap = gshard_layer(a, a.expert_parallel)
             spec = P(("data", "expert"))
@@ -137,7 +174,7 @@ def main(argv=None):
 
             step = jax.jit(jax.value_and_grad(loss, has_aux=True))
             args = (params, x)
-            extra = {"capacity": cap}
+            extras[backend] = {"capacity": cap}
         else:
             layer = make_layer(backend)
             graphdef, state = nnx.split(layer)
@@ -148,18 +185,7 @@ def main(argv=None):
 
             step = jax.jit(jax.value_and_grad(loss, has_aux=True))
             args = (state, x)
-            extra = {}
-        with jax.set_mesh(mesh):
-            t, ((value, dropped), _) = common.time_fn(step, *args, warmup=a.warmup,
-                                                      iters=a.iters, jit=False,
-                                                      keep_output=True)
-        t.update(extra, loss=float(value), dropped_slots=int(dropped),
-                 dropped_fraction=int(dropped) / (num_tokens * a.topk),
-                 tokens_per_s=num_tokens / t["median_s"])
-        results["runs"][backend] = t
-        print(f"  {backend:16s} {t['median_s'] * 1e3:9.1f} ms/step  {t['tokens_per_s']:9.0f} "
-              f"tokens/s  loss {t['loss']:.6f}  dropped {t['dropped_fraction']:.1%}  "
-              f"(first call {t['compile_s']:.1f} s)", flush=True)
+        calls[backend] = (step, args, mesh_context)
 
     # The expert GEMMs alone at the deepep backend's permuted-buffer size.
     from jax_ep.flax import swiglu_experts
@@ -170,26 +196,46 @@ def main(argv=None):
     layer = make_layer("deepep")
     spec = P(("data", "expert"))
 
-    def experts_loss(w_gate_up, w_down, rows):
+    def experts_loss(w_gate_up, w_down, rows, impl, tile_rows):
         tpe = jnp.full((L,), per_expert, jnp.int32)
-        y = swiglu_experts(rows, tpe, w_gate_up, w_down)
+        y = swiglu_experts(rows, tpe, w_gate_up, w_down, impl=impl, tile_rows=tile_rows)
         return jax.lax.pmean(jnp.mean(y.astype(jnp.float32) ** 2), ("data", "expert"))
 
-    experts_fn = jax.shard_map(experts_loss, mesh=mesh, in_specs=(P("expert"), P("expert"), spec),
-                               out_specs=P())
     rows = jax.device_put(jax.random.normal(jax.random.key(2), (devices * n_rows, a.hidden),
                                             dtype), NamedSharding(mesh, spec))
-    with jax.set_mesh(mesh):
-        t = common.time_fn(jax.value_and_grad(experts_fn, argnums=(0, 1)), layer.w_gate_up[...],
-                           layer.w_down[...], rows, warmup=a.warmup, iters=a.iters)
-    t.update(rows_per_device=n_rows, loss=float("nan"), dropped_fraction=float("nan"),
-             tokens_per_s=num_tokens / t["median_s"])
-    name = f"experts only (ragged_dot, N={n_rows})"
-    results["runs"][name] = t
-    print(f"  {name} {t['median_s'] * 1e3:9.1f} ms", flush=True)
+    gemms = [("ragged_dot", None)] + [("tiled", int(t)) for t in a.tile_rows.split(",") if t]
+    experts_only = []
+    for impl, tile_rows in gemms:
+        experts_fn = jax.shard_map(partial(experts_loss, impl=impl, tile_rows=tile_rows),
+                                   mesh=mesh, in_specs=(P("expert"), P("expert"), spec),
+                                   out_specs=P())
+        name = (f"experts only ({impl}{f' {tile_rows}-row tiles' if tile_rows else ''}, "
+                f"N={n_rows}, {L * per_expert} routed)")
+        experts_only.append(name)
+        calls[name] = (jax.jit(jax.value_and_grad(experts_fn, argnums=(0, 1))),
+                       (layer.w_gate_up[...], layer.w_down[...], rows),
+                       partial(jax.set_mesh, mesh))
+
+    timed = common.time_round_robin(calls, warmup=a.warmup, iters=a.iters)
+    for name, (t, out) in timed.items():
+        if name in experts_only:
+            t.update(rows_per_device=n_rows, loss=float("nan"), dropped_fraction=float("nan"),
+                     tokens_per_s=num_tokens / t["median_s"])
+            results["runs"][name] = t
+            print(f"  {name} {t['median_s'] * 1e3:9.1f} ms", flush=True)
+            continue
+        (value, dropped), _ = out
+        dropped = float("nan") if dropped is None else int(dropped)  # MaxText: no count
+        t.update(extras[name], loss=float(value), dropped_slots=dropped,
+                 dropped_fraction=dropped / (num_tokens * a.topk),
+                 tokens_per_s=num_tokens / t["median_s"])
+        results["runs"][name] = t
+        print(f"  {name:22s} {t['median_s'] * 1e3:9.1f} ms/step  {t['tokens_per_s']:9.0f} "
+              f"tokens/s  loss {t['loss']:.6f}  dropped {t['dropped_fraction']:.1%}  "
+              f"(first call {t['compile_s']:.1f} s)", flush=True)
 
     runs = results["runs"]
-    ref = runs.get("gshard", {}).get("median_s")
+    ref = runs.get(a.baseline, {}).get("median_s")
     rows = [[name, t["median_s"] * 1e3, t["min_s"] * 1e3, t["tokens_per_s"],
              ref / t["median_s"] if ref else "n/a",
              "" if math.isnan(t["loss"]) else f"{t['loss']:.6f}",
@@ -198,7 +244,7 @@ def main(argv=None):
     md = common.print_table(
         f"MoELayer forward + backward under jax.jit, mesh (data={a.data}, "
         f"expert={a.expert_parallel}), {num_tokens} tokens, median of {a.iters}",
-        ["backend", "step ms", "min ms", "tokens/s", "speedup vs gshard", "loss",
+        ["backend", "step ms", "min ms", "tokens/s", f"speedup vs {a.baseline}", "loss",
          "dropped slots"], rows)
     jax_ep_losses = [runs[n]["loss"] for n in BACKENDS if n in runs]
     if len(jax_ep_losses) > 1:

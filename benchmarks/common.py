@@ -15,7 +15,8 @@ import platform
 import statistics
 import time
 
-__all__ = ["keep_host_heap", "force_cpu_devices", "cpu_mesh", "time_fn", "print_table",
+__all__ = ["keep_host_heap", "force_cpu_devices", "cpu_mesh", "time_fn", "time_round_robin",
+           "print_table",
            "write_json", "env_info", "bar_plot", "line_plot", "fmt_bytes"]
 
 
@@ -98,6 +99,37 @@ def time_fn(fn, *args, warmup: int = 2, iters: int = 10, jit: bool = True,
     stats = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
              "iters": len(times), "compile_s": compile_s}
     return (stats, out) if keep_output else stats
+
+
+def time_round_robin(calls: dict, *, warmup: int = 2, iters: int = 10):
+    """Times several candidates one call of each per round, so a slow stretch of a shared
+    machine weighs on all alike. calls: name -> (fn, args, context) with fn jitted and
+    context a callable returning the context manager each call runs under (e.g. a mesh).
+    Returns name -> (time_fn's stats dict, the last output)."""
+    import jax
+
+    def call(name):
+        fn, args, context = calls[name]
+        with context():
+            return jax.block_until_ready(fn(*args))
+
+    stats, outs = {}, {}
+    for name in calls:  # compile (and warm) each candidate before any timed round
+        t0 = time.perf_counter()
+        outs[name] = call(name)
+        stats[name] = {"compile_s": time.perf_counter() - t0}
+        for _ in range(max(0, warmup - 1)):
+            call(name)
+    times = {name: [] for name in calls}
+    for _ in range(max(1, iters)):
+        for name in calls:
+            t0 = time.perf_counter()
+            outs[name] = call(name)
+            times[name].append(time.perf_counter() - t0)
+    for name, ts in times.items():
+        stats[name].update(median_s=statistics.median(ts), min_s=min(ts), max_s=max(ts),
+                           iters=len(ts))
+    return {name: (stats[name], outs[name]) for name in calls}
 
 
 def _cell(v) -> str:

@@ -8,6 +8,7 @@ plot and a JSON log.
 
   python examples/train_moe.py                       # 8 CPU devices, deepep backend
   python examples/train_moe.py --backend hybridep    # deepep | uccl_ep | alltoall | hybridep
+  python examples/train_moe.py --grouped-gemm ragged_dot  # the experts on jax.lax.ragged_dot
   python examples/train_moe.py --gpu                 # every local GPU on the expert axis
   # multi-process (e.g. 2 hosts x 4 devices), one command per process:
   python examples/train_moe.py --num-processes 2 --process-id 0 --coordinator HOST:PORT ...
@@ -39,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--ffn", type=int, default=128, help="expert FFN hidden size")
     p.add_argument("--capacity-factor", type=float, default=None)
+    p.add_argument("--grouped-gemm", default="auto", choices=["auto", "tiled", "ragged_dot"],
+                   help="the experts' grouped GEMM (auto: tiled on CPU, ragged_dot on GPU)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
@@ -101,7 +104,7 @@ def build_model(args, mesh, jax):
     config = jax_ep.TokenDispatcherConfig(
         num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
-        moe_expert_capacity_factor=args.capacity_factor)
+        moe_expert_capacity_factor=args.capacity_factor, grouped_gemm_impl=args.grouped_gemm)
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -165,7 +168,8 @@ def train(args):
     is_main = jax.process_index() == 0
     if is_main:
         print(f"mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices, "
-              f"{jax.process_count()} process(es); backend={args.backend}")
+              f"{jax.process_count()} process(es); backend={args.backend}, grouped GEMM "
+              f"{args.grouped_gemm}")
 
     corpus = np.frombuffer(stdlib_corpus(), np.uint8)
     rng = np.random.default_rng(args.seed)

@@ -18,7 +18,7 @@ import jax
 from jax_ep import _jax_ep
 
 __all__ = ["EMULATED_CUDA_SUFFIX", "WITH_CUDA", "WITH_CUDA_EMU", "call", "handlers",
-           "make_varying", "use_handlers", "vary_like", "varying_axes"]
+           "make_varying", "trace_platform", "use_handlers", "vary_like", "varying_axes"]
 
 WITH_CUDA: bool = bool(_jax_ep.with_cuda)
 EMULATED_CUDA_SUFFIX = "_cuda_emu"
@@ -81,6 +81,13 @@ def use_handlers(kind: str):
         yield
     finally:
         _local.handlers = previous
+
+
+def trace_platform() -> str:
+    """Platform the traced program runs on: the enclosing shard_map mesh's devices ("cpu",
+    "gpu", "tpu"), or JAX's default backend where no mesh says (under vmap, outside a mesh)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
 
 
 def varying_axes(x) -> frozenset:

@@ -10,6 +10,7 @@ from typing import Literal
 
 import numpy as np
 
+from jax_ep.ops import GROUPED_MATMUL_IMPLS
 from jax_ep.transport import TRANSPORTS
 
 __all__ = ["BACKENDS", "ROUTER_DTYPES", "TokenDispatcherConfig"]
@@ -70,6 +71,16 @@ class TokenDispatcherConfig:
       num_worst_tokens: receive rows per rank for deepep modes (None: the no-drop worst case).
       num_permuted_tokens: permuted rows per rank for hybridep (None: the worst case).
       num_overlap_chunks: token chunks used by moe_deepep_async_dispatch.
+      ragged_buffer_factor: None (default) sizes the receive and permuted buffers for the
+        no-drop worst case; a positive float f bounds them to f times the balanced load, as
+        MaxText's option of that name (T local tokens, K top-k, P ranks): the deepep-family
+        receive buffer to min(P*T, ceil(f*T*min(K, P))) rows (one row per (token, rank)),
+        the permuted expert buffer (and hybridep's) to ceil(f*T*K) (token, expert) rows plus
+        block padding. What does not fit is dropped and counted in num_dropped. An explicit
+        num_worst_tokens / num_permuted_tokens wins over it. Memory per buffer: README.md,
+        "Buffer sizes". Not with moe_deepep_async_dispatch.
+      grouped_gemm_impl: the experts' grouped GEMM, jax_ep.ops.grouped_matmul's impl:
+        "auto" (tiled on CPU, jax.lax.ragged_dot on GPU/TPU), "tiled" or "ragged_dot".
     """
 
     moe_enable_deepep: bool = True
@@ -95,6 +106,8 @@ class TokenDispatcherConfig:
     num_worst_tokens: int | None = None
     num_permuted_tokens: int | None = None
     num_overlap_chunks: int = 2
+    ragged_buffer_factor: float | None = None
+    grouped_gemm_impl: str = "auto"
 
     def __post_init__(self):
         for name in ("moe_enable_deepep", "moe_permute_fusion", "moe_hybridep_permute_fusion",
@@ -113,10 +126,17 @@ class TokenDispatcherConfig:
         _require(_positive_int(self.moe_router_topk) and self.moe_router_topk
                  <= self.num_moe_experts, "moe_router_topk",
                  f"an int in [1, num_moe_experts={self.num_moe_experts}]", self.moe_router_topk)
-        cf = self.moe_expert_capacity_factor
-        is_real = isinstance(cf, numbers.Real) and not isinstance(cf, (bool, np.bool_))
-        _require(cf is None or (is_real and math.isfinite(cf) and cf > 0),
-                 "moe_expert_capacity_factor", "None or a positive finite float", cf)
+        for name in ("moe_expert_capacity_factor", "ragged_buffer_factor"):
+            f = getattr(self, name)
+            is_real = isinstance(f, numbers.Real) and not isinstance(f, (bool, np.bool_))
+            _require(f is None or (is_real and math.isfinite(f) and f > 0), name,
+                     "None or a positive finite float", f)
+        _require(self.ragged_buffer_factor is None or not self.moe_deepep_async_dispatch,
+                 "ragged_buffer_factor", "None with moe_deepep_async_dispatch=True (the "
+                 "chunked overlap sizes its buffers per chunk for no drop)",
+                 self.ragged_buffer_factor)
+        _require(self.grouped_gemm_impl in GROUPED_MATMUL_IMPLS, "grouped_gemm_impl",
+                 f"one of {GROUPED_MATMUL_IMPLS}", self.grouped_gemm_impl)
         for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms", "num_overlap_chunks"):
             _require(_positive_int(getattr(self, name)), name, "a positive int",
                      getattr(self, name))

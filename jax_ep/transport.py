@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_ep import ops
+from jax_ep import _ffi, ops
 
 __all__ = [
     "TRANSPORTS",
@@ -49,19 +49,12 @@ DISPATCH_NAME = "ep_dispatch"
 COMBINE_NAME = "ep_combine"
 
 
-def _collective_platform() -> str:
-    """Platform the collectives run on: the enclosing shard_map mesh's devices ("cpu", "gpu",
-    "tpu"), or JAX's default backend where no mesh says (under vmap, outside a mesh)."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return device.platform if device is not None else jax.default_backend()
-
-
 def resolve_transport(transport: str) -> str:
     """"auto" -> "ragged" on GPU/TPU, "all_to_all" on CPU (the platform of the mesh's devices,
     so a CPU mesh on a GPU host gets "all_to_all"); checks the name."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
-    platform = _collective_platform()
+    platform = _ffi.trace_platform()
     if transport == "auto":
         return "all_to_all" if platform == "cpu" else "ragged"
     if transport == "ragged" and platform == "cpu":

@@ -49,10 +49,17 @@ def test_config_has_every_pytorch_field_with_its_default():
     ("transport", "nvlink"), ("moe_deepep_num_sms", 0), ("moe_permute_fusion", 1),
     ("num_worst_tokens", -5), ("expert_axis_name", ""),
     ("moe_expert_capacity_factor", float("inf")), ("moe_expert_capacity_factor", float("nan")),
-    ("moe_router_topk", 2.0), ("num_moe_experts", np.bool_(True))])
+    ("moe_router_topk", 2.0), ("num_moe_experts", np.bool_(True)),
+    ("ragged_buffer_factor", 0.0), ("ragged_buffer_factor", float("inf")),
+    ("grouped_gemm_impl", "cublas")])
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         jax_ep.TokenDispatcherConfig(**{field: value})
+
+
+def test_ragged_buffer_factor_refuses_the_chunked_overlap():
+    with pytest.raises(ValueError, match="ragged_buffer_factor"):
+        jax_ep.TokenDispatcherConfig(ragged_buffer_factor=1.5, moe_deepep_async_dispatch=True)
 
 
 def test_config_takes_numpy_scalars_as_python_numbers():
@@ -205,10 +212,13 @@ def _mesh():
                                    # top-k 3 above the L = 2 experts of each of 4 ranks
                                    dict(moe_router_topk=3),
                                    dict(moe_router_topk=3, moe_deepep_async_dispatch=True,
-                                        num_overlap_chunks=2)])
+                                        num_overlap_chunks=2),
+                                   dict(grouped_gemm_impl="ragged_dot")])
 def test_moe_layer_forward_and_grad_match_dense(backend, extra):
     if extra.get("moe_deepep_async_dispatch") and backend == "hybridep":
         pytest.skip("chunked overlap is a deepep-family feature")
+    if "grouped_gemm_impl" in extra and backend != "deepep":
+        pytest.skip("the experts' GEMM is the same code under every backend")
     cfg = jax_ep.TokenDispatcherConfig(**dict(dict(num_moe_experts=8, moe_router_topk=2,
                                                    moe_flex_dispatcher_backend=backend,
                                                    moe_permute_fusion=True), **extra))
@@ -298,6 +308,36 @@ def test_capacity_factor_drops_and_reports():
             x, NamedSharding(mesh, P(("data", "expert")))))
     assert int(aux["num_dropped"]) > 0
     assert np.isfinite(np.asarray(y)).all()
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_ragged_buffer_factor_bounds_buffers_and_reports_drops(backend):
+    # Every token picks experts 0 and 1, both on expert rank 0 (L = 2): T = 8 tokens per
+    # device, so with factor 1 rank 0's buffers hold the balanced load, not the 4x it gets.
+    mesh = _mesh()
+    x = jax.device_put(jnp.abs(jax.random.normal(jax.random.key(3), (8, 8, 16))),
+                       NamedSharding(mesh, P(("data", "expert"))))
+
+    def run(**extra):
+        cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                           moe_flex_dispatcher_backend=backend,
+                                           moe_permute_fusion=True, **extra)
+        layer = MoELayer(cfg, 16, 32, rngs=nnx.Rngs(0), mesh=mesh)
+        layer.router[...] = jnp.zeros_like(layer.router[...]).at[:, :2].set(1.0)
+        shard_params(layer, mesh)
+        with jax.set_mesh(mesh):
+            return nnx.jit(lambda l, x: l(x))(layer, x)
+
+    y_worst, aux_worst = run()
+    y_large, aux_large = run(ragged_buffer_factor=8.0)  # at least the worst case: no change
+    y_bound, aux_bound = run(ragged_buffer_factor=1.0)
+    assert int(aux_worst["num_dropped"]) == int(aux_large["num_dropped"]) == 0
+    np.testing.assert_array_equal(np.asarray(y_large), np.asarray(y_worst))
+    # Per data slice rank 0 gets 32 (token, rank) rows = 64 (token, expert) pairs. deepep:
+    # R = ceil(1 * T * min(K, P)) = 16 rows (16 dropped), then ceil(1 * T * K) = 16 pairs of
+    # the 32 those rows hold (16 more). hybridep: 16 of the 64 pairs (48 dropped).
+    assert int(aux_bound["num_dropped"]) == 2 * (32 if backend == "deepep" else 48)
+    assert np.isfinite(np.asarray(y_bound)).all()
 
 
 def test_dispatcher_methods_match_functional_ops():

@@ -1,13 +1,20 @@
 """Flax NNX front end: the PyTorch flex dispatcher's method names and a ready MoE layer."""
 
 from jax_ep.flax.dispatcher import DispatchState, MoEFlexTokenDispatcher, shared_dispatcher
-from jax_ep.flax.moe import MoELayer, dense_forward, shard_params, swiglu_experts
+from jax_ep.flax.moe import (
+    MoELayer,
+    dense_forward,
+    expert_tile_rows,
+    shard_params,
+    swiglu_experts,
+)
 
 __all__ = [
     "DispatchState",
     "MoEFlexTokenDispatcher",
     "MoELayer",
     "dense_forward",
+    "expert_tile_rows",
     "shard_params",
     "shared_dispatcher",
     "swiglu_experts",

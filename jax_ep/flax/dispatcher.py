@@ -10,6 +10,7 @@ under `nnx.jit`, `nnx.grad` and `nnx.remat`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 
 import jax
@@ -168,10 +169,27 @@ class MoEFlexTokenDispatcher(nnx.Module):
     def _probs_in_router_dtype(self, permuted_probs):
         return permuted_probs.astype(router_dtype(self.config, permuted_probs.dtype))
 
-    def _num_permuted(self, num_rows, top_k):
-        """Static rows of the permuted buffer: every row's local slots plus block padding."""
+    def _num_permuted(self, num_rows, top_k, num_tokens=None):
+        """Static rows of the permuted buffer: every row's local slots plus block padding; with
+        config.ragged_buffer_factor f and the rank's num_tokens T, at most ceil(f*T*K) slots
+        (the balanced load times f) plus the padding."""
         pad = self.config.moe_router_expert_pad_multiple or 1
-        return num_rows * min(top_k, self.num_local_experts) + self.num_local_experts * (pad - 1)
+        slots = num_rows * min(top_k, self.num_local_experts)
+        factor = self.config.ragged_buffer_factor
+        if factor is not None and num_tokens is not None:
+            slots = min(slots, math.ceil(factor * num_tokens * top_k))
+        return slots + self.num_local_experts * (pad - 1)
+
+    def _num_worst_tokens(self, num_tokens):
+        """Receive rows of a deepep-family dispatch: config.num_worst_tokens, else with
+        config.ragged_buffer_factor f min(P*C, ceil(f*T*min(K, P))), else None (P*C, the
+        no-drop worst case; C = the per-destination capacity, T without a capacity factor)."""
+        cfg = self.config
+        if cfg.num_worst_tokens is not None or cfg.ragged_buffer_factor is None:
+            return cfg.num_worst_tokens
+        balanced = num_tokens * min(cfg.moe_router_topk, self.ep_size)
+        worst = self.ep_size * (self._capacity(num_tokens) or num_tokens)
+        return max(1, min(worst, math.ceil(cfg.ragged_buffer_factor * balanced)))
 
     def local_multihot(self, recv_idx, recv_w):
         """Received local ids i32[R,K] (-1 for slots owned elsewhere), weights f32[R,K] ->
@@ -259,7 +277,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
             # A dense map from top-k routing selects at most moe_router_topk experts per token.
             top_k = (state.token_indices.shape[1] if state.token_indices is not None
                      else cfg.moe_router_topk)
-            n = cfg.num_permuted_tokens or self._num_permuted(self.ep_size * num_tokens, top_k)
+            n = cfg.num_permuted_tokens or self._num_permuted(self.ep_size * num_tokens, top_k,
+                                                              num_tokens)
             routing = (dict(topk_idx=state.token_indices, probs=state.token_probs)
                        if state.token_indices is not None
                        else dict(routing_map=state.routing_map, probs=state.probs))
@@ -277,7 +296,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
         recv_x, recv_idx, recv_w, handle = deepep.dispatch(
             hidden_states, state.token_indices, state.token_probs,
             num_experts=cfg.num_moe_experts, axis_name=self.axis_name, backend=self.backend,
-            num_worst_tokens=cfg.num_worst_tokens, transport=cfg.transport,
+            num_worst_tokens=self._num_worst_tokens(hidden_states.shape[0]),
+            transport=cfg.transport,
             capacity=self._capacity(hidden_states.shape[0]))
         state = dataclasses.replace(state, handle=handle,
                                     num_dropped=dropped + handle.num_dropped)
@@ -293,11 +313,14 @@ class MoEFlexTokenDispatcher(nnx.Module):
             return px, tpe, self._probs_in_router_dtype(pp), state
         recv_x, recv_idx, recv_w = hidden_states
         routing_map, probs = self.local_multihot(recv_idx, recv_w)
-        n = self._num_permuted(recv_x.shape[0], recv_idx.shape[1])
-        permuted, permuted_probs, sorted_indices, tokens_per_expert = ops.permute(
+        n = self._num_permuted(recv_x.shape[0], recv_idx.shape[1], state.handle.num_tokens)
+        permuted, permuted_probs, sorted_indices, tokens_per_expert, dropped = ops.permute(
             recv_x, routing_map, probs, num_out_tokens=n,
-            pad_multiple=self.config.moe_router_expert_pad_multiple, impl=self._local_impl)
-        state = dataclasses.replace(state, sorted_indices=sorted_indices)
+            pad_multiple=self.config.moe_router_expert_pad_multiple, impl=self._local_impl,
+            return_num_dropped=True)
+        # Drops happen only where config.ragged_buffer_factor bounds n below every row's slots.
+        state = dataclasses.replace(state, sorted_indices=sorted_indices,
+                                    num_dropped=state.num_dropped + dropped)
         return permuted, tokens_per_expert, self._probs_in_router_dtype(permuted_probs), state
 
     def token_permutation(self, hidden_states, num_local_tokens, probs):

@@ -1,0 +1,141 @@
+"""jax_ep.ops.grouped_matmul: values and gradients equal jax.lax.ragged_dot's (random group
+sizes with zeros, one group holding every row, rows past the groups, sums above N), inside
+shard_map and vmap, and a compiled-program check that the tiled path's dots do not grow with
+the number of groups."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+from jax_ep import ops
+
+N, H, F, G, TILE = 24, 16, 8, 4, 4
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _loss(impl, tile_rows=TILE):
+    def f(x, w, sizes):
+        y = ops.grouped_matmul(x, w, sizes, impl=impl, tile_rows=tile_rows)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32))), y
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+
+_TILED, _RAGGED = _loss("tiled"), _loss("ragged_dot")
+
+
+def _operands(seed, dtype, rows=N, groups=G):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, H)), dtype)
+    w = jnp.asarray(rng.standard_normal((groups, H, F)) / 4, dtype)
+    return x, w
+
+
+def _assert_matches_ragged_dot(x, w, sizes, dtype):
+    sizes = jnp.asarray(sizes, jnp.int32)
+    (_, y), (dx, dw) = _TILED(x, w, sizes)
+    (_, y_ref), (dx_ref, dw_ref) = _RAGGED(x, w, sizes)
+    assert y.dtype == y_ref.dtype == dtype and dx.dtype == dw.dtype == dtype
+    for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   **TOL[dtype])
+    end = min(int(np.sum(sizes)), N)
+    assert not np.asarray(y[end:], np.float32).any()  # rows past the groups are zero
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sizes", [[0, 0, 0, 0], [N, 0, 0, 0], [0, 0, 0, N], [0, N, 0, 0],
+                                   [5, 0, 3, 0], [1, 1, 1, 1], [3, 4, 5, 12], [0, 40, 0, 0],
+                                   [20, 0, 0, 9]])
+def test_grouped_matmul_edge_group_sizes_match_ragged_dot(sizes, dtype):
+    x, w = _operands(sum(sizes), dtype)
+    _assert_matches_ragged_dot(x, w, sizes, dtype)
+
+
+@settings(max_examples=20)
+@given(sizes=st.lists(st.integers(0, 12), min_size=G, max_size=G),
+       seed=st.integers(0, 2**16), bf16=st.booleans())
+def test_grouped_matmul_random_group_sizes_match_ragged_dot(sizes, seed, bf16):
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    x, w = _operands(seed, dtype)
+    _assert_matches_ragged_dot(x, w, sizes, dtype)
+
+
+@pytest.mark.parametrize("rows,tile", [(7, 4), (24, 32), (1, 1)])
+def test_grouped_matmul_rows_not_a_multiple_of_the_tile(rows, tile):
+    x, w = _operands(rows, jnp.float32, rows=rows)
+    sizes = jnp.asarray([rows // 2, 0, rows - rows // 2, 0], jnp.int32)
+    got = ops.grouped_matmul(x, w, sizes, impl="tiled", tile_rows=tile)
+    np.testing.assert_allclose(got, jax.lax.ragged_dot(x, w, sizes), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_inside_shard_map_with_replicated_weights():
+    # Tokens vary over both mesh axes, weights only over "expert": dw sums over "data".
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "expert"))
+    x, w = _operands(1, jnp.float32, rows=4 * N, groups=2 * G)
+    sizes = jnp.asarray(np.random.default_rng(2).integers(0, 8, (4 * G,)), jnp.int32)
+
+    def loss(impl):
+        def local(x, w, sizes):
+            y = ops.grouped_matmul(x, w, sizes, impl=impl, tile_rows=TILE)
+            return jax.lax.psum(jnp.sum(jnp.sin(y)), ("data", "expert"))
+        body = jax.shard_map(local, mesh=mesh, out_specs=P(),
+                             in_specs=(P(("data", "expert")), P("expert"),
+                                       P(("data", "expert"))))
+        return jax.jit(jax.value_and_grad(body, argnums=(0, 1)))
+
+    (v, (dx, dw)), (v_ref, (dx_ref, dw_ref)) = (loss("tiled")(x, w, sizes),
+                                                loss("ragged_dot")(x, w, sizes))
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_under_vmap():
+    x, w = _operands(3, jnp.float32)
+    sizes = jnp.asarray([[3, 0, 5, 10], [0, 24, 0, 0]], jnp.int32)
+    got = jax.vmap(lambda s: ops.grouped_matmul(x, w, s, impl="tiled", tile_rows=TILE))(sizes)
+    for b in range(2):
+        np.testing.assert_allclose(got[b], jax.lax.ragged_dot(x, w, sizes[b]), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_grouped_matmul_auto_is_tiled_on_cpu_and_checks_arguments():
+    x, w = _operands(4, jnp.float32)
+    sizes = jnp.asarray([6, 6, 6, 6], jnp.int32)
+    auto = jax.jit(lambda x, w, s: ops.grouped_matmul(x, w, s)).lower(x, w, sizes).as_text()
+    assert "while" in auto and "ragged_dot" not in auto
+    with pytest.raises(ValueError, match="impl"):
+        ops.grouped_matmul(x, w, sizes, impl="megablox")
+    with pytest.raises(ValueError, match="w"):
+        ops.grouped_matmul(x, w[:, :3], sizes)
+    with pytest.raises(ValueError, match="group_sizes"):
+        ops.grouped_matmul(x, w, sizes[:3])
+    with pytest.raises(ValueError, match="tile_rows"):
+        ops.grouped_matmul(x, w, sizes, tile_rows=0)
+
+
+def _dot_shapes(groups):
+    """The operand shapes of every dot in the optimized CPU program of the tiled grouped GEMM
+    (forward and backward) over 512 rows and `groups` groups."""
+    x, w = _operands(5, jnp.float32, rows=512, groups=groups)
+    sizes = jnp.full((groups,), 512 // groups, jnp.int32)
+    fn = jax.jit(jax.grad(lambda x, w: jnp.sum(ops.grouped_matmul(x, w, sizes, impl="tiled",
+                                                                  tile_rows=32) ** 2), (0, 1)))
+    text = fn.lower(x, w).compile().as_text()
+    return sorted(m.group(1) for m in re.finditer(r"=\s*(f32\[[\d,]*\])[^\n]*\bdot\(", text))
+
+
+def test_tiled_dots_do_not_grow_with_the_number_of_groups():
+    # ragged_dot on XLA:CPU multiplies every row by every group's weights; the tiled loop's
+    # dots are one row tile by one group's weights, whatever G (the trip count is dynamic).
+    few, many = _dot_shapes(2), _dot_shapes(16)
+    assert few and few == many, (few, many)
+    assert all(re.fullmatch(r"f32\[(32,\d+|16,8)\]", s) for s in few), few
