@@ -28,6 +28,10 @@ settings.register_profile(
 )
 settings.register_profile("jax_ep_long", parent=settings.get_profile("jax_ep"),
                           max_examples=300)
+# The emulated-CUDA run (.ci/emulated-cuda): every kernel runs under the CUDA emulator and the
+# sanitizers, several times slower, so the properties draw fewer examples there.
+settings.register_profile("jax_ep_emulated", parent=settings.get_profile("jax_ep"),
+                          max_examples=10)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "jax_ep"))
 
 NUM_DEVICES = 8
