@@ -8,7 +8,8 @@
 //
 // Toy kernels use the same launch macro as jax_ep's .cu files and check the execution model
 // (barriers with exited threads, warp collectives, shared memory, atomics, launch limits, the
-// errors the emulator reports) and the CUB stand-ins against plain C++ references.
+// errors the emulator reports, a missing barrier showing in the results) and the CUB stand-ins
+// against plain C++ references.
 #include <cuda_runtime.h>
 #include <xmmintrin.h>
 
@@ -105,6 +106,15 @@ __global__ void CoordinatesKernel(int* out) {
 }
 
 __global__ void DenormalKernel(const float* in, float* out) { out[0] = __fmul_rn(in[0], in[1]); }
+
+// The last thread publishes a value in shared memory that every thread reads: with the barrier
+// omitted, the alternating resume orders make some block read it before it is written.
+__global__ void BroadcastKernel(int* out, bool barrier) {
+  __shared__ int value;
+  if (threadIdx.x == blockDim.x - 1) value = int(blockIdx.x) + 100;
+  if (barrier) __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = value;
+}
 
 // Errors the emulator must report.
 __global__ void DeadlockKernel() {
@@ -243,6 +253,18 @@ void CheckExecutionModel() {
     _mm_setcsr(csr);
     Check(out == 1e-20f * 1e-20f && out != 0.0f && after == (csr | 0x8040),
           "denormal product kept, host MXCSR restored");
+  }
+}
+
+void CheckMissingBarrierShows() {
+  for (bool barrier : {true, false}) {
+    std::vector<int> out(4 * 64, -1);
+    LAUNCH(4, 64, 0, nullptr, BroadcastKernel)(out.data(), barrier);
+    int wrong = 0;
+    for (int i = 0; i < 4 * 64; ++i) wrong += out[size_t(i)] != i / 64 + 100;
+    Check(barrier ? wrong == 0 : wrong > 0,
+          std::string("shared-memory broadcast ") + (barrier ? "with" : "without") +
+              " its barrier: " + std::to_string(wrong) + " wrong reads");
   }
 }
 
@@ -423,6 +445,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   CheckExecutionModel();
+  CheckMissingBarrierShows();
   CheckLaunchErrors();
   CheckReportedErrors();
   CheckCub();
