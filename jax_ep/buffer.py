@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from jax_ep import deepep, low_latency, ops, transport as tp
 from jax_ep._checks import check_positive, check_shape
+from jax_ep.all_to_all import all_to_all_single_equal
 
 __all__ = ["Buffer", "Config", "EventOverlap", "UCCLBuffer"]
 
@@ -191,7 +192,10 @@ class Buffer:
           num_tokens_per_expert: i32[E] from get_dispatch_layout; gives E (required without
             a handle). With num_tokens_per_rank i32[P] and is_token_in_rank bool[T,P] it is
             passed on as the precomputed layout.
-          topk_idx: [T,K] global expert ids (-1 = unrouted); topk_weights: f32[T,K].
+          topk_idx: [T,K] global expert ids (-1 = unrouted); topk_weights: f32[T,K]. Without
+            topk_idx (and no handle) tokens go where is_token_in_rank says, recv_topk_idx and
+            recv_topk_weights are None and num_recv_tokens_per_expert_list sums the senders'
+            num_tokens_per_expert, as in DeepEP.
           num_worst_tokens: receive rows R; 0 means the worst case P*T.
         Returns (recv_x [R,H] (or the pair), recv_topk_idx i32[R,K] local ids,
         recv_topk_weights f32[R,K], num_recv_tokens_per_expert_list i32[L], handle, event);
@@ -205,8 +209,6 @@ class Buffer:
             recv_x, _, _, _ = deepep.dispatch(x, handle=handle, axis_name=self.group,
                                               backend=self.backend)
             return recv_x, None, None, None, None, EventOverlap()
-        if topk_idx is None:
-            raise ValueError("topk_idx: expected [T,K] expert ids without a handle, got None")
         if num_tokens_per_expert is None:
             raise ValueError("num_tokens_per_expert: expected the i32[E] counts of "
                              "get_dispatch_layout without a handle (they give E), got None")
@@ -214,12 +216,39 @@ class Buffer:
         layout = None
         if num_tokens_per_rank is not None and is_token_in_rank is not None:
             layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
+        if topk_idx is None:
+            return self._dispatch_by_rank(x, is_token_in_rank, num_tokens_per_expert,
+                                          expert_alignment, worst, layout)
         recv_x, recv_idx, recv_w, handle = deepep.dispatch(
             x, topk_idx, topk_weights, num_experts=num_experts, axis_name=self.group,
             backend=self.backend, num_worst_tokens=worst, expert_alignment=expert_alignment,
             layout=layout)
         return (recv_x, recv_idx, recv_w, handle.num_recv_tokens_per_expert, handle,
                 EventOverlap())
+
+    def _dispatch_by_rank(self, x, is_token_in_rank, num_tokens_per_expert, expert_alignment,
+                          worst, layout):
+        """DeepEP's dispatch without top-k: token t goes to every rank p with
+        is_token_in_rank[t, p] (routed as rank p's first expert), and the per-expert receive
+        counts are the senders' num_tokens_per_expert summed per local expert."""
+        if is_token_in_rank is None:
+            raise ValueError("is_token_in_rank: expected bool[T,P] when topk_idx is None "
+                             "(no handle), got None")
+        num_ranks = self.group_size
+        num_experts = jnp.shape(num_tokens_per_expert)[0]
+        rows = x[0] if isinstance(x, (tuple, list)) else x
+        check_shape(is_token_in_rank, (jnp.shape(rows)[0], num_ranks), "is_token_in_rank")
+        first_expert = jnp.arange(num_ranks, dtype=jnp.int32) * (num_experts // num_ranks)
+        topk_idx = jnp.where(is_token_in_rank, first_expert, -1)
+        recv_x, _, _, handle = deepep.dispatch(
+            x, topk_idx, None, num_experts=num_experts, axis_name=self.group,
+            backend=self.backend, num_worst_tokens=worst, layout=layout)
+        per_source = all_to_all_single_equal(jnp.asarray(num_tokens_per_expert, jnp.int32),
+                                             axis_name=self.group)
+        per_local = per_source.reshape(num_ranks, -1).sum(axis=0)
+        align = check_positive(expert_alignment, "expert_alignment")
+        per_local = (per_local + align - 1) // align * align
+        return recv_x, None, None, per_local, handle, EventOverlap()
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish: bool = False,

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep_utils import AXIS, ep_mesh, random_routing, run_ep
+from ep_utils import AXIS, deepep_layout, ep_mesh, random_routing, run_ep
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -194,6 +194,51 @@ def test_deepep_style_body_through_buffer():
         np.testing.assert_array_equal(rows[:m], want[:, None] * np.ones((1, H)))
         assert not rows[m:].any() and (ri[d * R + m:(d + 1) * R] == -1).all()
     np.testing.assert_array_equal(c, np.asarray(x, np.float32) * owners[:, None])
+
+
+def test_dispatch_without_topk_and_fp8_pair():
+    """DeepEP's with_topk=False dispatch (is_token_in_rank only) and the FP8 pair as x."""
+    num_ranks, T, H, K, E = 4, 6, 128, 3, 16
+    L = E // num_ranks
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    buf = jax_ep.UCCLBuffer(AXIS)
+    kinds = {}
+
+    def body(x, idx, w):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, ri, rw, per_local, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, expert_alignment=4)
+        kinds["no_topk"] = (ri, rw)
+        c, cw, _ = buf.combine(rx, handle)
+        kinds["combine"] = cw
+        pair = ops.per_token_cast_to_fp8(x)
+        (q, s), _, _, _, _, _ = buf.dispatch(pair, topk_idx=idx, topk_weights=w,
+                                             num_tokens_per_expert=per_expert)
+        (f_q, f_s), f_ri, _, f_h = jax_ep.dispatch(pair, idx, w, num_experts=E, axis_name=AXIS,
+                                                  backend="uccl_ep")
+        rank = jnp.broadcast_to(buf.rank, (1,))
+        return (rx, per_local, c, in_rank.sum(1), q.view(jnp.uint8), s, f_q.view(jnp.uint8), f_s,
+                rank, jnp.full((1,), buf.group_size))
+
+    rx, per_local, c, owners, q, s, f_q, f_s, rank, size = [
+        np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
+    assert kinds["no_topk"] == (None, None) and kinds["combine"] is None
+    want = deepep_layout(x, idx, w, num_ranks, E)
+    R = num_ranks * T
+    for d in range(num_ranks):
+        m = len(want[d]["src"])
+        np.testing.assert_array_equal(rx[d * R:d * R + m], want[d]["x"])
+        assert not rx[d * R + m:(d + 1) * R].any()
+        counts = np.bincount(idx[idx >= 0], minlength=E)[d * L:(d + 1) * L]
+        np.testing.assert_array_equal(per_local[d * L:(d + 1) * L], -(-counts // 4) * 4)
+    np.testing.assert_allclose(c, x * owners[:, None], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(q, f_q)
+    np.testing.assert_array_equal(s, f_s)
+    np.testing.assert_array_equal(rank, np.arange(num_ranks))
+    np.testing.assert_array_equal(size, num_ranks)
 
 
 def _ll_mesh_run(body, num_ranks, *arrays):
