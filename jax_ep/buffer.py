@@ -41,7 +41,7 @@ from jax_ep import deepep, low_latency, ops, transport as tp
 from jax_ep._checks import check_positive, check_shape
 from jax_ep.all_to_all import all_to_all_single_equal
 
-__all__ = ["Buffer", "Config", "EventOverlap", "UCCLBuffer"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "UCCLBuffer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,10 @@ class Config:
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
+
+
+class EventHandle:
+    """DeepEP's CUDA event handle; under XLA there is no event to hold."""
 
 
 class EventOverlap:

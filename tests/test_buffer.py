@@ -89,7 +89,8 @@ def test_all_to_all_signatures_match_spec():
         ("num_recv", inspect.Parameter.KEYWORD_ONLY, None)]
     sig = inspect.signature(jax_ep.all_to_all_single_equal)
     assert [(p.name, p.kind) for p in sig.parameters.values()] == [
-        ("x", inspect.Parameter.POSITIONAL_OR_KEYWORD), ("axis_name", inspect.Parameter.KEYWORD_ONLY)]
+        ("x", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("axis_name", inspect.Parameter.KEYWORD_ONLY)]
 
 
 def test_inert_pieces():
@@ -98,6 +99,7 @@ def test_inert_pieces():
     assert jax_ep.UCCLBuffer(AXIS).is_intranode and jax_ep.UCCLBuffer(AXIS).backend == "uccl_ep"
     event = buf.capture()
     assert isinstance(event, jax_ep.EventOverlap)
+    assert jax_ep.EventOverlap(jax_ep.buffer.EventHandle()).event is not None
     with event as entered:
         assert entered is event
     assert event.current_stream_wait() is None
@@ -260,7 +262,8 @@ def test_low_latency_equals_functional_api():
         (q, s), count, handle, event, hook = out
         kinds["dispatch"] = (len(out), type(event), hook)
         _, _, handle2, _, hook2 = buf.low_latency_dispatch(
-            x, idx, tmax, E, cumulative_local_expert_recv_stats=handle.cumulative_local_expert_recv_stats,
+            x, idx, tmax, E,
+            cumulative_local_expert_recv_stats=handle.cumulative_local_expert_recv_stats,
             return_recv_hook=True)
         kinds["hook"] = hook2()
         (f_q, f_s), f_count, f_h = jax_ep.low_latency_dispatch(
@@ -271,6 +274,9 @@ def test_low_latency_equals_functional_api():
         kinds["zero"] = (zero.shape, zero.dtype)
         combined, event, hook = buf.low_latency_combine(y, idx, w, handle)
         kinds["combine"] = (type(event), hook)
+        into, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True,
+                                                out=jnp.zeros(x.shape, jnp.float32))
+        kinds["out"] = (into.shape, into.dtype, hook())
         f_combined = jax_ep.low_latency_combine(y, idx, w, f_h)
         return (q.view(jnp.uint8), s, count, handle2.cumulative_local_expert_recv_stats,
                 combined, f_q.view(jnp.uint8), f_s, f_count, f_combined)
@@ -281,6 +287,7 @@ def test_low_latency_equals_functional_api():
     assert kinds["hook"] is None
     assert kinds["zero"] == ((L, num_ranks * tmax, H), jnp.bfloat16)
     assert kinds["combine"] == (jax_ep.EventOverlap, None)
+    assert kinds["out"] == ((T, H), jnp.float32, None)
     np.testing.assert_array_equal(q, f_q)
     np.testing.assert_array_equal(s, f_s)
     np.testing.assert_array_equal(count, f_count)
