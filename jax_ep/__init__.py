@@ -8,6 +8,8 @@ mesh axis. Layers: `jax_ep.ops` (local kernels) -> `jax_ep.transport` -> the mod
 
 from jax_ep import ops, reference, transport
 from jax_ep._ffi import WITH_CUDA
+from jax_ep.all_to_all import all_to_all_single, all_to_all_single_equal
+from jax_ep.buffer import Buffer, Config, EventOverlap, UCCLBuffer
 from jax_ep.config import TokenDispatcherConfig
 from jax_ep.deepep import (
     DispatchHandle,
@@ -27,10 +29,16 @@ from jax_ep.ops import compute_send_counts
 
 __all__ = [
     "WITH_CUDA",
+    "Buffer",
+    "Config",
     "DispatchHandle",
+    "EventOverlap",
     "HybridEPHandle",
     "LowLatencyHandle",
     "TokenDispatcherConfig",
+    "UCCLBuffer",
+    "all_to_all_single",
+    "all_to_all_single_equal",
     "chunk_bounds",
     "combine",
     "compute_send_counts",

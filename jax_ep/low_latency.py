@@ -35,9 +35,9 @@ __all__ = ["LowLatencyHandle", "low_latency_combine", "low_latency_dispatch"]
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["src_info", "layout_range", "recv_slot", "return_slot", "send_token",
-                      "num_invalid"],
+                      "num_invalid", "cumulative_local_expert_recv_stats"],
          meta_fields=["num_tokens", "num_max_dispatch_tokens_per_rank", "num_experts",
-                      "axis_name", "impl"])
+                      "axis_name", "impl", "hidden"])
 @dataclasses.dataclass(frozen=True)
 class LowLatencyHandle:
     """src_info i32[L,P*Tmax]: source token index (on its source rank) of each row, -1 pad.
@@ -45,7 +45,10 @@ class LowLatencyHandle:
     recv_slot i32[L*P*Tmax]: received-buffer slot of each output row (-1: padding).
     return_slot i32[P*L*Tmax]: output row returned through each send-buffer slot (-1: none).
     send_token i32[E*Tmax]: source token of each expert-major send slot (-1: empty).
-    num_invalid i32[]: this rank's expert ids outside [-1, E), routed nowhere."""
+    num_invalid i32[]: this rank's expert ids outside [-1, E), routed nowhere.
+    hidden: H of the dispatched rows (jax_ep.Buffer sizes its combine buffer from it).
+    cumulative_local_expert_recv_stats i32[L] | None: set by jax_ep.Buffer.low_latency_dispatch
+      (the stats it was given plus this dispatch's recv_count)."""
 
     src_info: jax.Array
     layout_range: jax.Array
@@ -58,6 +61,8 @@ class LowLatencyHandle:
     num_experts: int
     axis_name: str
     impl: str
+    hidden: int | None = None
+    cumulative_local_expert_recv_stats: jax.Array | None = None
 
 
 def _exchange(buf, h, name):
@@ -190,7 +195,8 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
                              "use_fp8")
         if use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0: requires round_scale=True")
-    h = _plan(topk_idx, num_experts, tmax, axis_name, impl)
+    h = dataclasses.replace(_plan(topk_idx, num_experts, tmax, axis_name, impl),
+                            hidden=x.shape[1])
     recv_count = h.layout_range[..., 1].sum(axis=1)
     if not use_fp8:
         return _ll_rows(x, h), recv_count, h

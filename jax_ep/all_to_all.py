@@ -1,0 +1,97 @@
+"""`all_to_all_single`: the differentiable uneven all-to-all of PyTorch's
+`all_to_all_single(x, output_splits, input_splits, group)`, with static shapes, inside
+`jax.shard_map` over `axis_name`.
+
+Built on `jax_ep.transport`: the splits become an `ExchangePlan` (one all_gather of the P
+input splits, as every dispatch does), the rows move with `transport="auto"` (padded
+all_to_all on CPU, ragged_all_to_all on GPU/TPU). The VJP is the same exchange with the
+splits swapped.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_ep import transport as tp
+from jax_ep._checks import check_positive, check_shape
+
+__all__ = ["all_to_all_single", "all_to_all_single_equal"]
+
+
+def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=None):
+    """Uneven all-to-all along dim 0.
+
+      x: [S, ...] any dtype; rows grouped by destination rank: input_splits[0] rows for rank
+        0 first, then rank 1, ... (rows past sum(input_splits) are not sent).
+      output_splits: i32[P], rows received from each source rank (as in PyTorch, it must
+        agree with the senders' input_splits; the receive layout is computed from the
+        exchanged input_splits, so a disagreeing output_splits cannot misplace rows - it is
+        the input_splits of the backward exchange).
+      input_splits: i32[P], rows sent to each destination rank; each <= S.
+      num_recv: rows of the result (default P*S, the worst case).
+    Returns [num_recv, ...] in x.dtype, rows grouped by source rank ascending, zero rows past
+    the received ones. Rows that do not fit in num_recv are dropped (the highest source
+    ranks' last rows first). Differentiable in x; the splits get no gradient.
+    """
+    _, num_ranks = tp.axis_rank_and_size(axis_name)
+    if jnp.ndim(x) < 1:
+        raise ValueError(f"x: expected at least one dimension, got shape {jnp.shape(x)}")
+    check_shape(output_splits, (num_ranks,), "output_splits")
+    check_shape(input_splits, (num_ranks,), "input_splits")
+    num_send = x.shape[0]
+    num_recv = num_ranks * num_send if num_recv is None else check_positive(
+        num_recv, "num_recv", allow_zero=True)
+    return _exchange(x, jnp.asarray(output_splits, jnp.int32),
+                     jnp.asarray(input_splits, jnp.int32), axis_name, num_recv, num_send)
+
+
+def _rows(x, input_splits, axis_name, num_recv, capacity):
+    """x [S, ...] -> [num_recv, ...]: blocks of input_splits rows to each rank, no block
+    longer than `capacity`."""
+    rank, _ = tp.axis_rank_and_size(axis_name)
+    count_matrix = tp.exchange_counts(input_splits, axis_name)
+    plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
+    row_map = jnp.arange(x.shape[0], dtype=jnp.int32)
+    return tp.send_rows(x, row_map, plan, num_recv=num_recv, capacity=capacity,
+                        axis_name=axis_name, transport=tp.resolve_transport("auto"),
+                        impl="ffi")
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _exchange(x, output_splits, input_splits, axis_name, num_recv, num_send):
+    # A block is at most S = num_send rows both ways (a source sends <= its S rows).
+    return _rows(x, input_splits, axis_name, num_recv, num_send)
+
+
+def _exchange_fwd(x, output_splits, input_splits, axis_name, num_recv, num_send):
+    return _exchange(x, output_splits, input_splits, axis_name, num_recv, num_send), (
+        output_splits, input_splits)
+
+
+def _exchange_bwd(axis_name, num_recv, num_send, residuals, d_out):
+    output_splits, input_splits = residuals
+    # The cotangent rows are grouped by source like the output: send them back with the
+    # splits swapped, into the S rows of x.
+    return _rows(d_out, output_splits, axis_name, num_send, num_send), None, None
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def all_to_all_single_equal(x, *, axis_name):
+    """Equal-split all-to-all along dim 0: x [S, ...] (S a multiple of P) sends its p-th block
+    of S/P rows to rank p; returns [S, ...] with the block from source rank q at q*S/P.
+    Differentiable (its VJP is the same exchange)."""
+    _, num_ranks = tp.axis_rank_and_size(axis_name)
+    if jnp.ndim(x) < 1 or x.shape[0] % num_ranks:
+        raise ValueError(f"x: expected a leading dimension divisible by the {num_ranks} ranks "
+                         f"of {axis_name!r}, got shape {jnp.shape(x)}")
+    if num_ranks == 1:
+        return x
+    blocks = x.reshape((num_ranks, x.shape[0] // num_ranks) + x.shape[1:])
+    out = jax.lax.all_to_all(blocks, axis_name, 0, 0)
+    return checkpoint_name(out.reshape(x.shape), tp.DISPATCH_NAME)

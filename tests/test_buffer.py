@@ -1,0 +1,440 @@
+"""DeepEP-compatible API (jax_ep.Buffer, UCCLBuffer, all_to_all_single) on emulated CPU ranks:
+signatures as DeepEP's, results equal to the functional API."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ep_utils import AXIS, deepep_layout, ep_mesh, random_routing, run_ep
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import ops
+
+_EMPTY = inspect.Parameter.empty
+
+# (method, parameters after self as (name, default)) from DeepEP's / UCCL-EP's Buffer docs.
+_INIT = [("group", _EMPTY), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
+         ("low_latency_mode", False), ("num_qps_per_rank", 24),
+         ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
+         ("explicitly_destroy", False), ("is_intranode", False)]
+_STREAM = [("previous_event", None), ("async_finish", False),
+           ("allocate_on_comm_stream", False)]
+SIGNATURES = {
+    "__init__": _INIT,
+    "get_dispatch_layout": [("topk_idx", _EMPTY), ("num_experts", _EMPTY)] + _STREAM,
+    "dispatch": [("x", _EMPTY), ("handle", None), ("num_tokens_per_rank", None),
+                 ("num_tokens_per_rdma_rank", None), ("is_token_in_rank", None),
+                 ("num_tokens_per_expert", None), ("topk_idx", None), ("topk_weights", None),
+                 ("expert_alignment", 1), ("num_worst_tokens", 0), ("config", None)] + _STREAM,
+    "combine": [("x", _EMPTY), ("handle", _EMPTY), ("topk_weights", None), ("bias", None),
+                ("config", None)] + _STREAM,
+    "low_latency_dispatch": [
+        ("x", _EMPTY), ("topk_idx", _EMPTY), ("num_max_dispatch_tokens_per_rank", _EMPTY),
+        ("num_experts", _EMPTY), ("cumulative_local_expert_recv_stats", None),
+        ("dispatch_wait_recv_cost_stats", None), ("use_fp8", True), ("round_scale", False),
+        ("use_ue8m0", False), ("async_finish", False), ("return_recv_hook", False)],
+    "low_latency_combine": [
+        ("x", _EMPTY), ("topk_idx", _EMPTY), ("topk_weights", _EMPTY), ("handle", _EMPTY),
+        ("use_logfmt", False), ("zero_copy", False), ("async_finish", False),
+        ("return_recv_hook", False), ("out", None), ("combine_wait_recv_cost_stats", None)],
+    "get_next_low_latency_combine_buffer": [("handle", _EMPTY)],
+    "clean_low_latency_buffer": [("num_max_dispatch_tokens_per_rank", _EMPTY),
+                                 ("hidden", _EMPTY), ("num_experts", _EMPTY)],
+    "reset_rdma_buffer": [],
+    "destroy": [],
+}
+STATIC_SIGNATURES = {
+    "capture": [],
+    "set_num_sms": [("new_num_sms", _EMPTY)],
+    "get_dispatch_config": [("num_ranks", _EMPTY)],
+    "get_combine_config": [("num_ranks", _EMPTY)],
+    "get_low_latency_rdma_size_hint": [("num_max_dispatch_tokens_per_rank", _EMPTY),
+                                       ("hidden", _EMPTY), ("num_ranks", _EMPTY),
+                                       ("num_experts", _EMPTY)],
+}
+
+
+def _params(fn, skip_self):
+    params = list(inspect.signature(fn).parameters.values())[1 if skip_self else 0:]
+    for p in params:
+        assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, (fn, p)
+    return [(p.name, p.default) for p in params]
+
+
+@pytest.mark.parametrize("cls", [jax_ep.Buffer, jax_ep.UCCLBuffer])
+def test_signatures_match_deepep(cls):
+    for name, want in SIGNATURES.items():
+        assert _params(getattr(cls, name), skip_self=True) == want, name
+    for name, want in STATIC_SIGNATURES.items():
+        assert isinstance(inspect.getattr_static(jax_ep.Buffer, name), staticmethod), name
+        assert _params(getattr(cls, name), skip_self=False) == want, name
+    assert issubclass(jax_ep.UCCLBuffer, jax_ep.Buffer)
+    assert _params(jax_ep.EventOverlap.__init__, skip_self=True) == [
+        ("event", None), ("extra_tensors", None)]
+
+
+def test_all_to_all_signatures_match_spec():
+    sig = inspect.signature(jax_ep.all_to_all_single)
+    assert [(p.name, p.kind, p.default) for p in sig.parameters.values()] == [
+        ("x", inspect.Parameter.POSITIONAL_OR_KEYWORD, _EMPTY),
+        ("output_splits", inspect.Parameter.POSITIONAL_OR_KEYWORD, _EMPTY),
+        ("input_splits", inspect.Parameter.POSITIONAL_OR_KEYWORD, _EMPTY),
+        ("axis_name", inspect.Parameter.KEYWORD_ONLY, _EMPTY),
+        ("num_recv", inspect.Parameter.KEYWORD_ONLY, None)]
+    sig = inspect.signature(jax_ep.all_to_all_single_equal)
+    assert [(p.name, p.kind) for p in sig.parameters.values()] == [
+        ("x", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("axis_name", inspect.Parameter.KEYWORD_ONLY)]
+
+
+def test_inert_pieces():
+    buf = jax_ep.Buffer(AXIS, num_nvl_bytes=1 << 30, low_latency_mode=True)
+    assert buf.group == AXIS and not buf.is_intranode
+    assert jax_ep.UCCLBuffer(AXIS).is_intranode and jax_ep.UCCLBuffer(AXIS).backend == "uccl_ep"
+    event = buf.capture()
+    assert isinstance(event, jax_ep.EventOverlap)
+    assert jax_ep.EventOverlap(jax_ep.buffer.EventHandle()).event is not None
+    with event as entered:
+        assert entered is event
+    assert event.current_stream_wait() is None
+    assert isinstance(buf.get_dispatch_config(8), jax_ep.Config)
+    assert isinstance(jax_ep.Buffer.get_combine_config(8), jax_ep.Config)
+    assert buf.destroy() is None and buf.reset_rdma_buffer() is None
+    assert buf.clean_low_latency_buffer(128, 256, 16) is None
+    assert jax_ep.Buffer.set_num_sms(24) is None
+    with pytest.raises(ValueError, match="group: .*internode"):
+        jax_ep.Buffer(("node", "local"))
+    with pytest.raises(ValueError, match="group: .*internode"):
+        jax_ep.UCCLBuffer(("node", "local"))
+
+
+def test_normal_mode_equals_functional_api():
+    num_ranks, T, H, K, E = 4, 6, 16, 3, 16
+    L = E // num_ranks
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    y = rng.standard_normal((num_ranks * num_ranks * T, H)).astype(np.float32)
+    b0 = rng.standard_normal(x.shape).astype(np.float32)
+    b1 = rng.standard_normal(x.shape).astype(np.float32)
+    buf = jax_ep.Buffer(AXIS)
+    kinds = {}
+
+    def body(x, idx, w, y, b0, b1):
+        layout = buf.get_dispatch_layout(idx, E)
+        per_rank, per_rdma, per_expert, in_rank, event = layout
+        kinds["layout"] = (len(layout), per_rdma, type(event))
+        out = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                           num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        rx, ri, rw, per_local, handle, event = out
+        kinds["dispatch"] = (len(out), type(event), type(handle))
+        cached = buf.dispatch(x * 2, handle=handle)
+        kinds["cached"] = (len(cached),) + cached[1:5] + (type(cached[5]),)
+        c, cw, event = buf.combine(y, handle, topk_weights=rw)
+        c1, _, _ = buf.combine(y, handle, bias=b0)
+        c2, _, _ = buf.combine(y, handle, bias=(b0, b1))
+        kinds["combine"] = type(event)
+        f_layout = ops.get_dispatch_layout(idx, num_experts=E, num_ranks=num_ranks)
+        f_rx, f_ri, f_rw, f_h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)
+        f_c, f_cw = jax_ep.combine(y, f_h, topk_weights=f_rw)
+        return (per_rank, per_expert, in_rank, rx, ri, rw, per_local, cached[0], c, cw, c1, c2,
+                *f_layout, f_rx, f_ri, f_rw, f_h.num_recv_tokens_per_expert, f_c, f_cw)
+
+    got = [np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), x, idx, w, y, b0, b1)]
+    (per_rank, per_expert, in_rank, rx, ri, rw, per_local, cached, c, cw, c1, c2,
+     f_per_rank, f_in_rank, f_per_expert, f_rx, f_ri, f_rw, f_per_local, f_c, f_cw) = got
+    assert kinds["layout"] == (5, None, jax_ep.EventOverlap)
+    assert kinds["dispatch"] == (6, jax_ep.EventOverlap, jax_ep.DispatchHandle)
+    assert kinds["cached"] == (6, None, None, None, None, jax_ep.EventOverlap)
+    assert kinds["combine"] is jax_ep.EventOverlap
+    for a, b in [(per_rank, f_per_rank), (per_expert, f_per_expert), (in_rank, f_in_rank),
+                 (rx, f_rx), (ri, f_ri), (rw, f_rw), (per_local, f_per_local), (c, f_c),
+                 (cw, f_cw)]:
+        np.testing.assert_array_equal(a, b)
+    assert per_local.shape == (num_ranks * L,) and per_local.dtype == np.int32
+    np.testing.assert_array_equal(cached, 2 * f_rx)
+    np.testing.assert_allclose(c1, f_c + b0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(c2, f_c + b0 + b1, rtol=1e-6, atol=1e-6)
+
+
+def test_deepep_style_body_through_buffer():
+    """DeepEP's test_intranode pattern: x holds the source rank's value, every received row
+    holds its source rank (rows grouped by source ascending), and combine returns each token
+    times the number of ranks it went to."""
+    num_ranks, T, H, K, E = 8, 5, 128, 4, 32
+    rng = np.random.default_rng(1)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.2)
+    x = np.repeat(np.arange(num_ranks, dtype=np.float32), T)[:, None] * np.ones((1, H))
+    x = jnp.asarray(x, jnp.bfloat16)
+    buf = jax_ep.Buffer(AXIS, int(1e9), 0)
+
+    def body(x, idx, w):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, ri, rw, per_local, handle, _ = buf.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            num_worst_tokens=num_ranks * T)
+        c, _, _ = buf.combine(rx, handle)
+        return rx, ri, handle.num_recv_tokens[None], per_rank, in_rank.sum(1), c
+
+    rx, ri, n, per_rank, owners, c = [np.asarray(a, np.float32)
+                                      for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
+    R = num_ranks * T
+    per_rank = per_rank.reshape(num_ranks, num_ranks)  # [src, dst]
+    for d in range(num_ranks):
+        rows = rx[d * R:(d + 1) * R]
+        m = int(n[d])
+        assert m == per_rank[:, d].sum()
+        # check_data: the block from source s holds s everywhere.
+        want = np.repeat(np.arange(num_ranks), per_rank[:, d].astype(int))
+        np.testing.assert_array_equal(rows[:m], want[:, None] * np.ones((1, H)))
+        assert not rows[m:].any() and (ri[d * R + m:(d + 1) * R] == -1).all()
+    np.testing.assert_array_equal(c, np.asarray(x, np.float32) * owners[:, None])
+
+
+def test_dispatch_without_topk_and_fp8_pair():
+    """DeepEP's with_topk=False dispatch (is_token_in_rank only) and the FP8 pair as x."""
+    num_ranks, T, H, K, E = 4, 6, 128, 3, 16
+    L = E // num_ranks
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    buf = jax_ep.UCCLBuffer(AXIS)
+    kinds = {}
+
+    def body(x, idx, w):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, ri, rw, per_local, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, expert_alignment=4)
+        kinds["no_topk"] = (ri, rw)
+        c, cw, _ = buf.combine(rx, handle)
+        kinds["combine"] = cw
+        pair = ops.per_token_cast_to_fp8(x)
+        (q, s), _, _, _, _, _ = buf.dispatch(pair, topk_idx=idx, topk_weights=w,
+                                             num_tokens_per_expert=per_expert)
+        (f_q, f_s), f_ri, _, f_h = jax_ep.dispatch(pair, idx, w, num_experts=E, axis_name=AXIS,
+                                                  backend="uccl_ep")
+        rank = jnp.broadcast_to(buf.rank, (1,))
+        return (rx, per_local, c, in_rank.sum(1), q.view(jnp.uint8), s, f_q.view(jnp.uint8), f_s,
+                rank, jnp.full((1,), buf.group_size))
+
+    rx, per_local, c, owners, q, s, f_q, f_s, rank, size = [
+        np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
+    assert kinds["no_topk"] == (None, None) and kinds["combine"] is None
+    want = deepep_layout(x, idx, w, num_ranks, E)
+    R = num_ranks * T
+    for d in range(num_ranks):
+        m = len(want[d]["src"])
+        np.testing.assert_array_equal(rx[d * R:d * R + m], want[d]["x"])
+        assert not rx[d * R + m:(d + 1) * R].any()
+        counts = np.bincount(idx[idx >= 0], minlength=E)[d * L:(d + 1) * L]
+        np.testing.assert_array_equal(per_local[d * L:(d + 1) * L], -(-counts // 4) * 4)
+    np.testing.assert_allclose(c, x * owners[:, None], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(q, f_q)
+    np.testing.assert_array_equal(s, f_s)
+    np.testing.assert_array_equal(rank, np.arange(num_ranks))
+    np.testing.assert_array_equal(size, num_ranks)
+
+
+def _ll_mesh_run(body, num_ranks, *arrays):
+    return [np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), *arrays)]
+
+
+def test_low_latency_equals_functional_api():
+    num_ranks, T, tmax, H, K, E = 4, 5, 8, 128, 3, 16
+    L = E // num_ranks
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    stats0 = rng.integers(0, 100, (num_ranks * L,)).astype(np.int32)
+    buf = jax_ep.Buffer(AXIS, low_latency_mode=True)
+    kinds = {}
+
+    def body(x, idx, w, stats):
+        out = buf.low_latency_dispatch(x, idx, tmax, E, cumulative_local_expert_recv_stats=stats)
+        (q, s), count, handle, event, hook = out
+        kinds["dispatch"] = (len(out), type(event), hook)
+        _, _, handle2, _, hook2 = buf.low_latency_dispatch(
+            x, idx, tmax, E,
+            cumulative_local_expert_recv_stats=handle.cumulative_local_expert_recv_stats,
+            return_recv_hook=True)
+        kinds["hook"] = hook2()
+        (f_q, f_s), f_count, f_h = jax_ep.low_latency_dispatch(
+            x, idx, num_max_dispatch_tokens_per_rank=tmax, num_experts=E, axis_name=AXIS,
+            use_fp8=True)
+        y = ops.per_token_cast_back(q.reshape(-1, H), s.reshape(-1, H // 128)).reshape(q.shape)
+        zero = buf.get_next_low_latency_combine_buffer(handle)
+        kinds["zero"] = (zero.shape, zero.dtype)
+        combined, event, hook = buf.low_latency_combine(y, idx, w, handle)
+        kinds["combine"] = (type(event), hook)
+        into, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True,
+                                                out=jnp.zeros(x.shape, jnp.float32))
+        kinds["out"] = (into.shape, into.dtype, hook())
+        f_combined = jax_ep.low_latency_combine(y, idx, w, f_h)
+        return (q.view(jnp.uint8), s, count, handle2.cumulative_local_expert_recv_stats,
+                combined, f_q.view(jnp.uint8), f_s, f_count, f_combined)
+
+    q, s, count, stats2, combined, f_q, f_s, f_count, f_combined = _ll_mesh_run(
+        body, num_ranks, x, idx, w, stats0)
+    assert kinds["dispatch"] == (5, jax_ep.EventOverlap, None)
+    assert kinds["hook"] is None
+    assert kinds["zero"] == ((L, num_ranks * tmax, H), jnp.bfloat16)
+    assert kinds["combine"] == (jax_ep.EventOverlap, None)
+    assert kinds["out"] == ((T, H), jnp.float32, None)
+    np.testing.assert_array_equal(q, f_q)
+    np.testing.assert_array_equal(s, f_s)
+    np.testing.assert_array_equal(count, f_count)
+    np.testing.assert_array_equal(stats2, stats0 + 2 * f_count)
+    np.testing.assert_array_equal(combined.astype(np.float32), f_combined.astype(np.float32))
+
+
+def _all_to_all_bytes(jaxpr):
+    """Bytes of the operands and results of every all_to_all in a (nested) jaxpr."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "all_to_all":
+            for v in list(eqn.invars) + list(eqn.outvars):
+                total += v.aval.size * v.aval.dtype.itemsize
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _all_to_all_bytes(inner)
+    return total
+
+
+def test_low_latency_rdma_size_hint_is_the_exchanged_bytes():
+    num_ranks, T, tmax, H, K, E = 4, 3, 4, 256, 2, 8
+    mesh = ep_mesh(num_ranks)
+    buf = jax_ep.Buffer(AXIS)
+
+    def body(x, idx, w):
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, tmax, E, use_fp8=False)
+        combined, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+        return combined, recv_x
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+    sharding = NamedSharding(mesh, P(AXIS))
+    args = (jax.ShapeDtypeStruct((num_ranks * T, H), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((num_ranks * T, K), jnp.int32, sharding=sharding),
+            jax.ShapeDtypeStruct((num_ranks * T, K), jnp.float32, sharding=sharding))
+    closed = jax.make_jaxpr(fn)(*args)
+    hint = jax_ep.Buffer.get_low_latency_rdma_size_hint(tmax, H, num_ranks, E)
+    assert hint == _all_to_all_bytes(closed.jaxpr)
+    recv_x = jax.eval_shape(fn, *args)[1]  # [P*L, P*Tmax, H] over all ranks
+    rows_bytes = recv_x.size * recv_x.dtype.itemsize // num_ranks
+    assert hint > 4 * rows_bytes  # dispatch + combine rows, each sent and received
+
+
+def test_bad_inputs_name_the_argument():
+    num_ranks, T, tmax, K, E = 2, 3, 4, 2, 4
+    rng = np.random.default_rng(3)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    buf = jax_ep.Buffer(AXIS)
+
+    def run(body, H=128):
+        x = np.ones((num_ranks * T, H), np.float32)
+        return run_ep(body, ep_mesh(num_ranks), x, idx, w)
+
+    def logfmt(x, i, w):
+        recv, _, h, _, _ = buf.low_latency_dispatch(x, i, tmax, E, use_fp8=False)
+        return buf.low_latency_combine(recv, i, w, h, use_logfmt=True)[0]
+
+    with pytest.raises(ValueError, match="use_logfmt"):
+        run(logfmt)
+    with pytest.raises(ValueError, match="x: hidden size 96"):
+        run(lambda x, i, w: buf.low_latency_dispatch(x, i, tmax, E)[1], H=96)
+
+    def normal_handle_to_ll(x, i, w):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(i, E)
+        rx, _, _, _, h, _ = buf.dispatch(x, topk_idx=i, topk_weights=w,
+                                         num_tokens_per_expert=per_expert)
+        y = jnp.zeros((E // num_ranks, num_ranks * tmax, x.shape[1]), jnp.bfloat16)
+        return buf.low_latency_combine(y, i, w, h)[0]
+
+    with pytest.raises(ValueError, match="handle: expected a LowLatencyHandle"):
+        run(normal_handle_to_ll)
+
+    def ll_handle_to_normal(x, i, w):
+        _, _, h, _, _ = buf.low_latency_dispatch(x, i, tmax, E, use_fp8=False)
+        return buf.combine(x, h)[0]
+
+    with pytest.raises(ValueError, match="handle: expected the DispatchHandle"):
+        run(ll_handle_to_normal)
+    with pytest.raises(ValueError, match="num_tokens_per_expert"):
+        run(lambda x, i, w: buf.dispatch(x, topk_idx=i, topk_weights=w)[0])
+
+
+def _splits(rng, num_ranks, S):
+    """send[p, q]: rows rank p sends to rank q; each rank sends at most S rows, some splits 0."""
+    send = np.stack([rng.multinomial(rng.integers(0, S + 1), np.ones(num_ranks) / num_ranks)
+                     for _ in range(num_ranks)]).astype(np.int32)
+    send[rng.random(send.shape) < 0.25] = 0
+    return send
+
+
+def _a2a_oracle(x, send, S, num_recv):
+    """Numpy all_to_all_single for every rank: x [P*S, H] -> [P*num_recv, H]."""
+    num_ranks = send.shape[0]
+    out = np.zeros((num_ranks, num_recv) + x.shape[1:], x.dtype)
+    for d in range(num_ranks):
+        rows = []
+        for s in range(num_ranks):
+            start = s * S + send[s, :d].sum()
+            rows.extend(x[start:start + send[s, d]])
+        rows = rows[:num_recv]
+        if rows:
+            out[d, :len(rows)] = np.stack(rows)
+    return out.reshape((num_ranks * num_recv,) + x.shape[1:])
+
+
+@pytest.mark.parametrize("num_ranks,num_recv", [(1, None), (4, None), (8, None), (4, 7)])
+def test_all_to_all_single_values_and_vjp(num_ranks, num_recv):
+    S, H = 6, 3
+    rng = np.random.default_rng(num_ranks)
+    send = _splits(rng, num_ranks, S)
+    x = rng.standard_normal((num_ranks * S, H)).astype(np.float32)
+    R = num_ranks * S if num_recv is None else num_recv
+    cot = rng.standard_normal((num_ranks * R, H)).astype(np.float32)
+
+    def body(x, out_splits, in_splits, cot):
+        out, vjp = jax.vjp(lambda x: jax_ep.all_to_all_single(
+            x, out_splits, in_splits, axis_name=AXIS, num_recv=num_recv), x)
+        return out, vjp(cot)[0]
+
+    out, dx = run_ep(body, ep_mesh(num_ranks), x, send.T.reshape(-1), send.reshape(-1), cot)
+    np.testing.assert_array_equal(np.asarray(out), _a2a_oracle(x, send, S, R))
+    # VJP: <out, cot> = <x, dx>; numerically the adjoint of the exchange.
+    want = np.zeros_like(x)
+    for d in range(num_ranks):
+        row = 0
+        for s in range(num_ranks):
+            start = s * S + send[s, :d].sum()
+            for j in range(send[s, d]):
+                if row < R:
+                    want[start + j] = cot[d * R + row]
+                row += 1
+    np.testing.assert_array_equal(np.asarray(dx), want)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 4])
+def test_all_to_all_single_equal(num_ranks):
+    S, H = 8, 2
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((num_ranks * S, H)).astype(np.float32)
+    send = np.full((num_ranks, num_ranks), S // num_ranks, np.int32)
+
+    def body(x):
+        out, vjp = jax.vjp(lambda x: jax_ep.all_to_all_single_equal(x, axis_name=AXIS), x)
+        return out, vjp(out)[0]
+
+    out, back = run_ep(body, ep_mesh(num_ranks), x)
+    np.testing.assert_array_equal(np.asarray(out), _a2a_oracle(x, send, S, S))
+    np.testing.assert_array_equal(np.asarray(back), x)  # the exchange is its own inverse
