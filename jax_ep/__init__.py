@@ -3,7 +3,7 @@
 DeepEP, HybridEP, UCCL-EP and plain all-to-all dispatch modes as XLA FFI custom calls (CPU and
 CUDA handlers), differentiable with `custom_vjp`, run inside `jax.shard_map` over an expert
 mesh axis. Layers: `jax_ep.ops` (local kernels) -> `jax_ep.transport` -> the modes
-(`jax_ep.deepep`, ...) -> `jax_ep.flax`. See SPEC.md for the contract.
+(`jax_ep.deepep`, ...) -> `jax_ep.flax`. See docs/contract.md for the contract.
 """
 
 from jax_ep import ops, reference, transport

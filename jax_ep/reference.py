@@ -140,7 +140,7 @@ def permute_plan(routing_map, *, num_out_tokens, pad_multiple=None, drop_and_pad
 def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=None,
             drop_and_pad=False):
     """tokens [T,H] -> (permuted [N,H], permuted_probs f32[N] | None, sorted_indices i32[N],
-    tokens_per_expert i32[E]); expert-major, token-ascending, see SPEC "permute"."""
+    tokens_per_expert i32[E]); expert-major, token-ascending, see docs/contract.md "permute"."""
     num_tokens, num_experts = routing_map.shape
     n = num_out_tokens
     row, tokens_per_expert, _ = permute_plan(

@@ -152,7 +152,7 @@ def test_equalized_token_counts(local, group_max, want):
                                           (513, 128, 640), (0, 64, 512)])
 def test_required_capacity(n, chunk, want):
     assert hybridep.required_capacity(n, chunk) == want
-    assert jax_ep.required_capacity(n, chunk) == want  # SPEC: available at the top level
+    assert jax_ep.required_capacity(n, chunk) == want  # contract: available at the top level
 
 
 def test_bad_inputs():

@@ -1,7 +1,7 @@
 """Layer 1: get_dispatch_layout, build_send_layout and indices_to_multihot (CPU).
 
 FFI (impl="ffi") against the pure-JAX reference (impl="xla"), bitwise; hand-computed cases
-from SPEC.md; edge cases; gradients; jit / vmap / shard_map; argument errors.
+from docs/contract.md; edge cases; gradients; jit / vmap / shard_map; argument errors.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _assert_send_equal(a: ops.SendLayout, b: ops.SendLayout):
 
 
 def _numpy_dispatch_layout(idx, num_experts, num_ranks):
-    """Loop version of SPEC layer 1 item 1, independent of jax_ep."""
+    """Loop version of contract layer 1 item 1, independent of jax_ep."""
     num_local = num_experts // num_ranks
     per_rank = np.zeros(num_ranks, np.int32)
     in_rank = np.zeros((idx.shape[0], num_ranks), bool)
@@ -64,7 +64,7 @@ def _numpy_dispatch_layout(idx, num_experts, num_ranks):
 
 
 def _numpy_send_layout(idx, weights, num_ranks, num_local):
-    """Loop version of SPEC layer 1 item 2, independent of jax_ep."""
+    """Loop version of contract layer 1 item 2, independent of jax_ep."""
     T, K = idx.shape
     rows = T * num_ranks
     tok = np.full(rows, -1, np.int32)
@@ -376,7 +376,7 @@ def test_multihot_grad_ffi_matches_autodiff(rng, make_routing, unrouted):
     g_ffi = jax.grad(loss)(probs, "ffi")
     g_ref = jax.grad(loss)(probs, "xla")
     np.testing.assert_array_equal(g_ffi, g_ref)
-    # Dense gradient gathered at the indices, 0 on -1 slots (SPEC item 3).
+    # Dense gradient gathered at the indices, 0 on -1 slots (contract item 3).
     i = np.asarray(idx)
     want = np.where(i >= 0, np.take_along_axis(np.asarray(cot), np.maximum(i, 0), axis=1), 0)
     np.testing.assert_array_equal(g_ffi, want)

@@ -1,8 +1,8 @@
 """Layer 1: permute, unpermute and gather_rows (CPU).
 
 FFI (impl="ffi") against the pure-JAX reference (impl="xla") and a loop oracle written from
-SPEC.md; hand-computed layouts (pad_multiple, drop_and_pad, overflow); gradients; hypothesis
-properties; jit / vmap / shard_map; argument and run-time errors; determinism.
+docs/contract.md; hand-computed layouts (pad_multiple, drop_and_pad, overflow); gradients;
+hypothesis properties; jit / vmap / shard_map; argument and run-time errors; determinism.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ def _f32(x):
 
 
 def plan_oracle(routing_map, num_out, pad_multiple=None, drop_and_pad=False):
-    """Loop version of SPEC item 4: (sorted_indices, tokens_per_expert, num_dropped, row[T,E]).
+    """Loop version of contract item 4: (sorted_indices, tokens_per_expert, num_dropped, row[T,E]).
 
     Blocks are expert-major and token-ascending. Without drop_and_pad, block e has
     ceil(n_e/m)*m rows and blocks are laid end to end; rows at or past num_out do not exist, so
-    their tokens are dropped. SPEC: "every expert block is padded with zero rows to a multiple
-    of m and tokens_per_expert reports the padded sizes", so a block cut by num_out keeps
+    their tokens are dropped. The contract: "every expert block is padded with zero rows to a
+    multiple of m and tokens_per_expert reports the padded sizes", so a block cut by num_out keeps
     whole multiples of m only: capacity min(ceil(n_e/m)*m, (num_out - start) // m * m).
     With drop_and_pad every block has c = num_out // E rows (rounded down to a multiple of m,
     as ops.permute documents) and keeps its first c tokens.
@@ -137,7 +137,7 @@ def test_permute_ffi_matches_reference(rng, T, H, E, pad, drop, mode, dtype, wit
     want = ref(ops.permute, jnp.asarray(tokens), jnp.asarray(routing_map), p, **kw)
     _assert_permute_equal(got, want)
     assert got[0].dtype == tokens.dtype and got[0].shape == (n, H)
-    # Against the loop oracle written from the SPEC.
+    # Against the loop oracle written from the contract.
     sorted_indices, tpe, dropped, _ = plan_oracle(routing_map, n, pad, drop)
     np.testing.assert_array_equal(got[2], sorted_indices)
     np.testing.assert_array_equal(got[3], tpe)

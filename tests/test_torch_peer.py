@@ -6,8 +6,8 @@ The peers are the unfused PyTorch formulations users run today, written out here
 `per_token_cast_to_fp8` / `per_token_cast_back` and `get_dispatch_layout`, and the
 all_to_all dispatch module's `compute_send_counts` / `build_send_layout` (seeds 000-003).
 jax_ep must equal them on everything both define. Where jax_ep's contract differs on purpose
-(SPEC: padding rows are zero / -1 / 0, where Megatron pads drop_and_pad blocks with real token
-ids), the tests compare the routed rows and check the padding separately.
+(docs/contract.md: padding rows are zero / -1 / 0, where Megatron pads drop_and_pad blocks
+with real token ids), the tests compare the routed rows and check the padding separately.
 """
 
 from __future__ import annotations

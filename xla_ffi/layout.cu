@@ -1,7 +1,7 @@
 // Dispatch layout and send layout, CUDA handlers: the twins of layout.cc (same arguments,
 // attributes and results, bitwise-identical outputs for valid input).
 //
-// GPU semantics for bad input (SPEC "Errors"): an expert id outside [-1, E) is treated as an
+// GPU semantics for bad input (docs/contract.md, "Errors"): an expert id outside [-1, E) is treated as an
 // unrouted slot (never an out-of-bounds write) and, in the dispatch layout, counted in the
 // num_invalid i32[] output. Shape and attribute errors are InvalidArgument, as on CPU.
 //
