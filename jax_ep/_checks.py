@@ -6,12 +6,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep.reference import FP8_BLOCK
+
 __all__ = [
     "FLOAT_DTYPES",
+    "FP8_OUTPUTS",
     "as_int32_ids",
     "check_experts",
     "check_float",
     "check_float_weights",
+    "check_fp8_dispatch",
     "check_positive",
     "check_rank",
     "check_routing",
@@ -20,6 +24,7 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+FP8_OUTPUTS = ("pair", "cast_back")
 
 
 def check_rank(x, rank: int, name: str) -> None:
@@ -103,3 +108,19 @@ def unroute_invalid_experts(topk_idx, num_experts: int):
     ranks waiting in the next collective."""
     invalid = (topk_idx < -1) | (topk_idx >= num_experts)
     return jnp.where(invalid, -1, topk_idx), invalid.sum(dtype=jnp.int32)
+
+
+def check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0) -> None:
+    """Arguments of a dispatch with use_fp8=True: x one [T,H] float array, H % 128 == 0."""
+    if fp8_output not in FP8_OUTPUTS:
+        raise ValueError(f"fp8_output: expected one of {FP8_OUTPUTS}, got {fp8_output!r}")
+    if isinstance(x, (tuple, list)):
+        raise ValueError("x: use_fp8=True casts x itself; expected one [T,H] float array, got a "
+                         "tuple (an FP8 pair dispatches as it is, with use_fp8=False)")
+    check_rank(x, 2, "x")
+    check_float(x, "x")
+    if x.shape[1] % FP8_BLOCK:
+        raise ValueError(f"x: hidden size {x.shape[1]} must be a multiple of {FP8_BLOCK} with "
+                         f"use_fp8=True, got shape {tuple(x.shape)}")
+    if use_ue8m0 and not round_scale:
+        raise ValueError("use_ue8m0: requires round_scale=True (UE8M0 scales are powers of two)")

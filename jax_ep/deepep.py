@@ -25,6 +25,7 @@ from jax_ep import _ffi, ops, transport as tp
 from jax_ep._checks import (
     check_experts,
     check_float,
+    check_fp8_dispatch,
     check_positive,
     check_rank,
     check_routing,
@@ -216,19 +217,25 @@ def _reduce_back(y, handle):
 
 _combine_rows = tp.with_transpose(_reduce_back, _send)
 _sent_rows = tp.with_transpose(_send, _reduce_back)
+_sent_rows_fp8 = tp.with_fp8_wire(_send, _reduce_back)
+
+
+def _dispatch_weights(topk_weights, handle):
+    """topk_weights [T,K] to their owning ranks; the weights of slots owned elsewhere read 0
+    (so their cotangents are dropped before the reduce-back)."""
+    recv_w = _sent_rows(topk_weights, handle)
+    return jnp.where(handle.recv_topk_idx >= 0, recv_w, 0.0)
 
 
 def _dispatch_rows(x, topk_weights, handle):
-    """x [T,H] and topk_weights [T,K] to their owning ranks; the weights of slots owned
-    elsewhere read 0 (so their cotangents are dropped before the reduce-back)."""
-    recv_x = _sent_rows(x, handle)
-    recv_w = _sent_rows(topk_weights, handle)
-    return recv_x, jnp.where(handle.recv_topk_idx >= 0, recv_w, 0.0)
+    """x [T,H] and topk_weights [T,K] to their owning ranks (see _dispatch_weights)."""
+    return _sent_rows(x, handle), _dispatch_weights(topk_weights, handle)
 
 
 def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name,
              backend="deepep", num_worst_tokens=None, expert_alignment=1, transport="auto",
-             capacity=None, handle=None, layout=None):
+             capacity=None, handle=None, layout=None, use_fp8=False, fp8_output="pair",
+             round_scale=False, use_ue8m0=False):
     """Send each token once to every rank owning one of its experts (DeepEP normal mode).
 
     Call inside `jax.shard_map` over `axis_name` (P ranks; P = 1 runs no collective).
@@ -255,9 +262,22 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
       layout: a `get_dispatch_layout` result (num_tokens_per_rank i32[P], is_token_in_rank
         bool[T,P], num_tokens_per_expert i32[E]) for the same topk_idx; its per-rank counts
         feed the count exchange directly.
+      use_fp8: cast x [T,H] f32/bf16/f16 (H % 128 == 0) to FP8 per token and 128 channels
+        before the wire (ops.per_token_cast_to_fp8 with round_scale / use_ue8m0; use_ue8m0
+        requires round_scale); the codes and scales travel through one layout, as the tuple
+        x above does. recv_x is then, by fp8_output:
+          "pair": DeepEP's FP8 pair (x_fp8 float8_e4m3fn[R,H], scales f32[R,H/128], or
+            i32[R,H/512] with use_ue8m0); forward-only: differentiating it raises.
+          "cast_back": the received rows cast back to x.dtype [R,H] on arrival.
+        Gradients (cast_back) flow to x and topk_weights; the cotangents move back in
+        x.dtype through the backward of the dispatch without FP8, the cast being the
+        identity (straight-through): the gradient equals that of the non-FP8 dispatch of the
+        FP8 round trip of x.
     Returns (recv_x [R,H], recv_topk_idx i32[R,K], recv_topk_weights f32[R,K], handle).
     """
     impl = check_backend(backend)
+    if use_fp8:
+        check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
     if isinstance(x, (tuple, list)):
         return _dispatch_row_tuple(tuple(x), topk_idx, topk_weights, num_experts=num_experts,
                                    axis_name=axis_name, backend=backend,
@@ -285,11 +305,16 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
     elif x.shape[0] != handle.num_tokens:
         raise ValueError(f"x: expected {handle.num_tokens} rows to match the handle, got "
                          f"shape {x.shape}")
+    if use_fp8:
+        recv_x = _sent_rows_fp8(x, handle, bool(round_scale), bool(use_ue8m0),
+                                fp8_output == "cast_back")
+    else:
+        recv_x = _sent_rows(x, handle)
     if topk_weights is None:
         # Weights of ones arrive as ones on every owned slot: nothing to send.
         recv_w = jnp.where(handle.recv_topk_idx >= 0, 1.0, 0.0).astype(jnp.float32)
-        return _sent_rows(x, handle), handle.recv_topk_idx, recv_w, handle
-    recv_x, recv_w = _dispatch_rows(x, topk_weights, handle)
+    else:
+        recv_w = _dispatch_weights(topk_weights, handle)
     return recv_x, handle.recv_topk_idx, recv_w, handle
 
 

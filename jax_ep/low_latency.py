@@ -23,6 +23,7 @@ from jax_ep import _ffi, deepep, ops, reference, transport as tp
 from jax_ep._checks import (
     check_experts,
     check_float,
+    check_fp8_dispatch,
     check_positive,
     check_rank,
     check_routing,
@@ -95,6 +96,7 @@ def _sum_back(y, h):
 
 
 _ll_rows = tp.with_transpose(_send, _sum_back)
+_ll_rows_fp8 = tp.with_fp8_wire(_send, _sum_back)
 
 
 @jax.custom_vjp
@@ -168,19 +170,26 @@ def _plan(topk_idx, num_experts, tmax, axis_name, impl):
 
 def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,
                          axis_name, use_fp8=False, round_scale=False, use_ue8m0=False,
-                         backend="deepep"):
+                         backend="deepep", fp8_output="pair"):
     """DeepEP low-latency dispatch. Call inside jax.shard_map over `axis_name`.
 
       x: [T,H] with T <= Tmax = num_max_dispatch_tokens_per_rank (same on every rank).
       topk_idx: [T,K] global expert ids, -1 = unrouted (distinct ids per token).
-      use_fp8 / round_scale / use_ue8m0: cast to float8_e4m3fn before the wire, with
-        per-128-channel scales (see jax_ep.ops.per_token_cast_to_fp8).
+      use_fp8 / round_scale / use_ue8m0: cast x (f32/bf16/f16, H % 128 == 0) to
+        float8_e4m3fn before the wire, with per-128-channel scales (see
+        jax_ep.ops.per_token_cast_to_fp8; use_ue8m0 requires round_scale).
+      fp8_output (with use_fp8): "pair" (DeepEP's result, below) or "cast_back" (rows cast
+        back to x.dtype on arrival, recv_x [L, P*Tmax, H] in x.dtype).
     Returns (recv_x, recv_count i32[L], handle): recv_x [L, P*Tmax, H] in x.dtype, or with
-    use_fp8 (x_fp8 [L, P*Tmax, H] float8_e4m3fn, scales [L, P*Tmax, H/128] f32 or
-    [L, P*Tmax, H/512] i32 with use_ue8m0). Row i < recv_count[l] of expert l is valid.
-    Gradients flow to x in x.dtype (backward = the combine-shaped reduction, no FP8 in it);
-    differentiating through use_fp8=True raises (FP8 is the inference path, as in DeepEP).
+    use_fp8 and fp8_output="pair" (x_fp8 [L, P*Tmax, H] float8_e4m3fn, scales
+    [L, P*Tmax, H/128] f32 or [L, P*Tmax, H/512] i32 with use_ue8m0). Row i < recv_count[l]
+    of expert l is valid. Gradients flow to x in x.dtype (backward = the combine-shaped
+    reduction, no FP8 in it); with use_fp8 and "cast_back" the cast counts as the identity
+    (the gradient of the non-FP8 dispatch of x's FP8 round trip); the FP8 pair is
+    forward-only and differentiating it raises.
     """
+    if use_fp8:
+        check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
     check_rank(x, 2, "x")
     tmax = check_positive(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
     if x.shape[0] > tmax:
@@ -189,39 +198,13 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
     topk_idx, _ = check_routing(topk_idx, None, num_experts)
     check_shape(topk_idx, (x.shape[0], topk_idx.shape[1]), "topk_idx")
     impl = deepep.check_backend(backend)
-    if use_fp8:
-        if x.shape[1] % reference.FP8_BLOCK:
-            raise ValueError(f"x: hidden size {x.shape[1]} must be a multiple of 128 with "
-                             "use_fp8")
-        if use_ue8m0 and not round_scale:
-            raise ValueError("use_ue8m0: requires round_scale=True")
     h = dataclasses.replace(_plan(topk_idx, num_experts, tmax, axis_name, impl),
                             hidden=x.shape[1])
     recv_count = h.layout_range[..., 1].sum(axis=1)
     if not use_fp8:
         return _ll_rows(x, h), recv_count, h
-    return _ll_rows_fp8(x, h, bool(round_scale), bool(use_ue8m0)), recv_count, h
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _ll_rows_fp8(x, h, round_scale, use_ue8m0):
-    x_fp8, scales = ops.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                                              impl=h.impl)
-    return _send(x_fp8, h), _send(scales, h)
-
-
-def _ll_rows_fp8_fwd(x, h, round_scale, use_ue8m0):
-    return _ll_rows_fp8(x, h, round_scale, use_ue8m0), None
-
-
-def _ll_rows_fp8_bwd(round_scale, use_ue8m0, residuals, cotangents):
-    raise ValueError(
-        "use_fp8: low_latency_dispatch with use_fp8=True is not differentiable (an FP8 "
-        "cotangent would overflow); dispatch with use_fp8=False to train - its backward runs "
-        "in x's dtype")
-
-
-_ll_rows_fp8.defvjp(_ll_rows_fp8_fwd, _ll_rows_fp8_bwd)
+    return (_ll_rows_fp8(x, h, bool(round_scale), bool(use_ue8m0), fp8_output == "cast_back"),
+            recv_count, h)
 
 
 def low_latency_combine(y, topk_idx, topk_weights, handle):

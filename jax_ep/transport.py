@@ -18,6 +18,7 @@ Both give identical results. The collectives are tagged with `checkpoint_name` (
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -29,6 +30,7 @@ from jax_ep import _ffi, ops
 __all__ = [
     "TRANSPORTS",
     "with_transpose",
+    "with_fp8_wire",
     "as_bits",
     "from_bits",
     "ExchangePlan",
@@ -95,6 +97,50 @@ def with_transpose(forward, transpose):
     linear.defvjp(lambda rows, handle: (forward(rows, handle), handle),
                   lambda handle, d_out: (transpose(d_out, handle), None))
     return linear
+
+
+def with_fp8_wire(send, transpose):
+    """A dispatch of rows that moves them as FP8 on the wire, with a straight-through gradient.
+
+    Returns rows_fp8(x, handle, round_scale, use_ue8m0, cast_back): x [T,H] f32/bf16/f16 is
+    cast per token and 128 channels (ops.per_token_cast_to_fp8, handle.impl), the codes
+    float8_e4m3fn[T,H] and scales (f32[T,H/128], or i32[T,H/512] with use_ue8m0) both travel
+    through send(rows, handle) -> [..., H] (one layout, the same rows), and the result is the
+    pair (codes [...,H], scales [...,G]) or, with cast_back, the rows cast back to x.dtype
+    [...,H]. Backward (cast_back only): transpose(cotangent in x.dtype, handle), the backward
+    of the same dispatch without FP8 - the cast counts as the identity. The pair has no
+    gradient (JAX would type its cotangent FP8), so differentiating it raises.
+    """
+
+    def _forward(x, handle, round_scale, use_ue8m0, cast_back):
+        codes, scales = ops.per_token_cast_to_fp8(x, round_scale=round_scale,
+                                                  use_ue8m0=use_ue8m0, impl=handle.impl)
+        recv_codes, recv_scales = send(codes, handle), send(scales, handle)
+        if not cast_back:
+            return recv_codes, recv_scales
+        hidden = x.shape[1]
+        rows = ops.per_token_cast_back(recv_codes.reshape(-1, hidden),
+                                       recv_scales.reshape(-1, recv_scales.shape[-1]),
+                                       use_ue8m0=use_ue8m0, dtype=x.dtype, impl=handle.impl)
+        return rows.reshape(recv_codes.shape)
+
+    @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+    def rows_fp8(x, handle, round_scale, use_ue8m0, cast_back):
+        return _forward(x, handle, round_scale, use_ue8m0, cast_back)
+
+    def _fwd(x, handle, round_scale, use_ue8m0, cast_back):
+        return _forward(x, handle, round_scale, use_ue8m0, cast_back), handle
+
+    def _bwd(round_scale, use_ue8m0, cast_back, handle, d_out):
+        if not cast_back:
+            raise ValueError(
+                "fp8_output: the FP8 pair (codes, scales) is forward-only (JAX types the "
+                "cotangent of FP8 codes as FP8); dispatch with use_fp8=True, "
+                "fp8_output=\"cast_back\" to differentiate - its backward runs in x's dtype")
+        return transpose(d_out, handle), None
+
+    rows_fp8.defvjp(_fwd, _bwd)
+    return rows_fp8
 
 
 class ExchangePlan(NamedTuple):

@@ -1,0 +1,189 @@
+"""FP8 on the wire, differentiable: dispatch(use_fp8=True) and low_latency_dispatch(use_fp8=True)
+against the same dispatch without FP8 of x's FP8 round trip, on emulated CPU ranks."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ep_utils import AXIS, ep_mesh, local_experts, random_routing, run_ep, shard
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import ops
+
+T, H, F, K, E = 6, 256, 16, 2, 8
+
+
+def _inputs(num_ranks, dtype=jnp.bfloat16, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)) * 3, dtype)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    w_in = (rng.standard_normal((E, H, F)) / np.sqrt(H)).astype(np.float32)
+    w_out = (rng.standard_normal((E, F, H)) / np.sqrt(F)).astype(np.float32)
+    cot = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    return x, idx, w, w_in, w_out, cot
+
+
+def _round_trip(x, **cast):
+    """x's FP8 round trip in x.dtype (the rows the FP8 wire delivers)."""
+    q, s = ops.per_token_cast_to_fp8(x, **cast)
+    return ops.per_token_cast_back(q, s, use_ue8m0=cast.get("use_ue8m0", False), dtype=x.dtype)
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(f"uint{a.dtype.itemsize * 8}")
+
+
+@pytest.mark.parametrize("num_ranks", [1, 4])
+@pytest.mark.parametrize("backend", ["deepep", "alltoall", "uccl_ep"])
+@pytest.mark.parametrize("cast", [{}, {"round_scale": True, "use_ue8m0": True}])
+def test_forward_equals_the_dispatch_of_the_round_trip(num_ranks, backend, cast):
+    x, idx, w, *_ = _inputs(num_ranks)
+
+    def body(x, idx, w):
+        kw = dict(num_experts=E, axis_name=AXIS, backend=backend)
+        (rq, rs), ri, rw, _ = jax_ep.dispatch(x, idx, w, use_fp8=True, **cast, **kw)
+        rows, ri2, rw2, _ = jax_ep.dispatch(x, idx, w, use_fp8=True, fp8_output="cast_back",
+                                            **cast, **kw)
+        (wq, ws), *_ = jax_ep.dispatch(ops.per_token_cast_to_fp8(x, **cast), idx, w, **kw)
+        want_rows = jax_ep.dispatch(_round_trip(x, **cast), idx, w, **kw)[0]
+        return rq, rs, wq, ws, rows, want_rows, ri, ri2, rw, rw2
+
+    rq, rs, wq, ws, rows, want_rows, ri, ri2, rw, rw2 = run_ep(body, ep_mesh(num_ranks), x, idx,
+                                                               w)
+    assert rq.dtype == jnp.float8_e4m3fn and rows.dtype == x.dtype
+    assert rs.dtype == (jnp.int32 if cast else jnp.float32)
+    np.testing.assert_array_equal(_bits(rq), _bits(wq))
+    np.testing.assert_array_equal(rs, ws)
+    np.testing.assert_array_equal(_bits(rows), _bits(want_rows))
+    np.testing.assert_array_equal(ri, ri2)
+    np.testing.assert_array_equal(rw, rw2)
+
+
+def _ep_loss(mesh, backend, cot, use_fp8):
+    def body(x, idx, w, w_in, w_out):
+        kw = dict(use_fp8=True, fp8_output="cast_back") if use_fp8 else {}
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                        backend=backend, **kw)
+        y = local_experts(rx.astype(jnp.float32), ri, rw, w_in, w_out).astype(x.dtype)
+        return jax_ep.combine(y, h)[0]
+
+    moe = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 5, out_specs=P(AXIS))
+    return lambda x, w, idx, w_in, w_out: jnp.sum(moe(x, idx, w, w_in, w_out) * cot)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 4])
+@pytest.mark.parametrize("backend", ["deepep", "alltoall"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gradients_equal_the_non_fp8_path_at_the_round_trip(num_ranks, backend, dtype):
+    x, idx, w, w_in, w_out, cot = _inputs(num_ranks, dtype, seed=1)
+    mesh = ep_mesh(num_ranks)
+    grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1)))  # noqa: E731
+    args = shard(mesh, idx, w_in, w_out)
+    d_x, d_w = grad(_ep_loss(mesh, backend, cot, True))(*shard(mesh, x, w), *args)
+    want_x, want_w = grad(_ep_loss(mesh, backend, cot, False))(
+        *shard(mesh, _round_trip(x), w), *args)
+    assert d_x.dtype == x.dtype and d_w.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(d_x, np.float32), np.asarray(want_x, np.float32))
+    np.testing.assert_array_equal(d_w, want_w)
+    assert np.abs(np.asarray(d_x, np.float32)).sum() > 0
+
+
+def _all_to_alls(text):
+    return [m.group(1) for line in text.splitlines()
+            if re.search(r'stablehlo\.all_to_all', line)
+            for m in [re.search(r":\s*\((tensor<[^>]*>)", line)] if m]
+
+
+def test_wire_carries_fp8_forward_and_bf16_backward():
+    num_ranks = 4
+    x, idx, w, w_in, w_out, cot = _inputs(num_ranks)
+    mesh = ep_mesh(num_ranks)
+    args = shard(mesh, x, w, idx, w_in, w_out)
+    loss = _ep_loss(mesh, "deepep", cot, True)
+    forward = _all_to_alls(jax.jit(loss).lower(*args).as_text())
+    wide = [t for t in forward if f"x{H}x" in t]
+    # rows of x: FP8 codes as bytes plus f32 scales; the combine of the expert outputs: bf16 bits
+    assert wide == [f"tensor<{num_ranks}x{T}x{H}xui8>", f"tensor<{num_ranks}x{T}x{H}xui16>"], \
+        forward
+    assert f"tensor<{num_ranks}x{T}x{H // 128}xf32>" in forward, forward
+    backward = _all_to_alls(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text())
+    wide = [t for t in backward if f"x{H}x" in t]
+    # The forward dispatch is the one FP8 exchange; the two cotangent exchanges (combine's
+    # backward dispatch of d_y, dispatch's backward combine of d_x) move bf16 bits. (The
+    # forward combine is dead code under grad: only its cotangent is needed.)
+    assert wide == [f"tensor<{num_ranks}x{T}x{H}xui8>"] + [f"tensor<{num_ranks}x{T}x{H}xui16>"] * 2, \
+        backward
+
+
+def test_the_pair_is_forward_only():
+    num_ranks = 2
+    x, idx, w, *_ = _inputs(num_ranks, jnp.float32)
+    mesh = ep_mesh(num_ranks)
+
+    def f(x, idx, w):
+        (q, s), _, _, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS, use_fp8=True)
+        return jax_ep.combine(q.astype(jnp.float32) * jnp.repeat(s, 128, axis=1), h)[0]
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+    with pytest.raises(ValueError, match="fp8_output"):
+        jax.jit(jax.grad(lambda *a: jnp.sum(g(*a))))(*shard(mesh, x, idx, w))
+
+
+@pytest.mark.parametrize("x_shape,x_dtype,kw,match", [
+    ((8, 130), jnp.float32, {}, "x: hidden size 130"),
+    ((8, 128), jnp.int32, {}, "x: expected float"),
+    ((8, 128), jnp.float32, {"use_ue8m0": True}, "use_ue8m0: requires round_scale"),
+    ((8, 128), jnp.float32, {"fp8_output": "fp8"}, "fp8_output: expected one of"),
+    (None, None, {}, "x: use_fp8=True casts x itself"),
+])
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_bad_input_names_the_argument(x_shape, x_dtype, kw, match, mode):
+    idx = jnp.zeros((8, K), jnp.int32)
+    if x_shape is None:
+        x = ops.per_token_cast_to_fp8(jnp.ones((8, 128), jnp.float32))
+    else:
+        x = jnp.ones(x_shape, x_dtype)
+
+    def f(x, idx):
+        if mode == "normal":
+            return jax_ep.dispatch(x, idx, num_experts=E, axis_name=AXIS, use_fp8=True, **kw)
+        return jax_ep.low_latency_dispatch(x, idx, num_max_dispatch_tokens_per_rank=8,
+                                           num_experts=E, axis_name=AXIS, use_fp8=True, **kw)
+
+    with pytest.raises(ValueError, match=match):
+        run_ep(f, ep_mesh(1), x, idx)
+
+
+def _ll_loss(mesh, tmax, cot, use_fp8):
+    def body(x, idx, w, scale):
+        kw = dict(use_fp8=True, fp8_output="cast_back") if use_fp8 else {}
+        rx, _, h = jax_ep.low_latency_dispatch(x, idx, num_max_dispatch_tokens_per_rank=tmax,
+                                               num_experts=E, axis_name=AXIS, **kw)
+        y = jnp.tanh(rx.astype(jnp.float32)) * scale[:, None, :]  # local experts [L,H]
+        return jax_ep.low_latency_combine(y.astype(x.dtype), idx, w, h)
+
+    moe = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4, out_specs=P(AXIS))
+    return lambda x, w, idx, scale: jnp.sum(moe(x, idx, w, scale) * cot)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 4])
+def test_low_latency_gradients_equal_the_non_fp8_path_at_the_round_trip(num_ranks):
+    x, idx, w, _, _, cot = _inputs(num_ranks, seed=2)
+    scale = np.random.default_rng(3).uniform(0.5, 2.0, (E, H)).astype(np.float32)
+    mesh = ep_mesh(num_ranks)
+    tmax = T + 2
+    grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1)))  # noqa: E731
+    rest = shard(mesh, idx, scale)
+    d_x, d_w = grad(_ll_loss(mesh, tmax, cot, True))(*shard(mesh, x, w), *rest)
+    want_x, want_w = grad(_ll_loss(mesh, tmax, cot, False))(*shard(mesh, _round_trip(x), w),
+                                                            *rest)
+    assert d_x.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(d_x, np.float32), np.asarray(want_x, np.float32))
+    np.testing.assert_array_equal(d_w, want_w)
+    assert np.abs(np.asarray(d_x, np.float32)).sum() > 0
