@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--ffn", type=int, default=128, help="expert FFN hidden size")
     p.add_argument("--capacity-factor", type=float, default=None)
+    p.add_argument("--fp8-dispatch", action="store_true",
+                   help="FP8 tokens on the dispatch wire (moe_fp8_dispatch; --d-model a "
+                        "multiple of 128)")
     p.add_argument("--grouped-gemm", default="auto", choices=["auto", "tiled", "ragged_dot"],
                    help="the experts' grouped GEMM (auto: tiled on CPU, ragged_dot on GPU)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -104,7 +107,8 @@ def build_model(args, mesh, jax):
     config = jax_ep.TokenDispatcherConfig(
         num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
-        moe_expert_capacity_factor=args.capacity_factor, grouped_gemm_impl=args.grouped_gemm)
+        moe_expert_capacity_factor=args.capacity_factor, grouped_gemm_impl=args.grouped_gemm,
+        moe_fp8_dispatch=args.fp8_dispatch)
 
     class Block(nnx.Module):
         def __init__(self, rngs):

@@ -298,7 +298,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
             num_experts=cfg.num_moe_experts, axis_name=self.axis_name, backend=self.backend,
             num_worst_tokens=self._num_worst_tokens(hidden_states.shape[0]),
             transport=cfg.transport,
-            capacity=self._capacity(hidden_states.shape[0]))
+            capacity=self._capacity(hidden_states.shape[0]),
+            use_fp8=cfg.moe_fp8_dispatch, fp8_output="cast_back")
         state = dataclasses.replace(state, handle=handle,
                                     num_dropped=dropped + handle.num_dropped)
         return (recv_x, recv_idx, recv_w), state
