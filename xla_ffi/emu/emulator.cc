@@ -412,7 +412,6 @@ int BlockBarrier(int predicate) {
   return r.barrier_result;
 }
 
-int64_t BlockBarriersCompleted() { return g_run.barriers_completed; }
 int LinearThreadId() { return g_run.current->linear; }
 int BlockThreads() { return g_run.threads; }
 

@@ -148,10 +148,6 @@ uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int arg, int w
 // A block barrier; returns the number of threads that passed a non-zero `predicate`.
 int BlockBarrier(int predicate);
 
-// The number of block barriers the running block has completed (for the CUB stand-ins' check
-// that temporary storage is not reused without a barrier).
-int64_t BlockBarriersCompleted();
-
 // Linear id of the running thread in its block, and the block's thread count.
 int LinearThreadId();
 int BlockThreads();
