@@ -479,11 +479,12 @@ def _padded_rows(a, rows):
     return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
 
 
-def _gmm_loop(x, w, group_sizes, tile, transpose_w):
-    """out [N, F] (w [G,H,F]) or [N, H] (transpose_w: w^T per group) of the visited tiles,
-    rows outside every group zero; fp32 accumulation, cast to x's dtype."""
+def _gmm_loop(x, w, group_sizes, visits, tile, transpose_w):
+    """out [N, F] (w [G,H,F]) or [N, H] (transpose_w: w^T per group) of the visited tiles
+    (`visits`: _tile_visits of group_sizes), rows outside every group zero; fp32 accumulation,
+    cast to x's dtype."""
     num_rows = x.shape[0]
-    group, tile_of, num_visits, starts, ends = _tile_visits(group_sizes, num_rows, tile)
+    group, tile_of, num_visits, starts, ends = visits
     padded = -(-num_rows // tile) * tile
     xp = _padded_rows(x, padded)
     contract = ((1,), (1,)) if transpose_w else ((1,), (0,))
@@ -507,10 +508,10 @@ def _gmm_loop(x, w, group_sizes, tile, transpose_w):
     return out[:num_rows]
 
 
-def _gmm_dw(x, dy, group_sizes, num_groups, tile):
+def _gmm_dw(x, dy, group_sizes, visits, num_groups, tile):
     """dw [G,H,F] f32: dw[g] = x_g^T dy_g over the visited tiles (0 for empty groups)."""
     num_rows = x.shape[0]
-    group, tile_of, num_visits, starts, ends = _tile_visits(group_sizes, num_rows, tile)
+    group, tile_of, num_visits, starts, ends = visits
     padded = -(-num_rows // tile) * tile
     xp, dyp = _padded_rows(x, padded), _padded_rows(dy, padded)
     local_rows = jnp.arange(tile, dtype=jnp.int32)
@@ -533,7 +534,8 @@ def _gmm_dw(x, dy, group_sizes, num_groups, tile):
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _tiled_gmm(x, w, group_sizes, tile):
-    return _gmm_loop(x, w, group_sizes, tile, transpose_w=False)
+    visits = _tile_visits(group_sizes, x.shape[0], tile)
+    return _gmm_loop(x, w, group_sizes, visits, tile, transpose_w=False)
 
 
 def _tiled_gmm_fwd(x, w, group_sizes, tile):
@@ -543,8 +545,9 @@ def _tiled_gmm_fwd(x, w, group_sizes, tile):
 def _tiled_gmm_bwd(tile, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    dx = _gmm_loop(dy, w, group_sizes, tile, transpose_w=True)
-    dw = _gmm_dw(x, dy, group_sizes, w.shape[0], tile).astype(w.dtype)
+    visits = _tile_visits(group_sizes, x.shape[0], tile)
+    dx = _gmm_loop(dy, w, group_sizes, visits, tile, transpose_w=True)
+    dw = _gmm_dw(x, dy, group_sizes, visits, w.shape[0], tile).astype(w.dtype)
     return dx, dw, None
 
 
