@@ -35,6 +35,7 @@ __all__ = [
     "from_bits",
     "ExchangePlan",
     "axis_rank_and_size",
+    "exchange_blocks",
     "exchange_counts",
     "make_plan",
     "resolve_transport",
@@ -225,6 +226,25 @@ def _ragged(rows, out_rows, in_offsets, in_sizes, out_offsets, out_sizes, axis_n
     out = jax.lax.ragged_all_to_all(bits, output, in_offsets, in_sizes, out_offsets, out_sizes,
                                     axis_name=axis_name)
     return checkpoint_name(from_bits(out, rows.dtype), name)
+
+
+def exchange_blocks(buf, send_sizes, recv_sizes, *, capacity, axis_name, transport, name):
+    """Fixed blocks of C rows to every rank, moving only the used rows on "ragged".
+
+    buf [P*C, ...]: block p (rows p*C ...) goes to rank p and holds send_sizes[p] used rows
+    first, zero rows after them. Returns [P*C, ...], block q what rank q sent here
+    (recv_sizes[q] used rows first). "all_to_all" moves the whole blocks; "ragged" only the
+    used rows, into the same slots, the rest staying zero: both give the same buffer.
+    """
+    rank, size = axis_rank_and_size(axis_name)
+    if size == 1:
+        return buf
+    if transport != "ragged":
+        return _all_to_all(buf, axis_name, size, capacity, name)
+    starts = jnp.arange(size, dtype=jnp.int32) * capacity
+    here = jnp.full((size,), rank * capacity, jnp.int32)
+    return _ragged(buf, buf.shape[0], starts, send_sizes.astype(jnp.int32), here,
+                   recv_sizes.astype(jnp.int32), axis_name, name)
 
 
 def receive_buffer(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):
