@@ -31,6 +31,8 @@ __all__ = [
     "TRANSPORTS",
     "with_transpose",
     "with_fp8_wire",
+    "fp8_cast_back",
+    "FP8_PAIR_NO_GRAD",
     "as_bits",
     "from_bits",
     "ExchangePlan",
@@ -100,6 +102,20 @@ def with_transpose(forward, transpose):
     return linear
 
 
+FP8_PAIR_NO_GRAD = (
+    "fp8_output: the FP8 pair (codes, scales) is forward-only (JAX types the cotangent of FP8 "
+    "codes as FP8); dispatch with use_fp8=True, fp8_output=\"cast_back\" to differentiate - its "
+    "backward runs in x's dtype")
+
+
+def fp8_cast_back(codes, scales, use_ue8m0, dtype, impl):
+    """Received FP8 rows codes [..., H] with their scales [..., G] -> rows [..., H] in dtype."""
+    rows = ops.per_token_cast_back(codes.reshape(-1, codes.shape[-1]),
+                                   scales.reshape(-1, scales.shape[-1]),
+                                   use_ue8m0=use_ue8m0, dtype=dtype, impl=impl)
+    return rows.reshape(codes.shape)
+
+
 def with_fp8_wire(send, transpose):
     """A dispatch of rows that moves them as FP8 on the wire, with a straight-through gradient.
 
@@ -119,11 +135,7 @@ def with_fp8_wire(send, transpose):
         recv_codes, recv_scales = send(codes, handle), send(scales, handle)
         if not cast_back:
             return recv_codes, recv_scales
-        hidden = x.shape[1]
-        rows = ops.per_token_cast_back(recv_codes.reshape(-1, hidden),
-                                       recv_scales.reshape(-1, recv_scales.shape[-1]),
-                                       use_ue8m0=use_ue8m0, dtype=x.dtype, impl=handle.impl)
-        return rows.reshape(recv_codes.shape)
+        return fp8_cast_back(recv_codes, recv_scales, use_ue8m0, x.dtype, handle.impl)
 
     @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
     def rows_fp8(x, handle, round_scale, use_ue8m0, cast_back):
@@ -134,10 +146,7 @@ def with_fp8_wire(send, transpose):
 
     def _bwd(round_scale, use_ue8m0, cast_back, handle, d_out):
         if not cast_back:
-            raise ValueError(
-                "fp8_output: the FP8 pair (codes, scales) is forward-only (JAX types the "
-                "cotangent of FP8 codes as FP8); dispatch with use_fp8=True, "
-                "fp8_output=\"cast_back\" to differentiate - its backward runs in x's dtype")
+            raise ValueError(FP8_PAIR_NO_GRAD)
         return transpose(d_out, handle), None
 
     rows_fp8.defvjp(_fwd, _bwd)

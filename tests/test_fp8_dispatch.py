@@ -192,13 +192,110 @@ def test_low_latency_gradients_equal_the_non_fp8_path_at_the_round_trip(num_rank
     assert np.abs(np.asarray(d_x, np.float32)).sum() > 0
 
 
-def test_config_moe_fp8_dispatch_refuses_hybridep_and_the_chunked_overlap():
-    for extra in (dict(moe_flex_dispatcher_backend="hybridep"),
-                  dict(moe_deepep_async_dispatch=True)):
-        with pytest.raises(ValueError, match="moe_fp8_dispatch"):
-            jax_ep.TokenDispatcherConfig(moe_fp8_dispatch=True, **extra)
+def _hybrid(x, idx, w, **kw):
+    return jax_ep.hybridep_dispatch(x, topk_idx=idx, probs=w, num_experts=E, axis_name=AXIS,
+                                    num_permuted_tokens=4 * T * K, pad_multiple=4, **kw)
+
+
+@pytest.mark.parametrize("num_ranks,cast", [(1, {}), (4, {}), (4, UE8M0)])
+def test_hybridep_forward_equals_the_dispatch_of_the_round_trip(num_ranks, cast):
+    x, idx, w, *_ = _inputs(num_ranks, seed=4)
+
+    def body(x, idx, w):
+        (pq, ps), pp, tpe, _ = _hybrid(x, idx, w, use_fp8=True, **cast)
+        rows, pp2, tpe2, _ = _hybrid(x, idx, w, use_fp8=True, fp8_output="cast_back", **cast)
+        q, s = ops.per_token_cast_to_fp8(x, **cast)
+        # The codes' bits and the scales dispatched as plain rows, without FP8.
+        wq = _hybrid(jax.lax.bitcast_convert_type(q, jnp.uint8), idx, w)[0]
+        ws = _hybrid(s, idx, w)[0]
+        want_rows, want_pp, want_tpe, _ = _hybrid(_round_trip(x, **cast), idx, w)
+        return pq, ps, wq, ws, rows, want_rows, pp, pp2, want_pp, tpe, tpe2, want_tpe
+
+    pq, ps, wq, ws, rows, want_rows, *rest = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    assert pq.dtype == jnp.float8_e4m3fn and rows.dtype == x.dtype
+    assert ps.dtype == (jnp.int32 if cast else jnp.float32)
+    np.testing.assert_array_equal(_bits(pq), np.asarray(wq))
+    np.testing.assert_array_equal(ps, ws)
+    np.testing.assert_array_equal(_bits(rows), _bits(want_rows))
+    for a, b in zip(rest[0::3], rest[2::3]):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(rest[1::3], rest[2::3]):
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(np.asarray(rows, np.float32)).sum() > 0
+
+
+def _hybrid_loss(mesh, cot, use_fp8):
+    def body(x, idx, w, w_in, w_out):
+        kw = dict(use_fp8=True, fp8_output="cast_back") if use_fp8 else {}
+        px, pp, tpe, h = _hybrid(x, idx, w, **kw)
+        # Block l (tokens_per_expert rows) goes through local expert l: tanh(x W_in) W_out.
+        expert = jnp.searchsorted(jnp.cumsum(tpe), jnp.arange(px.shape[0]), side="right")
+        expert = jnp.clip(expert, 0, tpe.shape[0] - 1)
+        a = jnp.tanh(jnp.einsum("nh,nhf->nf", px.astype(jnp.float32), w_in[expert]))
+        y = jnp.einsum("nf,nfh->nh", a, w_out[expert])
+        return jax_ep.hybridep_combine((y * pp[:, None]).astype(x.dtype), h)
+
+    moe = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 5, out_specs=P(AXIS))
+    return lambda x, w, idx, w_in, w_out: jnp.sum(moe(x, idx, w, w_in, w_out) * cot)
+
+
+@pytest.mark.parametrize("num_ranks", [1, 4])
+def test_hybridep_gradients_equal_the_non_fp8_path_at_the_round_trip(num_ranks):
+    x, idx, w, w_in, w_out, cot = _inputs(num_ranks, seed=5)
+    mesh = ep_mesh(num_ranks)
+    grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1)))  # noqa: E731
+    args = shard(mesh, idx, w_in, w_out)
+    d_x, d_w = grad(_hybrid_loss(mesh, cot, True))(*shard(mesh, x, w), *args)
+    want_x, want_w = grad(_hybrid_loss(mesh, cot, False))(*shard(mesh, _round_trip(x), w),
+                                                          *args)
+    assert d_x.dtype == x.dtype and d_w.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(d_x, np.float32), np.asarray(want_x, np.float32))
+    np.testing.assert_array_equal(d_w, want_w)
+    assert np.abs(np.asarray(d_x, np.float32)).sum() > 0 and np.abs(d_w).sum() > 0
+
+
+def test_hybridep_wire_carries_fp8_forward_and_bf16_backward():
+    num_ranks = 4
+    x, idx, w, w_in, w_out, cot = _inputs(num_ranks)
+    mesh = ep_mesh(num_ranks)
+    args = shard(mesh, x, w, idx, w_in, w_out)
+    loss = _hybrid_loss(mesh, cot, True)
+    forward = _all_to_alls(jax.jit(loss).lower(*args).as_text())
+    rows = f"tensor<{num_ranks}x{-(-T // 4) * 4}x{H}"  # T = 6 equalised to 8 rows
+    assert [t for t in forward if f"x{H}x" in t] == [f"{rows}xui8>", f"{rows}xui16>"], forward
+    assert f"tensor<{num_ranks}x{-(-T // 4) * 4}x{H // 128}xf32>" in forward, forward
+    backward = _all_to_alls(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).as_text())
+    wide = [t for t in backward if f"x{H}x" in t]
+    assert wide == [f"{rows}xui8>", f"{rows}xui16>", f"{rows}xui16>"], backward
+
+
+def test_hybridep_bad_input_and_the_pair_is_forward_only():
+    x, idx, w, *_ = _inputs(2, jnp.float32)
+    mesh = ep_mesh(2)
+    with pytest.raises(ValueError, match="x: hidden size 130"):
+        run_ep(lambda x, i, w: _hybrid(x, i, w, use_fp8=True)[1], mesh,
+               np.zeros((12, 130), np.float32), idx, w)
+    with pytest.raises(ValueError, match="use_ue8m0: requires round_scale"):
+        run_ep(lambda x, i, w: _hybrid(x, i, w, use_fp8=True, use_ue8m0=True)[1], mesh, x,
+               idx, w)
+
+    def f(x, idx, w):
+        (q, s), pp, _, h = _hybrid(x, idx, w, use_fp8=True)
+        return jax_ep.hybridep_combine(q.astype(jnp.float32) * jnp.repeat(s, 128, axis=1), h)
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+    with pytest.raises(ValueError, match="fp8_output.*cast_back"):
+        jax.jit(jax.grad(lambda *a: jnp.sum(g(*a))))(*shard(mesh, x, idx, w))
+
+
+def test_config_moe_fp8_dispatch_refuses_the_chunked_overlap():
+    with pytest.raises(ValueError, match="moe_fp8_dispatch"):
+        jax_ep.TokenDispatcherConfig(moe_fp8_dispatch=True, moe_deepep_async_dispatch=True)
     with pytest.raises(ValueError, match="moe_fp8_dispatch"):
         jax_ep.TokenDispatcherConfig(moe_fp8_dispatch=1)
+    cfg = jax_ep.TokenDispatcherConfig(moe_fp8_dispatch=True,
+                                       moe_flex_dispatcher_backend="hybridep")
+    assert cfg.moe_fp8_dispatch
 
 
 def test_moe_layer_with_fp8_dispatch_trains_close_to_the_bf16_wire():
