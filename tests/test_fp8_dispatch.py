@@ -331,3 +331,37 @@ def test_moe_layer_with_fp8_dispatch_trains_close_to_the_bf16_wire():
     for a, b in zip(g1, g0):
         assert np.all(np.isfinite(a))
         assert np.linalg.norm(a - b) <= 8e-2 * np.linalg.norm(b)
+
+
+def _train_example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
+    spec = importlib.util.spec_from_file_location("train_moe_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_run_with_fp8_dispatch_reaches_the_bf16_wire_loss(tmp_path):
+    """examples/train_moe.py's train() on the 8 test devices (mesh data=2 x expert=4), shrunk
+    to fit CI: 1 MoE block, d_model 128 (FP8 needs H % 128 == 0), 8 experts top-2, batch 8 x
+    32 bytes of stdlib docstrings, 40 AdamW steps at lr 3e-3 (the default run is 150 steps of
+    32 x 64). The same seed and batches with and without --fp8-dispatch: the final loss (mean
+    of the last 5 steps) of the FP8-dispatch run is within 2% of the run whose dispatch moves
+    the rows in their own dtype (f32 here), and the loss fell in both. deepep only: the two
+    jit compiles are most of its ~1 min on 2 cores (hybridep gives the same losses).
+    Measured: 3.049 (own dtype) vs 3.040 (FP8), 0.3% apart."""
+    example = _train_example()
+    small = ["--steps", "40", "--batch", "8", "--seq", "32", "--d-model", "128", "--ffn", "64",
+             "--layers", "1", "--heads", "4", "--no-progress", "--backend", "deepep"]
+    final = {}
+    for fp8 in (False, True):
+        args = example.parse_args(small + ["--out", str(tmp_path / str(fp8))]
+                                  + (["--fp8-dispatch"] if fp8 else []))
+        losses = [r["loss"] for r in example.train(args)]
+        assert np.all(np.isfinite(losses))
+        final[fp8] = float(np.mean(losses[-5:]))
+        assert final[fp8] < 0.8 * np.mean(losses[:5])  # it learned
+    assert abs(final[True] - final[False]) <= 0.02 * final[False], final
