@@ -365,3 +365,37 @@ def test_training_run_with_fp8_dispatch_reaches_the_bf16_wire_loss(tmp_path):
         final[fp8] = float(np.mean(losses[-5:]))
         assert final[fp8] < 0.8 * np.mean(losses[:5])  # it learned
     assert abs(final[True] - final[False]) <= 0.02 * final[False], final
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_expert_pad_multiple_pads_blocks_with_zero_rows_under_fp8_dispatch(backend):
+    # moe_router_expert_pad_multiple (PyTorch's field) pads each local expert block of the
+    # received rows to a multiple with zero rows on the receiving rank - what Megatron's
+    # moe_router_padding_for_fp8 (16/32 rows for FP8 GEMMs) is for, without sending filler
+    # tokens over the wire. The padded rows carry prob 0 and change no output.
+    from jax_ep.flax import MoEFlexTokenDispatcher
+
+    num_ranks, m = 4, 16
+    x, idx, w, *_ = _inputs(num_ranks, jnp.float32, seed=6)
+    got = {}
+    for pad in (None, m):
+        cfg = jax_ep.TokenDispatcherConfig(
+            num_moe_experts=E, moe_router_topk=K, expert_axis_name=AXIS, moe_fp8_dispatch=True,
+            moe_flex_dispatcher_backend=backend, moe_router_expert_pad_multiple=pad)
+        d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+        def body(x, i, w, d=d):
+            tokens, tpe, pp, state = d.token_permutation2(x, x.shape[0], w, i)
+            out = d.token_unpermutation(tokens * pp[:, None].astype(tokens.dtype), state)
+            return tokens[None], tpe[None], pp[None], out
+        got[pad] = [np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
+    tokens, tpe, pp, out = got[m]
+    _, counts, _, want = got[None]
+    np.testing.assert_array_equal(tpe, -(-counts // m) * m)
+    for r in range(num_ranks):
+        starts = np.cumsum(tpe[r]) - tpe[r]
+        for l, (s, n) in enumerate(zip(starts, counts[r])):
+            assert tokens[r, s:s + n].any(axis=1).all()  # the real rows
+            assert not tokens[r, s + n:s + tpe[r, l]].any()  # the padding: zero rows
+            assert not pp[r, s + n:s + tpe[r, l]].any()
+    np.testing.assert_array_equal(out, want)
