@@ -50,7 +50,12 @@ class TokenDispatcherConfig:
         counted in the dispatch state's num_dropped), and deepep-family buffers shrink to
         the L * that many rows per destination the drop leaves.
       moe_router_topk: experts per token.
-      moe_router_expert_pad_multiple: pad every expert's block to a multiple of it.
+      moe_router_expert_pad_multiple: pad every expert's block to a multiple of it (zero
+        rows, prob 0, added on the receiving rank; tokens_per_expert reports padded sizes).
+        This is what PyTorch's moe_router_padding_for_fp8 is for (blocks a multiple of 16,
+        or 32 for MXFP8, for FP8 grouped GEMMs), set as a number: Megatron instead flips
+        the first unrouted tokens of each expert's routing_map column to routed (real rows
+        with prob 0 that cross the wire); here no filler row is sent and the outputs match.
       num_moe_experts: E.
       moe_router_dtype: "fp32", "fp64" (needs jax_enable_x64) or None (the input dtype) for
         the router softmax/top-k and the probabilities used to weight expert outputs.
