@@ -25,8 +25,8 @@ DeepSeek-V3-like routing scaled down (E=256, K=8, smaller H and T), for a unifor
    rebuilt here from ops.permute + all_to_all) as the in-process "before".
 4. FP8 on the wire in the normal modes (--fp8-modes): deepep, alltoall and hybridep with rows
    in --dtype vs use_fp8=True (fp8_output="cast_back"), forward and forward+backward
-   (jax.value_and_grad of a random projection of the output, as a training step): row bytes (the backward's two cotangent exchanges
-   move --dtype rows) and time.
+   (jax.value_and_grad of a random projection of the output, as a training step): row bytes
+   (the backward's two cotangent exchanges move --dtype rows) and time.
 5. A probe of the emulated wire itself: one jax.lax.all_to_all of the deepep-sized padded
    buffer [P, C=T, H] per rank, in bf16, as the same bits in uint16, and in float32 (XLA:CPU
    widens 16-bit float collectives to f32, which the uint16 row avoids).

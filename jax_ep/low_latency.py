@@ -7,9 +7,10 @@ min(L*Tmax, T*min(K, L)) is the most slots a rank can send another, Tmax =
 num_max_dispatch_tokens_per_rank >= T), exchanges the blocks (whole with all_to_all, only the
 used rows with ragged_all_to_all), and scatters what arrives into recv_x [L, P*Tmax, H]: for
 each local expert, the rows of source rank 0, then rank 1, ... (source token ascending inside),
-recv_count[l] valid rows first - the layout a masked grouped GEMM consumes. With use_fp8 the FFI cast runs before the wire (half the bytes)
-and the per-128-channel scales travel with their rows. low_latency_combine returns every row
-to its source and reduces Σ_k w_k · y_{idx_k}(t) in fp32.
+recv_count[l] valid rows first - the layout a masked grouped GEMM consumes. With use_fp8 the
+FFI cast runs before the wire (half the bytes) and the per-128-channel scales travel with their
+rows. low_latency_combine returns every row to its source and reduces Σ_k w_k · y_{idx_k}(t)
+in fp32.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""FP8 on the wire, differentiable: dispatch(use_fp8=True) and low_latency_dispatch(use_fp8=True)
-against the same dispatch without FP8 of x's FP8 round trip, on emulated CPU ranks."""
+"""FP8 on the wire, differentiable: dispatch, low_latency_dispatch and hybridep_dispatch with
+use_fp8=True against the same dispatch without FP8 of x's FP8 round trip, on emulated CPU
+ranks; the config switch, expert padding and a short training run."""
 
 from __future__ import annotations
 
@@ -280,7 +281,7 @@ def test_hybridep_bad_input_and_the_pair_is_forward_only():
                idx, w)
 
     def f(x, idx, w):
-        (q, s), pp, _, h = _hybrid(x, idx, w, use_fp8=True)
+        (q, s), _, _, h = _hybrid(x, idx, w, use_fp8=True)
         return jax_ep.hybridep_combine(q.astype(jnp.float32) * jnp.repeat(s, 128, axis=1), h)
 
     g = jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
