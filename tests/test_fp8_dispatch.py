@@ -194,8 +194,17 @@ def test_low_latency_gradients_equal_the_non_fp8_path_at_the_round_trip(num_rank
 
 
 def _hybrid(x, idx, w, **kw):
-    return jax_ep.hybridep_dispatch(x, topk_idx=idx, probs=w, num_experts=E, axis_name=AXIS,
-                                    num_permuted_tokens=4 * T * K, pad_multiple=4, **kw)
+    """Compact routing (idx [T,K] ids, w [T,K]) or dense (idx bool[T,E] map, w [T,E])."""
+    routing = dict(routing_map=idx) if idx.dtype == jnp.bool_ else dict(topk_idx=idx)
+    return jax_ep.hybridep_dispatch(x, probs=w, num_experts=E, axis_name=AXIS,
+                                    num_permuted_tokens=4 * T * K, pad_multiple=4, **routing,
+                                    **kw)
+
+
+def _dense(idx, w):
+    dense = np.zeros((idx.shape[0], E), np.float32)
+    np.put_along_axis(dense, np.where(idx >= 0, idx, 0), np.where(idx >= 0, w, 0), axis=1)
+    return dense > 0, dense
 
 
 @pytest.mark.parametrize("num_ranks,cast", [(1, {}), (4, {}), (4, UE8M0)])
@@ -240,9 +249,11 @@ def _hybrid_loss(mesh, cot, use_fp8):
     return lambda x, w, idx, w_in, w_out: jnp.sum(moe(x, idx, w, w_in, w_out) * cot)
 
 
-@pytest.mark.parametrize("num_ranks", [1, 4])
-def test_hybridep_gradients_equal_the_non_fp8_path_at_the_round_trip(num_ranks):
+@pytest.mark.parametrize("num_ranks,compact", [(1, True), (4, True), (4, False)])
+def test_hybridep_gradients_equal_the_non_fp8_path_at_the_round_trip(num_ranks, compact):
     x, idx, w, w_in, w_out, cot = _inputs(num_ranks, seed=5)
+    if not compact:
+        idx, w = _dense(idx, w)
     mesh = ep_mesh(num_ranks)
     grad = lambda f: jax.jit(jax.grad(f, argnums=(0, 1)))  # noqa: E731
     args = shard(mesh, idx, w_in, w_out)
