@@ -20,8 +20,14 @@ DeepSeek-V3-like routing scaled down (E=256, K=8, smaller H and T), for a unifor
 3. Low-latency mode bf16 vs FP8 (`use_fp8=True`) at a decode-sized batch (--ll-tokens per
    rank = num_max_dispatch_tokens_per_rank, uniform routing): bytes, dispatch time and
    dispatch + combine time (the FP8 "expert" casts its rows back with
-   ops.per_token_cast_back, as a grouped GEMM reading FP8 would).
-4. A probe of the emulated wire itself: one jax.lax.all_to_all of the deepep-sized padded
+   ops.per_token_cast_back, as a grouped GEMM reading FP8 would), and the wire before its
+   blocks were bounded (every rank sending every rank its whole [L*Tmax] slot buffer,
+   rebuilt here from ops.permute + all_to_all) as the in-process "before".
+4. FP8 on the wire in the normal modes (--fp8-modes): deepep, alltoall and hybridep with rows
+   in --dtype vs use_fp8=True (fp8_output="cast_back"), forward and forward+backward
+   (jax.value_and_grad of a random projection of the output, as a training step): row bytes
+   (the backward's two cotangent exchanges move --dtype rows) and time.
+5. A probe of the emulated wire itself: one jax.lax.all_to_all of the deepep-sized padded
    buffer [P, C=T, H] per rank, in bf16, as the same bits in uint16, and in float32 (XLA:CPU
    widens 16-bit float collectives to f32, which the uint16 row avoids).
 """
@@ -29,6 +35,7 @@ DeepSeek-V3-like routing scaled down (E=256, K=8, smaller H and T), for a unifor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -57,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--ll-tokens", type=int, default=64,
                    help="tokens per rank = num_max_dispatch_tokens_per_rank of the "
                         "low-latency runs (0: skip them)")
+    p.add_argument("--fp8-modes", default="deepep,alltoall,hybridep",
+                   help="comma list of the modes timed bf16 vs use_fp8=True (forward and "
+                        "forward+backward, the first routing); '' skips")
     p.add_argument("--modes", default="all",
                    help="comma list of mode name prefixes (sort_a2a, gshard, deepep, "
                         "alltoall, hybridep) or 'all'")
@@ -120,12 +130,16 @@ def traffic(idx, a, tokens, ll=False):
         "gshard": (gshard_slots, P * per_rank_remote * L * cap, row, row, 0,
                    "(token, expert) kept"),
     }
-    if ll:  # the low-latency buffer is [P, L, Tmax] slots per rank, Tmax = T here
+    if ll:  # Tmax = T here. The wire: P blocks of C = min(L*Tmax, T*min(K, L)) slots per
+        # rank (all_to_all; ragged moves the exact rows); before: blocks of L*Tmax slots.
+        block = min(L * T, T * min(K, L))
         modes = {
-            "low_latency bf16": (slots, P * per_rank_remote * L * T, row, row, 4,
+            "low_latency bf16": (slots, P * per_rank_remote * block, row, row, 4,
                                  "(token, expert)"),
-            "low_latency fp8": (slots, P * per_rank_remote * L * T, fp8_row, row, 4,
+            "low_latency fp8": (slots, P * per_rank_remote * block, fp8_row, row, 4,
                                 "(token, expert)"),
+            "low_latency bf16, L*Tmax blocks (before)": (slots, P * per_rank_remote * L * T,
+                                                         row, row, 4, "(token, expert)"),
         }
     out = {}
     for name, (exact, padded, d_row, c_row, meta, unit) in modes.items():
@@ -249,6 +263,50 @@ def build_modes(a):
     }
 
 
+def build_fp8_modes(a):
+    """{(mode, fp8): per-rank body(x, idx, w) -> out [T,H]}: dispatch (rows in x.dtype, or
+    use_fp8=True with fp8_output="cast_back") -> identity expert -> combine."""
+    import jax_ep
+
+    P, T, K, E = a.ranks, a.tokens, a.topk, a.experts
+    L = E // P
+
+    def body(mode, fp8):
+        kw = dict(use_fp8=True, fp8_output="cast_back") if fp8 else {}
+
+        def run(x, idx, w):
+            if mode == "hybridep":
+                n = P * jax_ep.hybridep.equalized_num_tokens(T) * min(K, L)
+                px, pp, _, h = jax_ep.hybridep_dispatch(
+                    x, topk_idx=idx, probs=w, num_experts=E, axis_name=AXIS,
+                    num_permuted_tokens=n, transport="all_to_all", **kw)
+                return jax_ep.hybridep_combine((px * pp[:, None]).astype(x.dtype), h)
+            rx, _, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                           backend=mode, transport="all_to_all", **kw)
+            return jax_ep.combine((rx * rw.sum(axis=1)[:, None]).astype(x.dtype), h)[0]
+        return run
+
+    return {(m, fp8): body(m, fp8) for m in a.fp8_modes.split(",") if m
+            for fp8 in (False, True)}
+
+
+def fp8_traffic(tr, a):
+    """Row bytes per step of the FP8 runs from traffic()'s rows: forward = dispatch (FP8 codes
+    + f32 scales, or rows in a.dtype) + combine (a.dtype); backward adds the two cotangent
+    exchanges, both in a.dtype. Returns {(mode, fp8): (forward bytes, fwd+bwd bytes) exact and
+    padded}."""
+    item = 2 if a.dtype == "bfloat16" else 4
+    row, fp8_row = a.hidden * item, a.hidden + (a.hidden // 128) * 4
+    out = {}
+    for (mode, fp8) in build_fp8_modes(a):
+        t = tr["hybridep" if mode == "hybridep" else "deepep / alltoall"]
+        d_row = fp8_row if fp8 else row
+        out[(mode, fp8)] = {kind: (n * (d_row + row), n * (d_row + 3 * row))
+                            for kind, n in (("exact", t["rows_exact"]),
+                                            ("padded", t["rows_padded"]))}
+    return out
+
+
 def build_ll_modes(a):
     """{name: (body, returns_tokens)} of the low-latency runs; Tmax = a.ll_tokens."""
     import jax_ep
@@ -272,7 +330,28 @@ def build_ll_modes(a):
             return jax_ep.low_latency_combine(y, idx, w, h)
         return run
 
+    def full_buffer(with_combine):
+        """The wire before the blocks were bounded (issue 20 item 3): every rank sends every
+        rank its whole [L*Tmax] expert-major slot buffer, used or not."""
+        def run(x, idx, w):
+            import jax
+
+            from jax_ep import transport as tp
+            num_ranks = jax.lax.axis_size(AXIS)
+            rmap, probs = ops.indices_to_multihot(idx, w, num_experts=E)
+            px, pp, rows, _ = ops.permute(x, rmap, probs, num_out_tokens=E * tmax,
+                                          drop_and_pad=True)
+            wire = lambda b: tp.from_bits(jax.lax.all_to_all(  # noqa: E731
+                tp.as_bits(b).reshape(num_ranks, -1, H), AXIS, 0, 0).reshape(b.shape), b.dtype)
+            recv = wire(px)
+            if not with_combine:
+                return recv
+            return ops.unpermute(wire(recv), rows, num_tokens=x.shape[0], probs=pp)
+        return run
+
     return {
+        "bf16 dispatch, L*Tmax blocks (before)": (full_buffer(False), False),
+        "bf16 dispatch + combine, L*Tmax blocks (before)": (full_buffer(True), True),
         "bf16 dispatch": (body(False, False), False),
         "fp8 dispatch": (body(True, False), False),
         "bf16 dispatch + combine": (body(False, True), True),
@@ -386,6 +465,60 @@ def main(argv=None):
                                "speedup vs baseline", "max rel err", "note"], time_rows))
         results["routings"][kind] = dict(stats=stats, bytes=tr, time=timings)
 
+    # -- FP8 on the wire, normal modes: bf16 vs use_fp8=True, forward and forward+backward
+    fp8_modes = build_fp8_modes(a)
+    if fp8_modes:
+        kind = a.routings.split(",")[0]
+        rng = np.random.default_rng(a.seed)
+        idx, w = make_routing(rng, a.ranks * a.tokens, a.topk, a.experts, kind, a.zipf)
+        x = rng.standard_normal((a.ranks * a.tokens, a.hidden)).astype(np.float32)
+        cot = jax.device_put(rng.standard_normal(x.shape).astype(dtype), sharding)
+        want = x * w.sum(axis=1, keepdims=True)
+        args = shard_args(x, idx, w)
+        fb = fp8_traffic(traffic(idx, a, a.tokens), a)
+        fp8_t = {}
+        for mode in dict.fromkeys(m for m, _ in fp8_modes):
+            # bf16 and FP8, forward and forward+backward, timed round robin: a slow stretch of
+            # the shared machine weighs on all four alike.
+            calls = {}
+            for fp8 in (False, True):
+                mapped = jax.shard_map(fp8_modes[(mode, fp8)], mesh=mesh,
+                                       in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+                # A training step's: the loss value (the forward combine runs) and d/dx.
+                grad = jax.jit(jax.value_and_grad(lambda x, i, w, c, f=mapped: jnp.sum(
+                    f(x, i, w).astype(jnp.float32) * c.astype(jnp.float32))))
+                calls[(fp8, "forward")] = (jax.jit(mapped), args, contextlib.nullcontext)
+                calls[(fp8, "backward")] = (grad, args + (cot,), contextlib.nullcontext)
+            timed = common.time_round_robin(calls, warmup=a.warmup, iters=a.iters)
+            for fp8 in (False, True):
+                fwd, out = timed[(fp8, "forward")]
+                got = np.asarray(out.astype(jnp.float32))
+                fwd["max_rel_err"] = float(np.abs(got - want).max() / np.abs(want).max())
+                both = timed[(fp8, "backward")][0]
+                fp8_t[f"{mode} {'fp8' if fp8 else a.dtype}"] = dict(forward=fwd, backward=both)
+                print(f"  {mode:9s} fp8={fp8!s:5s} forward {fwd['median_s'] * 1e3:8.2f} ms, "
+                      f"forward+backward {both['median_s'] * 1e3:8.2f} ms "
+                      f"(max rel err {fwd['max_rel_err']:.1e})", flush=True)
+        rows = []
+        for (mode, fp8) in fp8_modes:
+            t, base = fp8_t[f"{mode} {'fp8' if fp8 else a.dtype}"], fp8_t[f"{mode} {a.dtype}"]
+            b, b0 = fb[(mode, fp8)], fb[(mode, False)]
+            rows.append([mode, "fp8" if fp8 else a.dtype,
+                         common.fmt_bytes(b["exact"][0]), b["exact"][0] / b0["exact"][0],
+                         t["forward"]["median_s"] * 1e3,
+                         t["forward"]["median_s"] / base["forward"]["median_s"],
+                         common.fmt_bytes(b["exact"][1]), b["exact"][1] / b0["exact"][1],
+                         t["backward"]["median_s"] * 1e3,
+                         t["backward"]["median_s"] / base["backward"]["median_s"],
+                         t["forward"]["max_rel_err"]])
+        markdown.append(common.print_table(
+            f"FP8 on the wire, {kind} routing: dispatch + combine, bf16 vs use_fp8=True "
+            f"(fp8_output=\"cast_back\"), {a.ranks} emulated CPU devices, median of {a.iters}",
+            ["mode", "wire", "fwd bytes exact", "vs bf16", "fwd ms", "vs bf16",
+             "fwd+bwd bytes exact", "vs bf16", "fwd+bwd ms", "vs bf16", "max rel err"], rows))
+        results["fp8"] = dict(routing=kind, time=fp8_t, bytes={
+            f"{m} {'fp8' if f else a.dtype}": v for (m, f), v in fb.items()})
+
     # -- low latency, bf16 vs FP8
     if a.ll_tokens:
         rng = np.random.default_rng(a.seed + 100)
@@ -402,13 +535,16 @@ def main(argv=None):
             err = f", max rel err {t['max_rel_err']:.1e}" if combines else ""
             print(f"  low_latency {name:34s} {t['median_s'] * 1e3:9.2f} ms{err}", flush=True)
         rows = []
-        for fmt in ("bf16", "fp8"):
-            b = tr[f"low_latency {fmt}"]
-            disp = ll[f"{fmt} dispatch"]["median_s"]
-            full = [v for k, v in ll.items() if k.startswith(fmt) and "combine" in k][0]
-            rows.append([f"low_latency {fmt}", common.fmt_bytes(b["bytes_exact"]),
+        for label, disp, full in (
+                ("bf16", "bf16 dispatch", "bf16 dispatch + combine"),
+                ("fp8", "fp8 dispatch", "fp8 dispatch + cast back + combine"),
+                ("bf16, L*Tmax blocks (before)", "bf16 dispatch, L*Tmax blocks (before)",
+                 "bf16 dispatch + combine, L*Tmax blocks (before)")):
+            b = tr[f"low_latency {label}"]
+            disp, full = ll[disp]["median_s"], ll[full]
+            rows.append([f"low_latency {label}", common.fmt_bytes(b["bytes_exact"]),
                          common.fmt_bytes(b["bytes_padded"]),
-                         b["bytes_exact"] / tr["low_latency bf16"]["bytes_exact"],
+                         b["bytes_padded"] / tr["low_latency bf16"]["bytes_padded"],
                          disp * 1e3, disp / ll["bf16 dispatch"]["median_s"],
                          full["median_s"] * 1e3,
                          full["median_s"] / ll["bf16 dispatch + combine"]["median_s"],
@@ -416,7 +552,7 @@ def main(argv=None):
         markdown.append(common.print_table(
             f"Low-latency mode, bf16 vs FP8 (T = Tmax = {a.ll_tokens}/rank, uniform routing, "
             f"median of {a.iters})",
-            ["mode", "bytes/step exact", "padded buffers", "bytes vs bf16", "dispatch ms",
+            ["mode", "bytes/step exact", "padded buffers", "padded vs bf16", "dispatch ms",
              "vs bf16", "dispatch+combine ms", "vs bf16", "max rel err"], rows))
         results["low_latency"] = dict(tokens=a.ll_tokens, bytes=tr, time=ll)
 
@@ -472,8 +608,20 @@ def main(argv=None):
                     ylabel="MiB per step (log)", log=True,
                     title=f"bytes on the wire per step (T={a.tokens}/rank, H={a.hidden}, "
                           f"{a.dtype})")
+    extra = ""
+    if "fp8" in results:
+        names = list(results["fp8"]["time"])
+        common.bar_plot(os.path.join(a.out, "bench_dispatch_fp8.png"), names,
+                        {label: [results["fp8"]["time"][n][part]["median_s"] * 1e3
+                                 for n in names]
+                         for part, label in (("forward", "forward"),
+                                             ("backward", "forward + backward"))},
+                        ylabel="ms (median)", log=False,
+                        title=f"dispatch + combine, {a.dtype} vs FP8 wire (T={a.tokens}/rank, "
+                              f"H={a.hidden}, E={a.experts}, K={a.topk}, P={a.ranks})")
+        extra = ", bench_dispatch_fp8.png"
     print(f"\nwrote {path}, bench_dispatch.md, bench_dispatch_time.png, "
-          f"bench_dispatch_bytes.png under {a.out}")
+          f"bench_dispatch_bytes.png{extra} under {a.out}")
     return results
 
 

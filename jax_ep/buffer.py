@@ -160,9 +160,10 @@ class Buffer:
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
         """Bytes that one rank's low-latency dispatch + combine move through their exchanges
-        (send and receive buffer of each, BF16 rows, as DeepEP sizes it): the i32 counts
-        [P, L] and source tokens [E*Tmax] of the dispatch plan, the dispatch rows and the
-        combine rows [E*Tmax, hidden] bf16."""
+        at most (send and receive buffer of each, BF16 rows, as DeepEP sizes it): the i32
+        counts [P, L] and source tokens [E*Tmax] of the dispatch plan, the dispatch rows and
+        the combine rows [E*Tmax, hidden] bf16. The exchanges move P blocks of
+        min(L*Tmax, T*min(K, L)) rows: exactly this at T = Tmax and K >= L, less below."""
         tmax = check_positive(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
         hidden = check_positive(hidden, "hidden")
         num_ranks = check_positive(num_ranks, "num_ranks")

@@ -50,7 +50,12 @@ class TokenDispatcherConfig:
         counted in the dispatch state's num_dropped), and deepep-family buffers shrink to
         the L * that many rows per destination the drop leaves.
       moe_router_topk: experts per token.
-      moe_router_expert_pad_multiple: pad every expert's block to a multiple of it.
+      moe_router_expert_pad_multiple: pad every expert's block to a multiple of it (zero
+        rows, prob 0, added on the receiving rank; tokens_per_expert reports padded sizes).
+        This is what PyTorch's moe_router_padding_for_fp8 is for (blocks a multiple of 16,
+        or 32 for MXFP8, for FP8 grouped GEMMs), set as a number: Megatron instead flips
+        the first unrouted tokens of each expert's routing_map column to routed (real rows
+        with prob 0 that cross the wire); here no filler row is sent and the outputs match.
       num_moe_experts: E.
       moe_router_dtype: "fp32", "fp64" (needs jax_enable_x64) or None (the input dtype) for
         the router softmax/top-k and the probabilities used to weight expert outputs.
@@ -82,10 +87,10 @@ class TokenDispatcherConfig:
       grouped_gemm_impl: the experts' grouped GEMM, jax_ep.ops.grouped_matmul's impl:
         "auto" (tiled on CPU, jax.lax.ragged_dot on GPU/TPU), "tiled" or "ragged_dot".
       moe_fp8_dispatch: move the dispatched tokens as FP8 codes plus per-128-channel f32
-        scales (jax_ep.dispatch use_fp8=True, fp8_output="cast_back": the experts get the
-        rows cast back to the input dtype; gradients straight-through, moved back in the
-        input dtype). Needs a hidden size that is a multiple of 128; deepep-family backends
-        without moe_deepep_async_dispatch.
+        scales (jax_ep.dispatch / hybridep_dispatch use_fp8=True, fp8_output="cast_back":
+        the experts get the rows cast back to the input dtype; gradients straight-through,
+        moved back in the input dtype). Needs a hidden size that is a multiple of 128; not
+        with moe_deepep_async_dispatch.
     """
 
     moe_enable_deepep: bool = True
@@ -142,11 +147,9 @@ class TokenDispatcherConfig:
                  "ragged_buffer_factor", "None with moe_deepep_async_dispatch=True (the "
                  "chunked overlap sizes its buffers per chunk for no drop)",
                  self.ragged_buffer_factor)
-        _require(not self.moe_fp8_dispatch or (self.moe_flex_dispatcher_backend != "hybridep"
-                                               and not self.moe_deepep_async_dispatch),
-                 "moe_fp8_dispatch", "False with the hybridep backend or "
-                 "moe_deepep_async_dispatch=True (FP8 dispatch is the deepep-family "
-                 "dispatch's)", self.moe_fp8_dispatch)
+        _require(not self.moe_fp8_dispatch or not self.moe_deepep_async_dispatch,
+                 "moe_fp8_dispatch", "False with moe_deepep_async_dispatch=True (the chunked "
+                 "overlap moves rows in their own dtype)", self.moe_fp8_dispatch)
         _require(self.grouped_gemm_impl in GROUPED_MATMUL_IMPLS, "grouped_gemm_impl",
                  f"one of {GROUPED_MATMUL_IMPLS}", self.grouped_gemm_impl)
         for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms", "num_overlap_chunks"):

@@ -29,6 +29,7 @@ from jax_ep._checks import (
     check_experts,
     check_float,
     check_float_weights,
+    check_fp8_dispatch,
     check_positive,
     check_rank,
     check_routing,
@@ -200,12 +201,41 @@ def _hybrid_rows_bwd(h, cotangents):
 _hybrid_rows.defvjp(_hybrid_rows_fwd, _hybrid_rows_bwd)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _hybrid_rows_fp8(x, probs, h, round_scale, use_ue8m0, cast_back):
+    """_hybrid_rows with x moved as FP8 codes plus scales (tp.with_fp8_wire's rule): the
+    permuted pair, or with cast_back rows in x.dtype. Backward: _hybrid_rows' own, in x's
+    dtype (the cast counts as the identity); the pair raises."""
+    codes, scales = ops.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                                              impl=h.routing.impl)
+    permuted_codes, permuted_probs = _hybrid_rows(codes, probs, h)
+    permuted_scales = _send_permuted(scales, h)
+    if not cast_back:
+        return (permuted_codes, permuted_scales), permuted_probs
+    return (tp.fp8_cast_back(permuted_codes, permuted_scales, use_ue8m0, x.dtype,
+                             h.routing.impl), permuted_probs)
+
+
+def _hybrid_rows_fp8_fwd(x, probs, h, round_scale, use_ue8m0, cast_back):
+    return _hybrid_rows_fp8(x, probs, h, round_scale, use_ue8m0, cast_back), h
+
+
+def _hybrid_rows_fp8_bwd(round_scale, use_ue8m0, cast_back, h, cotangents):
+    if not cast_back:
+        raise ValueError(tp.FP8_PAIR_NO_GRAD)
+    return _hybrid_rows_bwd(h, cotangents)
+
+
+_hybrid_rows_fp8.defvjp(_hybrid_rows_fp8_fwd, _hybrid_rows_fp8_bwd)
+
+
 _hybrid_combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted)
 
 
 def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts, axis_name,
                       num_permuted_tokens, pad_multiple=None, transport="auto",
-                      backend="deepep"):
+                      backend="deepep", use_fp8=False, fp8_output="pair", round_scale=False,
+                      use_ue8m0=False):
     """Dispatch fused with the expert permutation (HybridEP). Call inside jax.shard_map.
 
       x: [T,H] tokens of this rank.
@@ -214,8 +244,15 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
       num_permuted_tokens: N, rows of the permuted output on this rank.
       pad_multiple: pad every local expert block to a multiple of it.
       backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
+      use_fp8 / round_scale / use_ue8m0 / fp8_output: as jax_ep.dispatch's - x (f32/bf16/f16,
+        H % 128 == 0) crosses the wire as FP8 codes plus per-128-channel scales; permuted_x
+        is then the pair (float8_e4m3fn[N,H], scales f32[N,H/128] or i32[N,H/512]) or, with
+        fp8_output="cast_back", [N,H] in x.dtype, differentiable (straight-through: the
+        gradient of the dispatch without FP8 of x's FP8 round trip, moved back in x.dtype).
     Returns (permuted_x [N,H], permuted_probs f32[N], tokens_per_expert i32[L], handle).
     """
+    if use_fp8:
+        check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
     if (routing_map is None) == (topk_idx is None):
         raise ValueError("routing_map / topk_idx: pass exactly one of them (dense or compact "
                          "routing)")
@@ -284,7 +321,11 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
                        row_expert=row_expert.astype(jnp.int32),
                        tokens_per_expert=tokens_per_expert, num_dropped=num_dropped,
                        num_tokens=num_tokens, compact=compact)
-    permuted_x, permuted_probs = _hybrid_rows(x, probs, h)
+    if use_fp8:
+        permuted_x, permuted_probs = _hybrid_rows_fp8(x, probs, h, bool(round_scale),
+                                                      bool(use_ue8m0), fp8_output == "cast_back")
+    else:
+        permuted_x, permuted_probs = _hybrid_rows(x, probs, h)
     return permuted_x, permuted_probs, tokens_per_expert, h
 
 

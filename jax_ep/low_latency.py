@@ -1,14 +1,16 @@
 """DeepEP low-latency mode: one copy per (token, expert) slot into fixed-size expert buffers,
 inside `jax.shard_map`.
 
-low_latency_dispatch packs every routed slot into an expert-major send buffer of
-num_max_dispatch_tokens_per_rank (Tmax) rows per expert (a permute plan with drop_and_pad:
-Tmax >= T, so nothing drops), exchanges it with one fixed-shape all_to_all, and compacts what
-arrives into recv_x [L, P*Tmax, H]: for each local expert, the rows of source rank 0, then
-rank 1, ... (source token ascending inside), recv_count[l] valid rows first - the layout a
-masked grouped GEMM consumes. With use_fp8 the FFI cast runs before the wire (half the bytes)
-and the per-128-channel scales travel with their rows. low_latency_combine returns every row
-to its source and reduces Σ_k w_k · y_{idx_k}(t) in fp32.
+low_latency_dispatch packs every routed slot into one block of C rows per destination rank
+(that rank's experts ascending, source token ascending inside, used rows first; C =
+min(L*Tmax, T*min(K, L)) is the most slots a rank can send another, Tmax =
+num_max_dispatch_tokens_per_rank >= T), exchanges the blocks (whole with all_to_all, only the
+used rows with ragged_all_to_all), and scatters what arrives into recv_x [L, P*Tmax, H]: for
+each local expert, the rows of source rank 0, then rank 1, ... (source token ascending inside),
+recv_count[l] valid rows first - the layout a masked grouped GEMM consumes. With use_fp8 the
+FFI cast runs before the wire (half the bytes) and the per-128-channel scales travel with their
+rows. low_latency_combine returns every row to its source and reduces Σ_k w_k · y_{idx_k}(t)
+in fp32.
 """
 
 from __future__ import annotations
@@ -36,17 +38,24 @@ __all__ = ["LowLatencyHandle", "low_latency_combine", "low_latency_dispatch"]
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["src_info", "layout_range", "recv_slot", "return_slot", "send_token",
-                      "num_invalid", "cumulative_local_expert_recv_stats"],
+                      "send_expert", "send_sizes", "recv_sizes", "num_invalid",
+                      "cumulative_local_expert_recv_stats"],
          meta_fields=["num_tokens", "num_max_dispatch_tokens_per_rank", "num_experts",
-                      "axis_name", "impl", "hidden"])
+                      "axis_name", "impl", "capacity", "transport", "hidden"])
 @dataclasses.dataclass(frozen=True)
 class LowLatencyHandle:
     """src_info i32[L,P*Tmax]: source token index (on its source rank) of each row, -1 pad.
     layout_range i32[L,P,2]: (begin row, count) of each source rank's block per local expert.
-    recv_slot i32[L*P*Tmax]: received-buffer slot of each output row (-1: padding).
-    return_slot i32[P*L*Tmax]: output row returned through each send-buffer slot (-1: none).
-    send_token i32[E*Tmax]: source token of each expert-major send slot (-1: empty).
+    The wire is P blocks of C = capacity rows, one per rank, each holding that rank's slots
+    (local expert ascending, token ascending inside) first:
+    send_token i32[P*C]: source token of each sent wire row (-1: empty).
+    send_expert i32[P*C]: global expert of each sent wire row (-1: empty).
+    send_sizes / recv_sizes i32[P]: used rows of each block sent to / received from a rank.
+    recv_slot i32[L*P*Tmax]: received wire row of each output row (-1: padding).
+    return_slot i32[P*C]: output row returned through each received wire row (-1: none).
     num_invalid i32[]: this rank's expert ids outside [-1, E), routed nowhere.
+    capacity: C = min(L*Tmax, T*min(K, L)) (at least 1), the most slots a rank can send
+      another; transport: "all_to_all" (whole blocks) or "ragged" (the used rows only).
     hidden: H of the dispatched rows (jax_ep.Buffer sizes its combine buffer from it).
     cumulative_local_expert_recv_stats i32[L] | None: set by jax_ep.Buffer.low_latency_dispatch
       (the stats it was given plus this dispatch's recv_count)."""
@@ -56,24 +65,26 @@ class LowLatencyHandle:
     recv_slot: jax.Array
     return_slot: jax.Array
     send_token: jax.Array
+    send_expert: jax.Array
+    send_sizes: jax.Array
+    recv_sizes: jax.Array
     num_invalid: jax.Array
     num_tokens: int
     num_max_dispatch_tokens_per_rank: int
     num_experts: int
     axis_name: str
     impl: str
+    capacity: int = 1
+    transport: str = "all_to_all"
     hidden: int | None = None
     cumulative_local_expert_recv_stats: jax.Array | None = None
 
 
-def _exchange(buf, h, name):
-    """[P*L*Tmax, ...] expert-major slots <-> the same slots of every peer (fixed shape)."""
-    _, num_ranks = tp.axis_rank_and_size(h.axis_name)
-    if num_ranks == 1:
-        return buf
-    blocks = tp.as_bits(buf).reshape((num_ranks, -1) + buf.shape[1:])
-    out = tp.from_bits(jax.lax.all_to_all(blocks, h.axis_name, 0, 0).reshape(buf.shape), buf.dtype)
-    return jax.ad_checkpoint.checkpoint_name(out, name)
+def _exchange(buf, h, name, forward=True):
+    """[P*C, ...] wire blocks to every peer (forward: dispatch direction; else the return)."""
+    sizes = (h.send_sizes, h.recv_sizes) if forward else (h.recv_sizes, h.send_sizes)
+    return tp.exchange_blocks(buf, *sizes, capacity=h.capacity, axis_name=h.axis_name,
+                              transport=h.transport, name=name)
 
 
 def _send(rows, h):
@@ -85,9 +96,10 @@ def _send(rows, h):
 
 
 def _return(y, h):
-    """y [L, P*Tmax, ...] -> [E*Tmax, ...] back in this rank's expert-major send slots."""
+    """y [L, P*Tmax, ...] -> [P*C, ...] back in this rank's wire rows."""
     flat = y.reshape((-1,) + y.shape[2:])
-    return _exchange(ops.gather_rows(flat, h.return_slot, impl=h.impl), h, tp.COMBINE_NAME)
+    return _exchange(ops.gather_rows(flat, h.return_slot, impl=h.impl), h, tp.COMBINE_NAME,
+                     forward=False)
 
 
 def _sum_back(y, h):
@@ -127,50 +139,78 @@ def _ll_combine_rows_bwd(residuals, d_out):
 _ll_combine_rows.defvjp(_ll_combine_rows_fwd, _ll_combine_rows_bwd)
 
 
-def _plan(topk_idx, num_experts, tmax, axis_name, impl):
+def _exclusive_cumsum(x, axis):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _block_rows(counts, capacity):
+    """counts i32[B, L] (rows per expert of each block) -> (expert, j) i32[B, capacity] of
+    every row of the blocks (expert-major, row j of that expert), expert -1 past the used."""
+    begin = _exclusive_cumsum(counts, axis=1)
+    c = jnp.arange(capacity, dtype=jnp.int32)
+    expert = jax.vmap(lambda b: jnp.searchsorted(b, c, side="right") - 1)(begin)
+    expert = jnp.clip(expert, 0, counts.shape[1] - 1)
+    j = c[None, :] - jnp.take_along_axis(begin, expert, axis=1)
+    used = c[None, :] < counts.sum(axis=1, keepdims=True)
+    return jnp.where(used, expert, -1), j
+
+
+def _plan(topk_idx, num_experts, tmax, axis_name, transport, impl):
     topk_idx, num_invalid = unroute_invalid_experts(topk_idx, num_experts)  # no rank raises alone
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     num_local = check_experts(num_experts, num_ranks)
-    num_tokens = topk_idx.shape[0]
+    num_tokens, top_k = topk_idx.shape
+    # A rank sends another at most min(K, L) slots per token (distinct experts), T <= Tmax.
+    capacity = max(1, min(num_local * tmax, num_tokens * min(top_k, num_local)))
     routing_map, _ = ops.indices_to_multihot(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
                                              num_experts=num_experts, impl=impl)
-    _, _, send_token, _ = ops.permute(jnp.zeros((num_tokens, 1), jnp.float32), routing_map,
+    _, _, slot_token, _ = ops.permute(jnp.zeros((num_tokens, 1), jnp.float32), routing_map,
                                       num_out_tokens=num_experts * tmax, drop_and_pad=True,
                                       impl=impl)
-    counts = routing_map.sum(axis=0, dtype=jnp.int32).reshape(num_ranks, num_local)
+    send_counts = routing_map.sum(axis=0, dtype=jnp.int32).reshape(num_ranks, num_local)
+    # Wire row (p, c) <- expert-major slot (p, l, j): block p packs its used slots first.
+    local, j = _block_rows(send_counts, capacity)
+    dest = jnp.arange(num_ranks, dtype=jnp.int32)[:, None]
+    send_expert = jnp.where(local >= 0, dest * num_local + local, -1).reshape(-1)
+    slot = jnp.where(send_expert >= 0, send_expert * tmax + j.reshape(-1), -1)
+    send_token = jnp.where(slot >= 0, jnp.take(slot_token, jnp.clip(slot, 0)), -1)
+    counts = send_counts
     if num_ranks > 1:
         counts = jax.ad_checkpoint.checkpoint_name(
-            jax.lax.all_to_all(counts, axis_name, 0, 0), tp.COUNTS_NAME)
-    src_token = send_token.reshape(num_ranks, num_local * tmax)
-    if num_ranks > 1:
-        src_token = jax.lax.all_to_all(src_token, axis_name, 0, 0)
+            jax.lax.all_to_all(counts, axis_name, 0, 0), tp.COUNTS_NAME)  # [P_src, L]
+    send_sizes, recv_sizes = send_counts.sum(axis=1), counts.sum(axis=1)
+    src_token = tp.exchange_blocks(send_token, send_sizes, recv_sizes, capacity=capacity,
+                                   axis_name=axis_name, transport=transport, name="ep_src_info")
     recv_counts = counts.T  # [L, P_src]
-    begin = jnp.cumsum(recv_counts, axis=1) - recv_counts
-    # Output row (l, i) <- slot (p, l, j) of the received [P, L, Tmax] buffer.
+    begin = _exclusive_cumsum(recv_counts, axis=1)
+    # Output row (l, i) <- row (begin of expert l in source p's block) + j of wire block p.
     i = jnp.arange(num_ranks * tmax, dtype=jnp.int32)
     p = jax.vmap(lambda b: jnp.searchsorted(b, i, side="right") - 1)(begin)
     p = jnp.clip(p, 0, num_ranks - 1)
     j = i[None, :] - jnp.take_along_axis(begin, p, axis=1)
     valid = j < jnp.take_along_axis(recv_counts, p, axis=1)
-    local = jnp.arange(num_local, dtype=jnp.int32)[:, None]
-    slot = jnp.where(valid, (p * num_local + local) * tmax + j, -1).astype(jnp.int32)
-    recv_slot = slot.reshape(-1)
-    total = num_ranks * num_local * tmax
+    in_block = _exclusive_cumsum(counts, axis=1).T  # [L, P_src]
+    slot = jnp.where(valid, p * capacity + jnp.take_along_axis(in_block, p, axis=1) + j, -1)
+    recv_slot = slot.reshape(-1).astype(jnp.int32)
+    total = num_ranks * capacity
     return_slot = jnp.full((total,), -1, jnp.int32).at[
         jnp.where(recv_slot >= 0, recv_slot, total)].set(
         jnp.arange(recv_slot.shape[0], dtype=jnp.int32), mode="drop")
-    src_info = jnp.where(valid, src_token.reshape(-1)[jnp.clip(slot, 0)], -1)
+    src_info = jnp.where(valid, src_token[jnp.clip(slot, 0)], -1)
     layout_range = jnp.stack([begin, recv_counts], axis=-1).astype(jnp.int32)
     return LowLatencyHandle(src_info=src_info, layout_range=layout_range, recv_slot=recv_slot,
-                            return_slot=return_slot, send_token=send_token,
+                            return_slot=return_slot, send_token=send_token.astype(jnp.int32),
+                            send_expert=send_expert.astype(jnp.int32),
+                            send_sizes=send_sizes, recv_sizes=recv_sizes,
                             num_invalid=num_invalid, num_tokens=num_tokens,
                             num_max_dispatch_tokens_per_rank=tmax, num_experts=num_experts,
-                            axis_name=axis_name, impl=impl)
+                            axis_name=axis_name, impl=impl, capacity=capacity,
+                            transport=transport)
 
 
 def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_experts,
                          axis_name, use_fp8=False, round_scale=False, use_ue8m0=False,
-                         backend="deepep", fp8_output="pair"):
+                         backend="deepep", fp8_output="pair", transport="auto"):
     """DeepEP low-latency dispatch. Call inside jax.shard_map over `axis_name`.
 
       x: [T,H] with T <= Tmax = num_max_dispatch_tokens_per_rank (same on every rank).
@@ -180,6 +220,9 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
         jax_ep.ops.per_token_cast_to_fp8; use_ue8m0 requires round_scale).
       fp8_output (with use_fp8): "pair" (DeepEP's result, below) or "cast_back" (rows cast
         back to x.dtype on arrival, recv_x [L, P*Tmax, H] in x.dtype).
+      transport: "all_to_all" sends every rank a fixed block of C = min(L*Tmax,
+        T*min(K, L)) rows (the most slots a rank can send another); "ragged" only the used
+        rows of those blocks; "auto" picks as jax_ep.transport does. Same results.
     Returns (recv_x, recv_count i32[L], handle): recv_x [L, P*Tmax, H] in x.dtype, or with
     use_fp8 and fp8_output="pair" (x_fp8 [L, P*Tmax, H] float8_e4m3fn, scales
     [L, P*Tmax, H/128] f32 or [L, P*Tmax, H/512] i32 with use_ue8m0). Row i < recv_count[l]
@@ -198,8 +241,8 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
     topk_idx, _ = check_routing(topk_idx, None, num_experts)
     check_shape(topk_idx, (x.shape[0], topk_idx.shape[1]), "topk_idx")
     impl = deepep.check_backend(backend)
-    h = dataclasses.replace(_plan(topk_idx, num_experts, tmax, axis_name, impl),
-                            hidden=x.shape[1])
+    h = dataclasses.replace(_plan(topk_idx, num_experts, tmax, axis_name,
+                                  tp.resolve_transport(transport), impl), hidden=x.shape[1])
     recv_count = h.layout_range[..., 1].sum(axis=1)
     if not use_fp8:
         return _ll_rows(x, h), recv_count, h
@@ -218,12 +261,11 @@ def low_latency_combine(y, topk_idx, topk_weights, handle):
     check_shape(topk_idx, (handle.num_tokens, topk_idx.shape[1]), "topk_idx")
     _, dense_w = reference.indices_to_multihot(topk_idx, topk_weights,
                                                num_experts=handle.num_experts)
-    tmax = handle.num_max_dispatch_tokens_per_rank
-    slot_expert = jnp.arange(handle.send_token.shape[0]) // tmax
     # One zero row past the last token: with T = 0 the gather still has a row to read (JAX
     # cannot gather from an empty array).
     dense_w = jnp.pad(dense_w, ((0, 1), (0, 0)))
-    slot_weights = dense_w.at[handle.send_token, slot_expert].get(mode="fill", fill_value=0.0)
+    slot_weights = dense_w.at[handle.send_token, handle.send_expert].get(mode="fill",
+                                                                         fill_value=0.0)
     # Typed like y: with T = 0 nothing above varies over the expert axis, but y's cotangent does.
     slot_weights = _ffi.vary_like(jnp.where(handle.send_token >= 0, slot_weights, 0.0), y)
     return _ll_combine_rows(y, slot_weights, handle)

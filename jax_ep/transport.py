@@ -31,10 +31,13 @@ __all__ = [
     "TRANSPORTS",
     "with_transpose",
     "with_fp8_wire",
+    "fp8_cast_back",
+    "FP8_PAIR_NO_GRAD",
     "as_bits",
     "from_bits",
     "ExchangePlan",
     "axis_rank_and_size",
+    "exchange_blocks",
     "exchange_counts",
     "make_plan",
     "resolve_transport",
@@ -99,6 +102,20 @@ def with_transpose(forward, transpose):
     return linear
 
 
+FP8_PAIR_NO_GRAD = (
+    "fp8_output: the FP8 pair (codes, scales) is forward-only (JAX types the cotangent of FP8 "
+    "codes as FP8); dispatch with use_fp8=True, fp8_output=\"cast_back\" to differentiate - its "
+    "backward runs in x's dtype")
+
+
+def fp8_cast_back(codes, scales, use_ue8m0, dtype, impl):
+    """Received FP8 rows codes [..., H] with their scales [..., G] -> rows [..., H] in dtype."""
+    rows = ops.per_token_cast_back(codes.reshape(-1, codes.shape[-1]),
+                                   scales.reshape(-1, scales.shape[-1]),
+                                   use_ue8m0=use_ue8m0, dtype=dtype, impl=impl)
+    return rows.reshape(codes.shape)
+
+
 def with_fp8_wire(send, transpose):
     """A dispatch of rows that moves them as FP8 on the wire, with a straight-through gradient.
 
@@ -118,11 +135,7 @@ def with_fp8_wire(send, transpose):
         recv_codes, recv_scales = send(codes, handle), send(scales, handle)
         if not cast_back:
             return recv_codes, recv_scales
-        hidden = x.shape[1]
-        rows = ops.per_token_cast_back(recv_codes.reshape(-1, hidden),
-                                       recv_scales.reshape(-1, recv_scales.shape[-1]),
-                                       use_ue8m0=use_ue8m0, dtype=x.dtype, impl=handle.impl)
-        return rows.reshape(recv_codes.shape)
+        return fp8_cast_back(recv_codes, recv_scales, use_ue8m0, x.dtype, handle.impl)
 
     @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
     def rows_fp8(x, handle, round_scale, use_ue8m0, cast_back):
@@ -133,10 +146,7 @@ def with_fp8_wire(send, transpose):
 
     def _bwd(round_scale, use_ue8m0, cast_back, handle, d_out):
         if not cast_back:
-            raise ValueError(
-                "fp8_output: the FP8 pair (codes, scales) is forward-only (JAX types the "
-                "cotangent of FP8 codes as FP8); dispatch with use_fp8=True, "
-                "fp8_output=\"cast_back\" to differentiate - its backward runs in x's dtype")
+            raise ValueError(FP8_PAIR_NO_GRAD)
         return transpose(d_out, handle), None
 
     rows_fp8.defvjp(_fwd, _bwd)
@@ -225,6 +235,25 @@ def _ragged(rows, out_rows, in_offsets, in_sizes, out_offsets, out_sizes, axis_n
     out = jax.lax.ragged_all_to_all(bits, output, in_offsets, in_sizes, out_offsets, out_sizes,
                                     axis_name=axis_name)
     return checkpoint_name(from_bits(out, rows.dtype), name)
+
+
+def exchange_blocks(buf, send_sizes, recv_sizes, *, capacity, axis_name, transport, name):
+    """Fixed blocks of C rows to every rank, moving only the used rows on "ragged".
+
+    buf [P*C, ...]: block p (rows p*C ...) goes to rank p and holds send_sizes[p] used rows
+    first, zero rows after them. Returns [P*C, ...], block q what rank q sent here
+    (recv_sizes[q] used rows first). "all_to_all" moves the whole blocks; "ragged" only the
+    used rows, into the same slots, the rest staying zero: both give the same buffer.
+    """
+    rank, size = axis_rank_and_size(axis_name)
+    if size == 1:
+        return buf
+    if transport != "ragged":
+        return _all_to_all(buf, axis_name, size, capacity, name)
+    starts = jnp.arange(size, dtype=jnp.int32) * capacity
+    here = jnp.full((size,), rank * capacity, jnp.int32)
+    return _ragged(buf, buf.shape[0], starts, send_sizes.astype(jnp.int32), here,
+                   recv_sizes.astype(jnp.int32), axis_name, name)
 
 
 def receive_buffer(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):

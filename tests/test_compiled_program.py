@@ -117,5 +117,11 @@ def test_low_latency_buffer_sizes():
     L = E // NUM_RANKS
     found = _collectives(f, *_inputs())
     shapes = [s for k, s in found if k == "all_to_all"]
-    assert f"tensor<{NUM_RANKS}x{L * tmax}x{H}xui16>" in shapes     # [P, L*Tmax, H] fixed
+    # Blocks of the true worst case T*min(K, L) = 12 slots per destination, not L*Tmax = 16.
+    C = T * min(K, L)
+    assert C < L * tmax
+    assert shapes == [f"tensor<{NUM_RANKS}x{L}xi32>",        # counts per (rank, expert)
+                      f"tensor<{NUM_RANKS}x{C}xi32>",        # source token of each wire row
+                      f"tensor<{NUM_RANKS}x{C}x{H}xui16>",   # dispatch
+                      f"tensor<{NUM_RANKS}x{C}x{H}xui16>"]   # combine
     assert not [k for k, _ in found if k == "all_gather"]

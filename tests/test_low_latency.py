@@ -67,6 +67,22 @@ def test_layout_counts_and_source_decoding(num_ranks):
             np.testing.assert_array_equal(layout_range[d, l, :, 0], begins)
 
 
+def test_worst_case_block_is_full():
+    # Every token of every rank picks experts 0..K-1 (all on rank 0, K = L, T = Tmax): each
+    # rank's block to rank 0 holds exactly T*min(K, L) slots, the wire's block size.
+    num_ranks, T, K, E, H = 4, 4, 2, 8, 128
+    idx = np.tile(np.arange(K, dtype=np.int32), (num_ranks * T, 1))
+    w = np.full(idx.shape, 0.5, np.float32)
+    x = np.random.default_rng(7).standard_normal((num_ranks * T, H)).astype(np.float32)
+    recv, count, src_info, _, out = _dispatch(num_ranks, x, idx, w, T, E)
+    np.testing.assert_array_equal(count, [num_ranks * T] * K + [0] * (E - K))
+    recv = recv.reshape(num_ranks, K, num_ranks * T, H)
+    for l in range(K):  # expert l of rank 0: every token of every rank, in rank order
+        np.testing.assert_array_equal(recv[0, l], x)
+    np.testing.assert_array_equal(src_info.reshape(E, -1)[:K], np.tile(np.arange(T), (K, 4)))
+    np.testing.assert_allclose(out, x, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_combine_is_weighted_sum(dtype):
     num_ranks, T, tmax, K, E, H = 4, 6, 6, 4, 16, 256

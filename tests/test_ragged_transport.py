@@ -127,3 +127,34 @@ def test_auto_follows_the_mesh_devices_not_the_default_backend(monkeypatch):
 
     jax.vmap(g, axis_name=AXIS)(jnp.zeros((4, 2)))
     assert seen == {"shard_map": "all_to_all", "vmap": "ragged"}
+
+
+@pytest.mark.parametrize("num_ranks,T,tmax,K,E,fp8", [(4, 5, 6, 3, 16, False),
+                                                       (4, 6, 6, 2, 8, True)])
+def test_low_latency_ragged_equals_all_to_all(ragged, num_ranks, T, tmax, K, E, fp8):
+    # The ragged wire sends only the used rows of each block into the same receive slots.
+    H = 128
+    rng = np.random.default_rng(num_ranks + T)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    kw = dict(use_fp8=True, fp8_output="cast_back") if fp8 else {}
+
+    def body(t):
+        def f(x, i, w):
+            def loss(x, w):
+                recv, count, h = jax_ep.low_latency_dispatch(
+                    x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E,
+                    axis_name=AXIS, transport=t, **kw)
+                out = jax_ep.low_latency_combine(jnp.tanh(recv) * 2, i, w, h)
+                return jnp.sum(out.astype(jnp.float32) ** 2), (recv, count, h, out)
+            (_, (recv, count, h, out)), (d_x, d_w) = jax.value_and_grad(
+                loss, argnums=(0, 1), has_aux=True)(x, w)
+            return recv.reshape(-1, H), count, h.src_info, h.layout_range, out, d_x, d_w
+        return f
+
+    mesh = ep_mesh(num_ranks)
+    a = run_ep(body("ragged"), mesh, x, idx, w)
+    b = run_ep(body("all_to_all"), mesh, x, idx, w)
+    for u, v in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+    assert np.abs(np.asarray(a[-2], np.float32)).sum() > 0

@@ -285,7 +285,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
             px, pp, tpe, handle = hybridep.hybridep_dispatch(
                 hidden_states, num_experts=cfg.num_moe_experts, axis_name=self.axis_name,
                 num_permuted_tokens=n, pad_multiple=cfg.moe_router_expert_pad_multiple,
-                transport=cfg.transport, **routing)
+                transport=cfg.transport, use_fp8=cfg.moe_fp8_dispatch,
+                fp8_output="cast_back", **routing)
             if state.num_invalid is not None:
                 routing = dataclasses.replace(
                     handle.routing, num_invalid=handle.routing.num_invalid + state.num_invalid)
