@@ -215,9 +215,9 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         no-drop worst case, every received row's local slots plus the block padding,
         N = P*T' * S + L*(pad_multiple - 1) with T' = max(equalized_num_tokens(T), 4) the
         padded token count and S = min(K, L) with compact routing, L with a dense map (it may
-        route a token to every expert). HybridEP itself sizes N from a host-synced count
-        (or, in Megatron, capacity * L under a capacity factor); static shapes here take the
-        bound instead. A smaller N drops rows (counted in the handle).
+        route a token to every expert). HybridEP sizes N from a host-synced count, or in
+        its CPU-free non-blocking mode pre-allocates T*P*min(L, K), the compact bound here;
+        static shapes always take the bound. A smaller N drops rows (counted in the handle).
       pad_multiple: pad every local expert block to a multiple of it.
       backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
     Returns (permuted_x [N,H], permuted_probs f32[N], tokens_per_expert i32[L], handle).

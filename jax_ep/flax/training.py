@@ -42,6 +42,9 @@ def _as_returned(sharding, ndim):
 
 
 def _place(value, sharding):
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        # Already global over processes (e.g. placed by shard_params): reshard on device.
+        return jax.device_put(value, _as_returned(sharding, value.ndim))
     data, impl = _on_host(value)
     placed = jax.device_put(data, _as_returned(sharding, data.ndim - (impl is not None)))
     return placed if impl is None else jax.random.wrap_key_data(placed, impl=impl)
