@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -83,3 +84,46 @@ def test_checkpoint_flags_are_checked(train_moe, tmp_path, capsys):
     with pytest.raises(SystemExit, match="--resume: no checkpoint in"):
         train_moe.train(train_moe.parse_args(
             SMALL + ["--steps", "1", "--checkpoint-dir", str(tmp_path / "empty"), "--resume"]))
+
+
+def test_checkpoints_keep_non_trainable_state_rng_and_shardings(train_moe, tmp_path):
+    """Checkpoints saves all nnx state, not only nnx.Param: a non-trainable variable (as an
+    expert bias is), an nnx.Rngs key and the sampler's RNG come back, on their shardings."""
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ep.flax import shard_state
+
+    class Tiny(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.arange(8.0).reshape(4, 2), eager_sharding=False,
+                               out_sharding=("expert", None))
+            self.bias = nnx.Variable(jnp.full((4,), 0.5))
+            self.rngs = nnx.Rngs(dropout=7)
+
+    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    model = Tiny()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    shard_state(model, optimizer, mesh)
+    rng = np.random.default_rng(5)
+    rng.integers(0, 10, 3)
+    saved = {k: np.asarray(jax.random.key_data(v[...]) if k[-1] == "key" else v[...])
+             for k, v in nnx.to_flat_state(nnx.state(model))}
+    ckpt = train_moe.Checkpoints(tmp_path / "ck")
+    ckpt.save(4, model, optimizer, rng)
+    ckpt.close()
+    want_draw = rng.integers(0, 1 << 30, 4)
+    model.bias[...] = model.bias[...] * 0 - 1
+    model.w[...] = model.w[...] + 1
+    model.rngs.dropout()  # advances the key's count
+    optimizer.step[...] = optimizer.step[...] + 3
+    fresh = np.random.default_rng(0)
+    assert train_moe.Checkpoints(tmp_path / "ck").restore(model, optimizer, fresh) == 4
+    for k, v in nnx.to_flat_state(nnx.state(model)):
+        got = np.asarray(jax.random.key_data(v[...]) if k[-1] == "key" else v[...])
+        np.testing.assert_array_equal(got, saved[k], err_msg=str(k))
+    assert int(optimizer.step[...]) == 0
+    np.testing.assert_array_equal(fresh.integers(0, 1 << 30, 4), want_draw)
+    assert model.w[...].sharding == NamedSharding(mesh, P("expert", None))
