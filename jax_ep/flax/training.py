@@ -62,9 +62,10 @@ def shard_state(model, optimizer, mesh):
     each variable by its sharding metadata, replicated (P()) where it has none. This is
     where a jitted step over the mesh returns them, so step 2 reuses step 1's executable.
 
-    Works with Auto and Explicit mesh axes and across processes: values go through host
-    memory, so every process must hold the same values (same seed). Returns (model,
-    optimizer), updated in place."""
+    Works with Auto and Explicit mesh axes (each mesh all one type) and across processes:
+    arrays local to a process go through host memory, so every process must hold the same
+    values (same seed); arrays already global over the processes are resharded on device.
+    Returns (model, optimizer), updated in place."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
