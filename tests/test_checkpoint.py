@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -51,28 +50,28 @@ def _state(directory, step):
 
 
 def test_resume_continues_bitwise(train_moe, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    records = train_moe.train(train_moe.parse_args(
-        SMALL + ["--steps", "6", "--checkpoint-dir", str(straight), "--save-every", "3",
-                 "--out", str(tmp_path / "out_straight")]))
-    assert sorted(int(p.name) for p in straight.iterdir() if p.name.isdigit()) == [3, 6]
-    # The run stopped after step 3: its checkpoint alone, then --resume up to --steps 6.
-    shutil.copytree(straight / "3", resumed / "3")
-    out = tmp_path / "out_resumed"
-    rest = train_moe.train(train_moe.parse_args(
-        SMALL + ["--steps", "6", "--checkpoint-dir", str(resumed), "--resume",
-                 "--out", str(out)]))
-    assert [r["step"] for r in rest] == [3, 4, 5]
-    logged = json.loads((out / "train_moe.json").read_text())["records"]
-    assert [r["step"] for r in logged] == [3, 4, 5]
-    assert [r["loss"] for r in rest] == [r["loss"] for r in records[3:]]  # bitwise
-    assert [r["load"] for r in rest] == [r["load"] for r in records[3:]]
-    want, got = _state(straight, 6), _state(resumed, 6)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+
+    def run(steps, directory, *extra):
+        out = tmp_path / f"out_{directory.name}_{steps}"
+        records = train_moe.train(train_moe.parse_args(
+            SMALL + ["--steps", str(steps), "--checkpoint-dir", str(directory), "--out",
+                     str(out), *extra]))
+        return records, json.loads((out / "train_moe.json").read_text())["records"]
+
+    records, _ = run(6, straight)
+    first, _ = run(3, split)  # saves after its last step
+    rest, logged = run(6, split, "--resume")
+    assert sorted(int(p.name) for p in split.iterdir() if p.name.isdigit()) == [3, 6]
+    assert [r["step"] for r in rest] == [r["step"] for r in logged] == [3, 4, 5]
+    assert [r["loss"] for r in first + rest] == [r["loss"] for r in records]  # bitwise
+    assert [r["load"] for r in first + rest] == [r["load"] for r in records]
+    want, got = _state(straight, 6), _state(split, 6)
     assert got.keys() == want.keys() and any("optimizer" in k for k in got)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-    # The state moved: step 6 is not step 3's (the comparison above is not vacuous).
-    assert any((_state(straight, 3)[k] != want[k]).any() for k in want)
+    # The state moved: step 3's is not step 6's (the comparison above is not vacuous).
+    assert any((_state(split, 3)[k] != want[k]).any() for k in want)
 
 
 def test_checkpoint_flags_are_checked(train_moe, tmp_path, capsys):
