@@ -10,6 +10,9 @@ plot and a JSON log.
   python examples/train_moe.py --backend hybridep    # deepep | uccl_ep | alltoall | hybridep
   python examples/train_moe.py --grouped-gemm ragged_dot  # the experts on jax.lax.ragged_dot
   python examples/train_moe.py --gpu                 # every local GPU on the expert axis
+  # checkpoint every 50 steps with orbax; a later run with --resume continues up to --steps:
+  python examples/train_moe.py --checkpoint-dir /tmp/moe_ckpt --save-every 50 --steps 100
+  python examples/train_moe.py --checkpoint-dir /tmp/moe_ckpt --resume --steps 150
   # multi-process (e.g. 2 hosts x 4 devices), one command per process:
   python examples/train_moe.py --num-processes 2 --process-id 0 --coordinator HOST:PORT ...
 """
@@ -57,7 +60,19 @@ def parse_args(argv=None):
                    help="emulated CPU devices per process (multi-process CPU runs)")
     p.add_argument("--out", default="examples/out")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="orbax checkpoints (model and optimizer state, data position) here")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="save every N steps (0: only after the last step); needs "
+                        "--checkpoint-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir up to --steps")
+    args = p.parse_args(argv)
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        p.error("--resume / --save-every: need --checkpoint-dir")
+    if args.save_every < 0:
+        p.error(f"--save-every: expected a step count >= 0, got {args.save_every}")
+    return args
 
 
 def setup_jax(args):
@@ -160,7 +175,7 @@ def train(args):
     from jax.sharding import PartitionSpec as P
     from tqdm import tqdm
 
-    from jax_ep.flax import shard_params
+    from jax_ep.flax import shard_state
 
     devices = jax.devices()
     data = args.data_parallel if len(devices) % args.data_parallel == 0 else 1
@@ -178,15 +193,13 @@ def train(args):
     corpus = np.frombuffer(stdlib_corpus(), np.uint8)
     rng = np.random.default_rng(args.seed)
     model = build_model(args, mesh, jax)
-    shard_params(model, mesh)
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
-    # The optimizer's step counters start on one device and come back from train_step
-    # replicated over the mesh; placing them there now keeps train_step at one compile.
-    replicated = NamedSharding(mesh, P())
-    nnx.update(optimizer, jax.tree.map(
-        lambda a: a if isinstance(a.sharding, NamedSharding)
-        else jax.device_put(np.asarray(a), replicated),
-        nnx.state(optimizer)))
+    # Parameters and optimizer state where train_step returns them: one compile for all steps.
+    shard_state(model, optimizer, mesh)
+    checkpoints = Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
+    first_step = checkpoints.restore(model, optimizer, rng) if args.resume else 0
+    if is_main and args.resume:
+        print(f"resumed from {args.checkpoint_dir} at step {first_step}")
     batch_sharding = NamedSharding(mesh, P(("data", "expert")))
 
     @nnx.jit
@@ -203,7 +216,8 @@ def train(args):
 
     records = []
     tokens_per_step = args.batch * args.seq
-    bar = tqdm(range(args.steps), disable=args.no_progress or not is_main, desc="train")
+    bar = tqdm(range(first_step, args.steps), disable=args.no_progress or not is_main,
+               desc="train", initial=first_step, total=args.steps)
     start = None
     with jax.set_mesh(mesh):
         for step in bar:
@@ -215,17 +229,66 @@ def train(args):
             ce, load, dropped = train_step(model, optimizer, batch)
             ce = float(ce)  # the step's only host read, after the step
             elapsed = time.perf_counter() - t0
-            if step == 0:
+            if step == first_step:
                 start = time.perf_counter()
             load = np.asarray(jax.device_get(load)).tolist()
             records.append(dict(step=step, loss=ce, seconds=elapsed, load=load,
                                 dropped=int(dropped)))
-            if step > 0:
-                rate = tokens_per_step * step / (time.perf_counter() - start)
+            if step > first_step:
+                rate = tokens_per_step * (step - first_step) / (time.perf_counter() - start)
                 bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{rate:,.0f}", dropped=int(dropped))
-    if is_main:
+            done = step + 1
+            if checkpoints and (done == args.steps
+                                or (args.save_every and done % args.save_every == 0)):
+                checkpoints.save(done, model, optimizer, rng)
+    if checkpoints:
+        checkpoints.close()
+    if is_main and records:
         report(records, args, tokens_per_step)
     return records
+
+
+class Checkpoints:
+    """Orbax checkpoints of a training run in `directory`, one per saved step: all nnx state of
+    the model (parameters and non-trainable variables such as an expert bias) and of the
+    optimizer, sharded as they are on the mesh, plus the data position (the batch sampler's
+    RNG state and the number of steps done) as JSON."""
+
+    def __init__(self, directory):
+        import orbax.checkpoint as ocp
+        self._ocp = ocp
+        self.manager = ocp.CheckpointManager(Path(directory).absolute(),
+                                             item_names=("state", "data"))
+
+    def save(self, steps_done, model, optimizer, rng):
+        from flax import nnx
+        ocp = self._ocp
+        state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+        data = {"steps_done": steps_done, "sampler": rng.bit_generator.state}
+        self.manager.save(steps_done, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)))
+
+    def restore(self, model, optimizer, rng):
+        """Loads the latest checkpoint into model, optimizer and rng (each array with the
+        sharding it has now); returns the number of steps done."""
+        import jax
+        from flax import nnx
+        ocp = self._ocp
+        latest = self.manager.latest_step()
+        if latest is None:
+            raise SystemExit(f"--resume: no checkpoint in {self.manager.directory}")
+        target = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        restored = self.manager.restore(latest, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+        nnx.update(model, restored.state["model"])
+        nnx.update(optimizer, restored.state["optimizer"])
+        rng.bit_generator.state = restored.data["sampler"]
+        return int(restored.data["steps_done"])
+
+    def close(self):
+        self.manager.wait_until_finished()
+        self.manager.close()
 
 
 def report(records, args, tokens_per_step):

@@ -262,6 +262,7 @@ class Buffer:
         combined_topk_weights f32[T,K] or None, event). Unweighted sum of a token's copies in
         fp32; `bias` ([T,H], or a pair of them) is added to that sum in fp32 before the cast
         to x.dtype."""
+        deepep.check_combine_rows(x, handle, "x")
         combined, combined_w = deepep.combine(x, handle, topk_weights=topk_weights)
         if bias is not None:
             biases = tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
@@ -311,6 +312,7 @@ class Buffer:
         if use_logfmt:
             raise ValueError("use_logfmt: the LogFMT combine format is not implemented "
                              "(it would change results); pass use_logfmt=False")
+        low_latency.check_combine_rows(x, handle, "x")
         combined = low_latency.low_latency_combine(x, topk_idx, topk_weights, handle)
         if out is not None:
             check_shape(out, combined.shape, "out")

@@ -74,7 +74,10 @@ class TokenDispatcherConfig:
       expert_axis_name: the mesh axis experts are sharded over.
       transport: "auto", "all_to_all" or "ragged" (see jax_ep.transport).
       num_worst_tokens: receive rows per rank for deepep modes (None: the no-drop worst case).
-      num_permuted_tokens: permuted rows per rank for hybridep (None: the worst case).
+      num_permuted_tokens: permuted rows per rank for hybridep. None (default): the no-drop
+        worst case P*T'*min(K, L) + L*(pad - 1) (T' the local token count equalised to a
+        multiple of 4, L local experts, pad = moe_router_expert_pad_multiple or 1), or
+        with ragged_buffer_factor f at most ceil(f*T'*K) + L*(pad - 1).
       num_overlap_chunks: token chunks used by moe_deepep_async_dispatch.
       ragged_buffer_factor: None (default) sizes the receive and permuted buffers for the
         no-drop worst case; a positive float f bounds them to f times the balanced load, as

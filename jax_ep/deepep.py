@@ -355,19 +355,26 @@ def combine(y, handle, *, topk_weights=None):
     unrouted tokens combine to 0. topk_weights [R,K] (optional) are summed back the same way
     into combined_weights f32[T,K], else None.
     """
-    if not isinstance(handle, DispatchHandle):
-        raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got {type(handle)}")
-    check_rank(y, 2, "y")
-    check_float(y, "y")
-    if y.shape[0] != handle.num_recv:
-        raise ValueError(f"y: expected {handle.num_recv} rows (the dispatch's receive buffer), "
-                         f"got shape {y.shape}")
+    check_combine_rows(y, handle, "y")
     combined = _combine_rows(y, handle)
     combined_weights = None
     if topk_weights is not None:
         check_shape(topk_weights, handle.recv_topk_idx.shape, "topk_weights")
         combined_weights = _combine_rows(topk_weights.astype(jnp.float32), handle)
     return combined, combined_weights
+
+
+def check_combine_rows(y, handle, name):
+    """ValueError naming `name` (the caller's argument: "y" here, "x" in Buffer.combine) unless
+    y is float [handle.num_recv, H] and handle a DispatchHandle. Integer rows dispatch fine
+    but cannot be combined (the sum accumulates in fp32 and is cast back)."""
+    if not isinstance(handle, DispatchHandle):
+        raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got {type(handle)}")
+    check_rank(y, 2, name)
+    check_float(y, name)
+    if y.shape[0] != handle.num_recv:
+        raise ValueError(f"{name}: expected {handle.num_recv} rows (the dispatch's receive "
+                         f"buffer), got shape {y.shape}")
 
 
 def chunk_bounds(num_tokens, chunks):

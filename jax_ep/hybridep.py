@@ -233,7 +233,7 @@ _hybrid_combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted)
 
 
 def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts, axis_name,
-                      num_permuted_tokens, pad_multiple=None, transport="auto",
+                      num_permuted_tokens=None, pad_multiple=None, transport="auto",
                       backend="deepep", use_fp8=False, fp8_output="pair", round_scale=False,
                       use_ue8m0=False):
     """Dispatch fused with the expert permutation (HybridEP). Call inside jax.shard_map.
@@ -241,7 +241,13 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
       x: [T,H] tokens of this rank.
       routing_map: bool[T,E] with probs f32[T,E] (dense routing), or
       topk_idx: [T,K] global ids (-1 unrouted) with probs f32[T,K] (compact routing).
-      num_permuted_tokens: N, rows of the permuted output on this rank.
+      num_permuted_tokens: N, rows of the permuted output on this rank. None (default): the
+        no-drop worst case, every received row's local slots plus the block padding,
+        N = P*T' * S + L*(pad_multiple - 1) with T' = max(equalized_num_tokens(T), 4) the
+        padded token count and S = min(K, L) with compact routing, L with a dense map (it may
+        route a token to every expert). HybridEP sizes N from a host-synced count, or in
+        its CPU-free non-blocking mode pre-allocates T*P*min(L, K), the compact bound here;
+        static shapes always take the bound. A smaller N drops rows (counted in the handle).
       pad_multiple: pad every local expert block to a multiple of it.
       backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
       use_fp8 / round_scale / use_ue8m0 / fp8_output: as jax_ep.dispatch's - x (f32/bf16/f16,
@@ -260,8 +266,9 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
     check_float_weights(probs, "probs")
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     num_local = check_experts(num_experts, num_ranks)
-    num_permuted_tokens = check_positive(num_permuted_tokens, "num_permuted_tokens",
-                                         allow_zero=True)
+    if num_permuted_tokens is not None:
+        num_permuted_tokens = check_positive(num_permuted_tokens, "num_permuted_tokens",
+                                             allow_zero=True)
     impl = deepep.check_backend(backend)
     num_tokens = x.shape[0]
     # At least one aligned group of (unrouted) rows, even at T = 0: every buffer below then
@@ -310,6 +317,10 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         src = jnp.where(routing.send_token_idx >= 0,
                         routing.send_token_idx * num_ranks + _send_ranks(routing), -1)
         recv_map = tp.send_rows(by_rank, src, routing.plan, **kwargs).astype(bool)
+    if num_permuted_tokens is None:
+        slots = min(topk_idx.shape[1], num_local) if compact else num_local
+        pad = check_positive(pad_multiple, "pad_multiple") if pad_multiple is not None else 1
+        num_permuted_tokens = routing.num_recv * slots + num_local * (pad - 1)
     # The plan alone: one-column dummy rows (the data rows are gathered below, fused).
     plan = ops.permute(jnp.zeros((routing.num_recv, 1), jnp.float32), recv_map,
                        num_out_tokens=num_permuted_tokens, pad_multiple=pad_multiple,

@@ -243,20 +243,27 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
     impl = deepep.check_backend(backend)
     h = dataclasses.replace(_plan(topk_idx, num_experts, tmax, axis_name,
                                   tp.resolve_transport(transport), impl), hidden=x.shape[1])
-    recv_count = h.layout_range[..., 1].sum(axis=1)
+    recv_count = h.layout_range[..., 1].sum(axis=1, dtype=jnp.int32)  # i32 under x64 too
     if not use_fp8:
         return _ll_rows(x, h), recv_count, h
     return (_ll_rows_fp8(x, h, bool(round_scale), bool(use_ue8m0), fp8_output == "cast_back"),
             recv_count, h)
 
 
+def check_combine_rows(y, handle, name):
+    """ValueError naming `name` (the caller's argument: "y" here, "x" in
+    Buffer.low_latency_combine) unless y is float [L, P*Tmax, H] for the LowLatencyHandle."""
+    if not isinstance(handle, LowLatencyHandle):
+        raise ValueError(f"handle: expected a LowLatencyHandle, got {type(handle)}")
+    check_rank(y, 3, name)
+    check_shape(y, handle.src_info.shape + (y.shape[-1],), name)
+    check_float(y, name)
+
+
 def low_latency_combine(y, topk_idx, topk_weights, handle):
     """y [L, P*Tmax, H] expert outputs -> [T,H] = Σ_k topk_weights[t,k] · y_{topk_idx[t,k]}(t),
     fp32 accumulation, cast to y.dtype. topk_idx/topk_weights are the dispatch's [T,K]."""
-    if not isinstance(handle, LowLatencyHandle):
-        raise ValueError(f"handle: expected a LowLatencyHandle, got {type(handle)}")
-    check_shape(y, handle.src_info.shape + (y.shape[-1],), "y")
-    check_float(y, "y")
+    check_combine_rows(y, handle, "y")
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, handle.num_experts)
     check_shape(topk_idx, (handle.num_tokens, topk_idx.shape[1]), "topk_idx")
     _, dense_w = reference.indices_to_multihot(topk_idx, topk_weights,

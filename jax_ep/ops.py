@@ -381,7 +381,9 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
 
 
 def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, impl="ffi"):
-    """Inverse of per_token_cast_to_fp8: x_fp8 float8_e4m3fn[T,H], scales -> [T,H] `dtype`."""
+    """Inverse of per_token_cast_to_fp8: x_fp8 float8_e4m3fn[T,H], scales -> [T,H] `dtype`.
+    Differentiable (both impls): d x_fp8 = g * scale (in float8_e4m3fn), d scales = the sum of
+    g * x_fp8 over each 128-channel group (f32); integer UE8M0 scales get no cotangent."""
     _check_impl(impl)
     check_rank(x_fp8, 2, "x_fp8")
     if x_fp8.dtype != jnp.float8_e4m3fn:
@@ -399,8 +401,29 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
             x_fp8, scales, use_ue8m0=use_ue8m0, dtype=dtype), x_fp8, scales)
     if x_fp8.size == 0:
         return _ffi.vary_like(jnp.zeros(x_fp8.shape, dtype), x_fp8, scales)
+    return _cast_back(x_fp8, scales, bool(use_ue8m0), jnp.dtype(dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cast_back(x_fp8, scales, use_ue8m0, dtype):
     return _ffi.call("jax_ep_cast_back", _sds(x_fp8.shape, dtype), x_fp8, scales,
-                     use_ue8m0=bool(use_ue8m0))
+                     use_ue8m0=use_ue8m0)
+
+
+def _cast_back_fwd(x_fp8, scales, use_ue8m0, dtype):
+    return _cast_back(x_fp8, scales, use_ue8m0, dtype), (x_fp8, scales)
+
+
+def _cast_back_bwd(use_ue8m0, dtype, saved, g):
+    # The cast back is x_fp8 * scale per 128 channels: the reference's VJP is exact (the
+    # cotangent of x_fp8 is rounded to float8_e4m3fn, its dtype; UE8M0 scales are integers
+    # and get none).
+    _, vjp = jax.vjp(partial(reference.per_token_cast_back, use_ue8m0=use_ue8m0, dtype=dtype),
+                     *saved)
+    return vjp(g)
+
+
+_cast_back.defvjp(_cast_back_fwd, _cast_back_bwd)
 
 
 # ----------------------------------------------------------------------------- grouped GEMM

@@ -372,8 +372,33 @@ def test_bad_inputs_name_the_argument():
 
     with pytest.raises(ValueError, match="handle: expected the DispatchHandle"):
         run(ll_handle_to_normal)
+
+    # Integer rows dispatch but cannot be combined: the error names Buffer's argument x
+    # (jax_ep.combine's y), in both modes (issue 22).
+    def int_rows_combined(x, i, w):
+        rx, _, _, _, h, _ = buf.dispatch(x.astype(jnp.int32), topk_idx=i, topk_weights=w,
+                                         num_tokens_per_expert=buf.get_dispatch_layout(i, E)[2])
+        return buf.combine(rx, h)[0]
+
+    with pytest.raises(ValueError, match="^x: expected float32, bfloat16 or float16, got int32"):
+        run(int_rows_combined)
+
+    def int_rows_ll_combined(x, i, w):
+        recv, _, h, _, _ = buf.low_latency_dispatch(x, i, tmax, E, use_fp8=False)
+        return buf.low_latency_combine(recv.astype(jnp.int32), i, w, h)[0]
+
+    with pytest.raises(ValueError, match="^x: expected float32, bfloat16 or float16, got int32"):
+        run(int_rows_ll_combined)
+    with pytest.raises(ValueError, match="^y: expected float32, bfloat16 or float16, got int32"):
+        run(lambda x, i, w: jax_ep.combine(*_int_dispatch(x, i, E)))
     with pytest.raises(ValueError, match="num_tokens_per_expert"):
         run(lambda x, i, w: buf.dispatch(x, topk_idx=i, topk_weights=w)[0])
+
+
+def _int_dispatch(x, i, E):
+    """(integer received rows, handle) of a functional dispatch of x cast to int32."""
+    rx, _, _, h = jax_ep.dispatch(x.astype(jnp.int32), i, None, num_experts=E, axis_name=AXIS)
+    return rx, h
 
 
 def _splits(rng, num_ranks, S):

@@ -554,3 +554,31 @@ def test_fp8_bad_arguments(impl):
         back(q, jnp.ones((2, 2)), dtype=jnp.int32)
     with pytest.raises(ValueError, match="impl"):
         ops.per_token_cast_to_fp8(jnp.ones((2, 256)), impl="numpy")
+
+
+@pytest.mark.parametrize("use_ue8m0", [False, True], ids=["f32scales", "ue8m0"])
+def test_cast_back_gradients_are_the_scaled_cotangents(rng, use_ue8m0):
+    """jax.grad through the FFI cast back (issue 22): d x_fp8 = g * scale rounded to e4m3,
+    d scales = sum of g * code over each 128-channel group; UE8M0 scales get none."""
+    T, H = 3, 256
+    x = _scaled_input(rng, T, H, np.float32)
+    q, s = ops.per_token_cast_to_fp8(jnp.asarray(x), round_scale=use_ue8m0, use_ue8m0=use_ue8m0)
+    g = jnp.asarray(rng.standard_normal((T, H)).astype(np.float32))
+
+    def loss(q, s, impl):
+        out = ops.per_token_cast_back(q, s, use_ue8m0=use_ue8m0, dtype=jnp.float32, impl=impl)
+        return jnp.sum(out * g)
+
+    argnums = (0,) if use_ue8m0 else (0, 1)
+    got = jax.jit(jax.grad(partial(loss, impl="ffi"), argnums=argnums))(q, s)
+    want = jax.jit(jax.grad(partial(loss, impl="xla"), argnums=argnums))(q, s)
+    scale = np.asarray(ops.per_token_cast_back(
+        jnp.ones_like(q), s, use_ue8m0=use_ue8m0, dtype=jnp.float32))  # each channel's scale
+    hand_q = (np.asarray(g) * scale).astype(ml_dtypes.float8_e4m3fn)
+    assert got[0].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(codes(got[0]), codes(hand_q))
+    np.testing.assert_array_equal(codes(got[0]), codes(want[0]))
+    if not use_ue8m0:
+        hand_s = (np.asarray(g) * np.asarray(q).astype(np.float32)).reshape(T, H // 128, 128)
+        np.testing.assert_allclose(np.asarray(got[1]), hand_s.sum(-1), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)

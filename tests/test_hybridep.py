@@ -245,3 +245,44 @@ def test_zero_tokens_dispatch_combine_and_gradients(compact, backend, num_ranks)
     np.testing.assert_array_equal(pp, np.zeros((num_ranks * N,), np.float32))
     np.testing.assert_array_equal(tpe, np.zeros((E,), np.int32))
     np.testing.assert_array_equal(dropped, np.zeros((num_ranks,), np.int32))
+
+
+@pytest.mark.parametrize("compact,pad", [(True, None), (True, 4), (False, None), (False, 2)])
+def test_default_num_permuted_tokens_is_the_no_drop_worst_case(compact, pad):
+    """num_permuted_tokens=None (issue 22): P*T' rows of min(K, L) slots (compact) or L slots
+    (dense map) plus L*(pad-1). Every token routed to rank 0's experts: nothing is dropped and
+    the rows equal the oracle's for that N."""
+    num_ranks, T, K, H, E = 4, 5, 3, 8, 16  # T' = 8 (T equalised to a multiple of 4), L = 4
+    L, padded = E // num_ranks, 8
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx = np.stack([rng.permutation(L)[:K] for _ in range(num_ranks * T)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+    px, pp, tpe, dropped, y = _run(ep_mesh(num_ranks), x, idx, w, E, None, pad, compact)
+    n = num_ranks * padded * (min(K, L) if compact else L) + L * ((pad or 1) - 1)
+    assert px.shape == (num_ranks * n, H) and not dropped.any()
+    rm, pr = _dense(idx, w, E)
+    for d, (wx, wp, wt, wd) in enumerate(hybridep_oracle(x, rm, pr, num_ranks, n, pad)):
+        np.testing.assert_array_equal(px[d * n:(d + 1) * n], wx)
+        np.testing.assert_array_equal(pp[d * n:(d + 1) * n], wp)
+        np.testing.assert_array_equal(tpe[d * L:(d + 1) * L], wt)
+    assert tpe[:L].sum() >= num_ranks * T * K  # rank 0 got every slot
+    np.testing.assert_allclose(y, x * K, rtol=1e-6)  # combine: one copy per routed expert
+
+
+def test_dispatcher_default_num_permuted_tokens():
+    """The flex dispatcher's hybridep buffer without num_permuted_tokens: P*T'*min(K, L) +
+    L*(pad-1) rows (TokenDispatcherConfig.num_permuted_tokens documents it); a set value wins."""
+    from jax_ep.flax import MoEFlexTokenDispatcher
+    num_ranks, T, K, H, E, pad = 4, 5, 3, 8, 8, 4  # T' = 8, L = 2
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    for n, want in ((None, num_ranks * 8 * 2 + 2 * (pad - 1)), (12, 12)):
+        cfg = jax_ep.TokenDispatcherConfig(
+            num_moe_experts=E, moe_router_topk=K, moe_flex_dispatcher_backend="hybridep",
+            moe_router_expert_pad_multiple=pad, expert_axis_name=AXIS, num_permuted_tokens=n)
+        d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+        out = run_ep(lambda x, i, w: d.token_permutation2(x, x.shape[0], w, i)[0],
+                     ep_mesh(num_ranks), x, idx, w)
+        assert out.shape == (num_ranks * want, H), n

@@ -236,3 +236,17 @@ def test_zero_tokens_dispatch_combine_and_gradients():
     assert recv.shape == (num_ranks * (E // num_ranks) * num_ranks * tmax, H)
     assert not np.asarray(recv).any()
     assert d_x.shape == (0, H) and d_w.shape == (0, K)
+
+
+def test_recv_count_is_int32_under_x64():
+    """recv_count is documented i32[L]: a sum of i32 counts, which x64 would widen (issue 22)."""
+    num_ranks, T, tmax, K, E = 2, 3, 4, 2, 4
+    rng = np.random.default_rng(11)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, 8)).astype(np.float32)
+    with jax.enable_x64(True):
+        _, count, _, layout_range, _ = _dispatch(num_ranks, x, idx, w, tmax, E)
+    assert count.dtype == np.int32 and layout_range.dtype == np.int32
+    # Per rank the counts are the slots of its experts: every routed slot once over the ranks.
+    assert count.sum() == (idx >= 0).sum()
+    np.testing.assert_array_equal(count, layout_range[..., 1].reshape(-1, num_ranks).sum(-1))

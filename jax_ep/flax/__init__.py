@@ -8,6 +8,7 @@ from jax_ep.flax.moe import (
     shard_params,
     swiglu_experts,
 )
+from jax_ep.flax.training import shard_state
 
 __all__ = [
     "DispatchState",
@@ -16,6 +17,7 @@ __all__ = [
     "dense_forward",
     "expert_tile_rows",
     "shard_params",
+    "shard_state",
     "shared_dispatcher",
     "swiglu_experts",
 ]
