@@ -171,7 +171,8 @@ class MoELayer(nnx.Module):
       dtype: the compute dtype (None: promoted from the input's and the parameters' dtypes),
         param_dtype: the parameters' dtype, as in nnx.Linear. The router's logits, scores and
         probs use config.moe_router_dtype (None: the compute dtype).
-      sow_aux: also sow the aux dict below as nnx.Intermediate "moe_aux".
+      sow_aux: also sow the aux dict below as nnx.Intermediate "moe_aux" (read it with
+        nnx.capture(fn, nnx.Intermediate)).
     __call__(x [..., H]) -> (y [..., H] in the compute dtype, aux), aux over every token of the
     mesh (summed over the data and expert axes, or the axes of your shard_map):
       "aux_loss" f32[]: moe_aux_loss_coeff * load_balancing_loss + moe_z_loss_coeff * z_loss,
@@ -231,7 +232,7 @@ class MoELayer(nnx.Module):
         else:
             self.shared_gate_up = self.shared_down = None
         self.expert_bias = (ExpertBias(jnp.zeros((num_experts,), jnp.float32),
-                                       **{_SHARDING_KEY: (None,)})
+                                       eager_sharding=False, **{_SHARDING_KEY: (None,)})
                             if config.moe_router_enable_expert_bias else None)
         num_local = num_experts // expert_parallel_size
         self.dispatcher = dispatcher or shared_dispatcher(num_local, dcfg, axis)
