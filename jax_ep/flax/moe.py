@@ -107,7 +107,7 @@ def _losses(logits, seq_len, cfg: MoEConfig, axes, num_devices=1):
     kind = cfg.moe_router_load_balancing_type
     E = cfg.num_moe_experts
     lb = jnp.zeros((), jnp.float32)
-    if kind != "none":
+    if kind != "none" and cfg.moe_aux_loss_coeff > 0:  # as Megatron: off at coeff 0
         scores, routed = routing.switch_loss_terms(logits, cfg)
         if kind == "global_aux_loss":
             s, r, n = _sum_over(axes, scores.sum(axis=0), routed.sum(axis=0),
@@ -181,7 +181,7 @@ class MoELayer(nnx.Module):
         switch loss of each device's tokens averaged over devices (Megatron's per-rank loss,
         each device a data-parallel rank), "seq_aux_loss" that of each sequence (x's
         second-to-last axis) averaged over sequences, "global_aux_loss" that of the whole
-        batch, "none" 0.
+        batch; 0 for "none" or moe_aux_loss_coeff=0 (not computed, as Megatron).
       "z_loss" f32[]: unscaled mean over tokens of logsumexp(logits)^2 (0 without a coeff).
       "tokens_per_expert" i32[E]: (token, expert) slots each expert got, after the capacity
         drop, summed over the mesh. "load_ratio" f32[]: max / mean of it (Megatron's overload
