@@ -144,8 +144,8 @@ def main(argv=None):
     dtype = jnp.dtype(a.dtype)
     devices = a.data * a.expert_parallel
     num_tokens = devices * a.tokens
-    x = jax.random.normal(jax.random.key(1), (devices * a.tokens // a.seq_len, a.seq_len,
-                                               a.hidden), dtype)
+    seq = math.gcd(a.seq_len, a.tokens)  # whole sequences per device
+    x = jax.random.normal(jax.random.key(1), (devices * a.tokens // seq, seq, a.hidden), dtype)
     x = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
     print(f"jax {jax.__version__}, mesh {dict(mesh.shape)} of {jax.devices()[0].device_kind} "
           f"devices on {os.cpu_count()} cores; {num_tokens} tokens ({a.tokens}/device), "
