@@ -306,9 +306,13 @@ def _mesh():
     return jax.make_mesh((2, 4), ("data", "expert"))
 
 
-def _layer(c, mesh, **kw):
-    layer = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh, **kw)
-    twin = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh, **kw)
+def _layer(c, mesh):
+    """A sharded layer and its unsharded twin; an expert bias is set to one that changes the
+    routing."""
+    layer, twin = (MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh) for _ in range(2))
+    if c.moe_router_enable_expert_bias:
+        for m in (layer, twin):
+            m.expert_bias[...] = jnp.asarray(np.linspace(-0.3, 0.3, E), jnp.float32)
     shard_params(layer, mesh)
     return layer, twin
 
@@ -337,10 +341,6 @@ def test_layer_losses_statistics_and_gradients_match_megatron(name):
              **LAYER_CASES[name])
     mesh = _mesh()
     layer, twin = _layer(c, mesh)
-    if layer.expert_bias is not None:  # a bias that changes the routing
-        for m in (layer, twin):
-            m.expert_bias[...] = jnp.asarray(np.linspace(-0.3, 0.3, E), jnp.float32)
-        shard_params(layer, mesh)
     x = jax.random.normal(jax.random.key(1), (16, 3, H))  # 8 devices x 2 sequences of 3
     xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
     cot = jax.random.normal(jax.random.key(2), x.shape)
@@ -413,7 +413,8 @@ def test_expert_bias_is_state_updated_once_per_step_outside_autodiff():
     c = _cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
              moe_router_bias_update_rate=0.01)
     mesh = _mesh()
-    layer, _ = _layer(c, mesh)
+    layer = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh)
+    shard_params(layer, mesh)
     assert not isinstance(layer.expert_bias, nnx.Param)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 4, H)),
                        NamedSharding(mesh, P(("data", "expert"))))
@@ -455,8 +456,8 @@ def test_dtype_is_compute_and_param_dtype_is_parameters():
             y, aux = nnx.jit(lambda m, x: m(x))(layer, x)
         assert y.dtype == out and aux["aux_loss"].dtype == jnp.float32
         if dtype is None and param_dtype == jnp.float32:
-            np.testing.assert_allclose(np.asarray(y), np.asarray(dense_forward(twin, np.asarray(x))[0]),
-                                       rtol=1e-5, atol=1e-6)
+            want = dense_forward(twin, np.asarray(x))[0]
+            np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_seq_aux_loss_needs_sequences():
@@ -465,3 +466,19 @@ def test_seq_aux_loss_needs_sequences():
                      rngs=nnx.Rngs(0), mesh=mesh)
     with pytest.raises(ValueError, match="seq_aux_loss"):
         layer(jnp.zeros((8, H)))
+
+
+def test_layer_takes_its_sizes_from_the_config_and_shows_its_signature():
+    import inspect
+    mesh = _mesh()
+    layer = MoELayer(_cfg(moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=8), H,
+                     rngs=nnx.Rngs(0), mesh=mesh)
+    assert layer.w_gate_up.shape == (E, H, 48) and layer.shared_down.shape == (8, H)
+    assert layer.expert_bias is None
+    with pytest.raises(ValueError, match="ffn_hidden_size"):
+        MoELayer(_cfg(), H, rngs=nnx.Rngs(0), mesh=mesh)
+    with pytest.raises(ValueError, match="config"):
+        MoELayer(dict(num_moe_experts=E), H, 32, rngs=nnx.Rngs(0), mesh=mesh)
+    params = inspect.signature(MoELayer).parameters
+    assert list(params)[:3] == ["config", "hidden_size", "ffn_hidden_size"]
+    assert {"dtype", "param_dtype", "sow_aux", "rngs", "mesh"} <= set(params)
