@@ -184,6 +184,8 @@ def test_route_and_drop_match_megatron_values_and_gradients(name):
     # part of it is ours, and the probs are equal.
     np.testing.assert_array_equal(got_map, want_map & routed)
     np.testing.assert_allclose(got_probs, want_probs, rtol=1e-5, atol=1e-7)
+    if bias is not None:  # the bias must matter here, or this case checks nothing of it
+        assert (np_route(logits, c)[1] != want_map).any()
     np.testing.assert_array_equal(np.asarray(dropped), (routed & ~want_map).sum(0))
     # d/d logits of sum(probs * weights): jax.grad vs central differences of the numpy form.
     weights = np.asarray(jax.random.normal(jax.random.key(2), (16, E)), np.float64)
