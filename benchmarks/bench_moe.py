@@ -24,6 +24,11 @@ with the same shapes, mesh, dtype and loss, timed by the same code in the same p
 dense dropless path and its capacity path (--capacity-factor, which drops). It needs Python
 >= 3.12 and `pip install --no-deps maxtext` plus its layers' imports (see
 benchmarks/RESULTS.md); without it the rows are skipped with a message.
+--routers adds rows of the deepep layer per Megatron router option (jax_ep.flax.MoEConfig),
+"router plain" (softmax top-k, no loss) being the one the "vs router plain" column divides by:
+aux (aux_loss, coeff 1e-2), seq_aux (seq_aux_loss over sequences of --seq-len tokens), global_aux,
+z_loss (coeff 1e-3), bias (sigmoid scores + expert bias, updated in the step), groups
+(node-limited routing: 8 groups, 4 eligible). The loss of those rows adds aux["aux_loss"].
 --baseline names the row the speedup column divides by. Every row is timed round-robin
 (one call of each per round, after each compiled and warmed up), so the ratios hold on a
 shared machine whose speed drifts.
@@ -39,6 +44,18 @@ from functools import partial
 from benchmarks import common
 
 BACKENDS = ("deepep", "deepep:ragged_dot", "alltoall", "hybridep", "hybridep-compact")
+# Router options (MoEConfig fields) timed as "router NAME" rows on the deepep backend.
+ROUTERS = {
+    "plain": dict(moe_router_load_balancing_type="none"),
+    "aux": dict(moe_aux_loss_coeff=1e-2),
+    "seq_aux": dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2),
+    "global_aux": dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2),
+    "z_loss": dict(moe_router_load_balancing_type="none", moe_z_loss_coeff=1e-3),
+    "bias": dict(moe_router_load_balancing_type="none", moe_router_score_function="sigmoid",
+                 moe_router_enable_expert_bias=True),
+    "groups": dict(moe_router_load_balancing_type="none", moe_router_num_groups=8,
+                   moe_router_group_topk=4),
+}
 
 
 def parse_args(argv=None):
@@ -60,6 +77,10 @@ def parse_args(argv=None):
                    help="comma-separated tile sizes of the experts-only tiled GEMM rows")
     p.add_argument("--peer", default="", choices=["", "maxtext"],
                    help="also time this peer's MoE layer side by side")
+    p.add_argument("--routers", default="",
+                   help=f"comma-separated router options to time, of {', '.join(ROUTERS)}")
+    p.add_argument("--seq-len", type=int, default=16,
+                   help="tokens per sequence (the seq_aux router's sequences)")
     p.add_argument("--baseline", default="gshard", help="row the speedup column divides by")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
@@ -117,19 +138,20 @@ def main(argv=None):
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
-    from jax_ep.flax import MoELayer, shard_params
+    from jax_ep.flax import MoEConfig, MoELayer, shard_params
 
     mesh = common.cpu_mesh((a.data, a.expert_parallel), ("data", "expert"))
     dtype = jnp.dtype(a.dtype)
     devices = a.data * a.expert_parallel
     num_tokens = devices * a.tokens
-    x = jax.random.normal(jax.random.key(1), (devices, a.tokens, a.hidden), dtype)
+    seq = math.gcd(a.seq_len, a.tokens)  # whole sequences per device
+    x = jax.random.normal(jax.random.key(1), (devices * a.tokens // seq, seq, a.hidden), dtype)
     x = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
     print(f"jax {jax.__version__}, mesh {dict(mesh.shape)} of {jax.devices()[0].device_kind} "
           f"devices on {os.cpu_count()} cores; {num_tokens} tokens ({a.tokens}/device), "
           f"H={a.hidden} F={a.ffn} E={a.experts} K={a.topk} {a.dtype}")
 
-    def make_layer(backend):
+    def make_layer(backend, router=None):
         name, _, impl = backend.partition(":")
         cfg = jax_ep.TokenDispatcherConfig(
             num_moe_experts=a.experts, moe_router_topk=a.topk,
@@ -137,7 +159,11 @@ def main(argv=None):
             moe_hybridep_compact_routing=name.endswith("-compact"),
             moe_permute_fusion=name != "alltoall", moe_share_token_dispatcher=False,
             grouped_gemm_impl=impl or "auto")
-        layer = MoELayer(cfg, a.hidden, a.ffn, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype)
+        if router is not None:
+            cfg = MoEConfig(num_moe_experts=a.experts, moe_router_topk=a.topk,
+                            moe_router_dtype="fp32", token_dispatcher=cfg, **ROUTERS[router])
+        layer = MoELayer(cfg, a.hidden, a.ffn, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype,
+                         param_dtype=dtype)
         return shard_params(layer, mesh)
 
     results = {"config": vars(a), "num_tokens": num_tokens, "runs": {}}
@@ -149,6 +175,11 @@ def main(argv=None):
             print(f"--peer maxtext: skipped, {missing}")
         else:
             wanted += ["maxtext dense dropless", f"maxtext capacity {a.capacity_factor:g}"]
+    routers = [r.strip() for r in a.routers.split(",") if r.strip()]
+    unknown = sorted(set(routers) - set(ROUTERS))
+    if unknown:
+        raise SystemExit(f"--routers: unknown {unknown}, expected some of {list(ROUTERS)}")
+    wanted += [f"router {r}" for r in routers]
     calls, extras = {}, {}
     for backend in wanted:
         mesh_context = partial(jax.set_mesh, mesh)  # (jax.set_mesh(m) alone sets it for good)
@@ -175,6 +206,20 @@ def main(argv=None):
             step = jax.jit(jax.value_and_grad(loss, has_aux=True))
             args = (params, x)
             extras[backend] = {"capacity": cap}
+        elif backend.startswith("router "):
+            layer = make_layer("deepep", backend.split()[1])
+
+            def train(layer, x):
+                def loss(layer):
+                    y, aux = layer(x)
+                    return jnp.mean(y.astype(jnp.float32) ** 2) + aux["aux_loss"], aux
+                (value, aux), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+                if layer.expert_bias is not None:
+                    layer.update_expert_bias(aux["tokens_per_expert"])
+                return (value, aux["num_dropped"]), grads
+
+            step = nnx.jit(train)
+            args = (layer, x)
         else:
             layer = make_layer(backend)
             graphdef, state = nnx.split(layer)
@@ -246,6 +291,13 @@ def main(argv=None):
         f"expert={a.expert_parallel}), {num_tokens} tokens, median of {a.iters}",
         ["backend", "step ms", "min ms", "tokens/s", f"speedup vs {a.baseline}", "loss",
          "dropped slots"], rows)
+    plain = runs.get("router plain", {}).get("median_s")
+    if routers and plain:
+        rrows = [[n, runs[n]["median_s"] * 1e3, runs[n]["median_s"] / plain]
+                 for n in runs if n.startswith("router ")]
+        md += "\n" + common.print_table(
+            "Router options (deepep layer, forward + backward + expert-bias update)",
+            ["router", "step ms", "time vs router plain"], rrows)
     jax_ep_losses = [runs[n]["loss"] for n in BACKENDS if n in runs]
     if len(jax_ep_losses) > 1:
         spread = float(np.ptp(jax_ep_losses) / abs(np.mean(jax_ep_losses)))

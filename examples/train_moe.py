@@ -9,6 +9,9 @@ plot and a JSON log.
   python examples/train_moe.py                       # 8 CPU devices, deepep backend
   python examples/train_moe.py --backend hybridep    # deepep | uccl_ep | alltoall | hybridep
   python examples/train_moe.py --grouped-gemm ragged_dot  # the experts on jax.lax.ragged_dot
+  # DeepSeek-V3 style router: sigmoid scores, aux-loss-free expert bias, node-limited groups
+  python examples/train_moe.py --score-function sigmoid --expert-bias --load-balancing none \
+      --router-num-groups 4 --router-group-topk 2
   python examples/train_moe.py --gpu                 # every local GPU on the expert axis
   # checkpoint every 50 steps with orbax; a later run with --resume continues up to --steps:
   python examples/train_moe.py --checkpoint-dir /tmp/moe_ckpt --save-every 50 --steps 100
@@ -48,6 +51,23 @@ def parse_args(argv=None):
                         "multiple of 128)")
     p.add_argument("--grouped-gemm", default="auto", choices=["auto", "tiled", "ragged_dot"],
                    help="the experts' grouped GEMM (auto: tiled on CPU, ragged_dot on GPU)")
+    p.add_argument("--score-function", default="softmax", choices=["softmax", "sigmoid"],
+                   help="moe_router_score_function")
+    p.add_argument("--load-balancing", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
+                   help="moe_router_load_balancing_type")
+    p.add_argument("--aux-loss-coeff", type=float, default=1e-2, help="moe_aux_loss_coeff")
+    p.add_argument("--z-loss-coeff", type=float, default=None, help="moe_z_loss_coeff")
+    p.add_argument("--expert-bias", action="store_true",
+                   help="aux-loss-free balancing (moe_router_enable_expert_bias; needs "
+                        "--score-function sigmoid), updated once per step")
+    p.add_argument("--bias-update-rate", type=float, default=1e-3,
+                   help="moe_router_bias_update_rate")
+    p.add_argument("--router-num-groups", type=int, default=None,
+                   help="moe_router_num_groups: node-limited routing over that many expert "
+                        "groups")
+    p.add_argument("--router-group-topk", type=int, default=None,
+                   help="moe_router_group_topk: groups each token may use")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
@@ -117,13 +137,22 @@ def build_model(args, mesh, jax):
     from flax import nnx
 
     import jax_ep
-    from jax_ep.flax import MoELayer
+    from jax_ep.flax import MoEConfig, MoELayer
 
-    config = jax_ep.TokenDispatcherConfig(
-        num_moe_experts=args.experts, moe_router_topk=args.topk,
-        moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
-        moe_expert_capacity_factor=args.capacity_factor, grouped_gemm_impl=args.grouped_gemm,
-        moe_fp8_dispatch=args.fp8_dispatch)
+    config = MoEConfig(
+        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn,
+        moe_shared_expert_intermediate_size=args.ffn // 2,
+        moe_expert_capacity_factor=args.capacity_factor, moe_router_dtype="fp32",
+        moe_router_score_function=args.score_function,
+        moe_router_load_balancing_type=args.load_balancing,
+        moe_aux_loss_coeff=args.aux_loss_coeff, moe_z_loss_coeff=args.z_loss_coeff,
+        moe_router_enable_expert_bias=args.expert_bias,
+        moe_router_bias_update_rate=args.bias_update_rate,
+        moe_router_num_groups=args.router_num_groups,
+        moe_router_group_topk=args.router_group_topk,
+        token_dispatcher=jax_ep.TokenDispatcherConfig(
+            moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
+            grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch))
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -132,8 +161,7 @@ def build_model(args, mesh, jax):
             self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)
             self.proj = nnx.Linear(d, d, use_bias=False, rngs=rngs)
             self.norm2 = nnx.RMSNorm(d, rngs=rngs)
-            self.moe = MoELayer(config, d, args.ffn, rngs=rngs, mesh=mesh,
-                                shared_expert_size=args.ffn // 2)
+            self.moe = MoELayer(config, d, rngs=rngs, mesh=mesh)
 
         def __call__(self, x):
             b, s, d = x.shape
@@ -210,9 +238,12 @@ def train(args):
             return ce + sum(a["aux_loss"] for a in auxes), (ce, auxes)
         (_, (ce, auxes)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
         optimizer.update(model, grads)
-        load = jnp.stack([a["tokens_per_expert"] for a in auxes])
-        dropped = sum(a["num_dropped"] for a in auxes)
-        return ce, load, dropped
+        if args.expert_bias:  # once per step, from the step's global counts, outside autodiff
+            for block, aux in zip(model.blocks, auxes):
+                block.moe.update_expert_bias(aux["tokens_per_expert"])
+        stats = {name: jnp.stack([a[name] for a in auxes]) for name in (
+            "tokens_per_expert", "load_ratio", "num_dropped", "load_balancing_loss")}
+        return ce, stats
 
     records = []
     tokens_per_step = args.batch * args.seq
@@ -226,14 +257,20 @@ def train(args):
             batch = jax.make_array_from_callback(host.shape, batch_sharding,
                                                  lambda index: host[index])
             t0 = time.perf_counter()
-            ce, load, dropped = train_step(model, optimizer, batch)
-            ce = float(ce)  # the step's only host read, after the step
+            ce, stats = train_step(model, optimizer, batch)
+            ce = float(ce)  # the step's host reads, after the step
             elapsed = time.perf_counter() - t0
             if step == first_step:
                 start = time.perf_counter()
-            load = np.asarray(jax.device_get(load)).tolist()
-            records.append(dict(step=step, loss=ce, seconds=elapsed, load=load,
-                                dropped=int(dropped)))
+            stats = {k: np.asarray(v).tolist() for k, v in jax.device_get(stats).items()}
+            dropped = sum(stats["num_dropped"])
+            # per layer: load [E] (global slots per expert), load_ratio (max/mean),
+            # dropped slots, the unscaled load-balancing loss
+            records.append(dict(step=step, loss=ce, seconds=elapsed,
+                                load=stats["tokens_per_expert"],
+                                load_ratio=stats["load_ratio"],
+                                dropped_per_layer=stats["num_dropped"], dropped=dropped,
+                                balance_loss=stats["load_balancing_loss"]))
             if step > first_step:
                 rate = tokens_per_step * (step - first_step) / (time.perf_counter() - start)
                 bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{rate:,.0f}", dropped=int(dropped))
@@ -300,18 +337,21 @@ def report(records, args, tokens_per_step):
     last = np.mean([r["loss"] for r in records[-5:]])
     steady = [r["seconds"] for r in records[1:]] or [records[0]["seconds"]]
     load = np.array(records[-1]["load"])  # [layers, E]
+    ratio = np.array([r["load_ratio"] for r in records])  # [steps, layers]
     print(f"loss {first:.3f} -> {last:.3f} over {len(records)} steps; "
           f"{tokens_per_step / np.median(steady):,.0f} tokens/s (median step "
           f"{np.median(steady) * 1e3:.1f} ms); dropped tokens in the last step: "
           f"{records[-1]['dropped']}")
     for layer, row in enumerate(load):
         share = row / max(row.sum(), 1)
-        print(f"layer {layer} expert load: " + " ".join(f"{s:.2f}" for s in share))
+        print(f"layer {layer} expert load: " + " ".join(f"{s:.2f}" for s in share)
+              + f"; max/mean load ratio first 5 -> last 5 steps {ratio[:5, layer].mean():.2f}"
+              f" -> {ratio[-5:, layer].mean():.2f}")
     (out / "train_moe.json").write_text(json.dumps(dict(args=vars(args), records=records)))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
     ax1.plot([r["loss"] for r in records])
     ax1.set(xlabel="step", ylabel="cross-entropy (nats/byte)",
             title=f"MoE LM on stdlib docstrings ({args.backend})")
@@ -321,6 +361,11 @@ def report(records, args, tokens_per_step):
         ax2.plot(loads[:, e], label=f"expert {e}")
     ax2.set(xlabel="step", ylabel="share of routed slots", title="layer 0 expert load")
     ax2.legend(fontsize=7, ncol=2)
+    for layer in range(ratio.shape[1]):
+        ax3.plot(ratio[:, layer], label=f"layer {layer}")
+    ax3.set(xlabel="step", ylabel="max / mean tokens per expert",
+            title=f"load ratio ({'expert bias' if args.expert_bias else args.load_balancing})")
+    ax3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "train_moe.png", dpi=100)
     print(f"wrote {out / 'train_moe.png'} and {out / 'train_moe.json'}")

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import ops
-from jax_ep.flax import MoEFlexTokenDispatcher, MoELayer, dense_forward, shard_params
+from jax_ep.flax import MoEConfig, MoEFlexTokenDispatcher, MoELayer, dense_forward, shard_params
 
 BACKENDS = ("deepep", "uccl_ep", "alltoall", "hybridep")
 
@@ -193,6 +193,13 @@ def test_config_accepts_alltoall_backend_and_fp64_needs_x64():
         dispatcher.dispatch_preprocess(jnp.zeros((4, 8)), 4, jnp.zeros((4, 64)))
 
 
+def _moe(cfg, **fields):
+    """A MoEConfig around the TokenDispatcherConfig cfg, with Megatron fields `fields`."""
+    return MoEConfig(num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
+                     moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+                     moe_router_dtype=cfg.moe_router_dtype, token_dispatcher=cfg, **fields)
+
+
 def _layer_pair(cfg, mesh, **kw):
     """A sharded layer and its unsharded twin with identical parameters."""
     make = lambda: MoELayer(cfg, 16, 32, rngs=nnx.Rngs(0), mesh=mesh, **kw)  # noqa: E731
@@ -223,7 +230,8 @@ def test_moe_layer_forward_and_grad_match_dense(backend, extra):
                                                    moe_flex_dispatcher_backend=backend,
                                                    moe_permute_fusion=True), **extra))
     mesh = _mesh()
-    layer, twin = _layer_pair(cfg, mesh, shared_expert_size=8)
+    layer, twin = _layer_pair(_moe(cfg, moe_shared_expert_intermediate_size=8,
+                                   moe_aux_loss_coeff=1e-2), mesh)
     x = jax.random.normal(jax.random.key(1), (8, 6, 16))
     xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
     cot = jax.random.normal(jax.random.key(2), x.shape)

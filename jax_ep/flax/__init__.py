@@ -1,17 +1,22 @@
-"""Flax NNX front end: the PyTorch flex dispatcher's method names and a ready MoE layer."""
+"""Flax NNX front end: the PyTorch flex dispatcher's method names, Megatron-Core's MoE config
+and router, and a ready MoE layer."""
 
 from jax_ep.flax.dispatcher import DispatchState, MoEFlexTokenDispatcher, shared_dispatcher
 from jax_ep.flax.moe import (
+    ExpertBias,
     MoELayer,
     dense_forward,
     expert_tile_rows,
     shard_params,
     swiglu_experts,
 )
+from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 
 __all__ = [
     "DispatchState",
+    "ExpertBias",
+    "MoEConfig",
     "MoEFlexTokenDispatcher",
     "MoELayer",
     "dense_forward",

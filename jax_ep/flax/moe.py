@@ -1,7 +1,7 @@
 """MoELayer (Flax NNX): router top-k, SwiGLU experts as grouped GEMMs (`jax_ep.ops.grouped_matmul`:
 tiled on CPU, `jax.lax.ragged_dot` on GPU/TPU, chosen by `TokenDispatcherConfig.grouped_gemm_impl`)
-sharded over the expert mesh axis, the flex dispatcher, an optional shared expert and the
-load-balancing auxiliary loss.
+sharded over the expert mesh axis, the flex dispatcher, an optional shared expert, Megatron-Core's
+router (`jax_ep.flax.router`, configured by `jax_ep.flax.MoEConfig`) and its losses and statistics.
 
 Use it under `jax.jit` with inputs sharded over a `Mesh(("data", "expert"))` (the layer runs
 its body in `jax.shard_map`, tokens split over both axes, experts over "expert"), or call it
@@ -10,6 +10,7 @@ inside your own `jax.shard_map` that binds the expert axis.
 
 from __future__ import annotations
 
+import inspect
 import math
 from functools import partial
 
@@ -21,12 +22,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ep.config import TokenDispatcherConfig
+from jax_ep.flax import router as routing
 from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
+from jax_ep.flax.moe_config import MoEConfig
 from jax_ep import _ffi, ops
 
-__all__ = ["MoELayer", "dense_forward", "expert_tile_rows", "shard_params", "swiglu_experts"]
-
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+__all__ = ["ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows", "shard_params",
+           "swiglu_experts"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
 _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(".")[:2])
                  >= (0, 12) else "sharding_names")
@@ -65,67 +67,134 @@ def _swiglu(x, w_gate_up, w_down):
     return (jax.nn.silu(gate) * up) @ w_down
 
 
-def _route(tokens, router, config, score_function):
-    """tokens [T,H] -> (scores [T,E] router dtype, top-k probs f32[T,K], ids i32[T,K])."""
-    dtype = router_dtype(config, tokens.dtype)
+def _route(tokens, router, cfg: MoEConfig, expert_bias):
+    """tokens [T,H] -> (logits [T,E] router dtype, top-k probs f32[T,K], ids i32[T,K],
+    dropped i32[E]: slots each expert dropped to the capacity factor)."""
+    dcfg = cfg.token_dispatcher
+    dtype = router_dtype(cfg.dispatcher_config(), tokens.dtype)
     logits = tokens.astype(dtype) @ router.astype(dtype)
-    k = config.moe_router_topk
-    if score_function == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-        probs, ids = jax.lax.top_k(scores, k)
-    else:
-        scores = jax.nn.sigmoid(logits)
-        probs, ids = jax.lax.top_k(scores, k)
-        probs = probs / probs.sum(axis=-1, keepdims=True)
-    if config.moe_benchmark_static_routing:  # forced balance: token t takes (t*K + k) mod E
+    probs, ids = routing.route(logits, cfg, expert_bias)
+    if dcfg.moe_benchmark_static_routing:  # forced balance: token t takes (t*K + k) mod E
+        k = cfg.moe_router_topk
         t = jnp.arange(tokens.shape[0])[:, None]
-        ids = (t * k + jnp.arange(k)) % config.num_moe_experts
+        ids = ((t * k + jnp.arange(k)) % cfg.num_moe_experts).astype(jnp.int32)
         probs = jnp.full(ids.shape, 1.0 / k, dtype)
-    return scores, probs.astype(jnp.float32), ids.astype(jnp.int32)
+    probs, ids, dropped = routing.capacity_drop(probs, ids, cfg)
+    return logits, probs.astype(jnp.float32), ids, dropped
 
 
 def _sum_over(axes, *values):
-    """psum of per-device values over the mesh `axes` (inside shard_map). A value that does not
-    vary over one of them (a constant, e.g. a count of an empty batch) still counts once per
-    device."""
+    """psum of per-device values over the mesh `axes` (inside shard_map; none: the values). A
+    value that does not vary over one of them (a constant, e.g. a count of an empty batch)
+    still counts once per device."""
+    if not axes:
+        return values
     return jax.lax.psum(tuple(_ffi.make_varying(v, frozenset(axes)) for v in values), axes)
 
 
-def _aux_loss(scores, ids, num_experts, coeff, axes):
-    """Switch-style balance loss coeff * E * sum_e f_e * P_e over every token of `axes`, plus
-    the global routed-slot count per expert i32[E]."""
-    counts = jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(1)
-    score_sum = scores.astype(jnp.float32).sum(axis=0)
-    num_tokens = jnp.asarray(scores.shape[0], jnp.float32)
-    if axes:
-        counts, score_sum, num_tokens = _sum_over(axes, counts, score_sum, num_tokens)
-    num_tokens = jnp.maximum(num_tokens, 1.0)  # an empty batch has no loss (not 0/0)
-    fraction = counts / (num_tokens * ids.shape[1])
-    mean_score = score_sum / num_tokens
-    return coeff * num_experts * jnp.sum(fraction * mean_score), counts
+def _switch(scores, routed, top_k):
+    """The switch loss of each token set: scores f32[S,N,E], routed i32[S,N,E] -> f32[S],
+    E / (K * N^2) * sum_e (sum_n scores) * (sum_n routed); 0 for an empty set."""
+    n = max(scores.shape[1], 1)
+    return (scores.sum(axis=1) * routed.sum(axis=1)).sum(axis=-1) * (
+        scores.shape[-1] / (top_k * n * n))
+
+
+def _losses(logits, seq_len, cfg: MoEConfig, axes, num_devices=1):
+    """(load_balancing_loss f32[], z_loss f32[]), unscaled, over every token of the mesh `axes`:
+    logits [D*N, E] are the tokens of num_devices devices (D blocks of N, each a whole number
+    of sequences of seq_len tokens; D = 1 inside shard_map)."""
+    kind = cfg.moe_router_load_balancing_type
+    E = cfg.num_moe_experts
+    lb = jnp.zeros((), jnp.float32)
+    if kind != "none" and cfg.moe_aux_loss_coeff > 0:  # as Megatron: off at coeff 0
+        scores, routed = routing.switch_loss_terms(logits, cfg)
+        if kind == "global_aux_loss":
+            s, r, n = _sum_over(axes, scores.sum(axis=0), routed.sum(axis=0),
+                                jnp.asarray(logits.shape[0], jnp.float32))
+            n = jnp.maximum(n, 1.0)
+            lb = jnp.sum(s * r) * E / (cfg.moe_router_topk * n * n)
+        else:
+            size = logits.shape[0] // num_devices if kind == "aux_loss" else seq_len
+            sets = _switch(scores.reshape(-1, size, E), routed.reshape(-1, size, E),
+                           cfg.moe_router_topk) if size else jnp.zeros((0,), jnp.float32)
+            total, count = _sum_over(axes, sets.sum(), jnp.asarray(sets.shape[0], jnp.float32))
+            lb = total / jnp.maximum(count, 1.0)
+    z = jnp.zeros((), jnp.float32)
+    if cfg.moe_z_loss_coeff is not None:
+        total, count = _sum_over(axes, routing.z_loss_terms(logits).sum(),
+                                 jnp.asarray(logits.shape[0], jnp.float32))
+        z = total / jnp.maximum(count, 1.0)
+    return lb, z
+
+
+def _scaled(cfg: MoEConfig, lb, z):
+    """The aux_loss term: moe_aux_loss_coeff * lb + moe_z_loss_coeff * z."""
+    return cfg.moe_aux_loss_coeff * lb + (cfg.moe_z_loss_coeff or 0.0) * z
+
+
+def _aux(cfg: MoEConfig, lb, z, counts, dropped):
+    aux_loss = _scaled(cfg, lb, z)
+    mean = counts.sum() / counts.shape[0]
+    ratio = jnp.where(mean > 0, counts.max() / jnp.maximum(mean, 1e-30), 0.0)
+    return {"aux_loss": aux_loss, "load_balancing_loss": lb, "z_loss": z,
+            "tokens_per_expert": counts, "load_ratio": ratio.astype(jnp.float32),
+            "num_dropped": dropped}
+
+
+def _as_moe_config(config):
+    if isinstance(config, MoEConfig):
+        return config
+    if isinstance(config, TokenDispatcherConfig):
+        return MoEConfig(num_moe_experts=config.num_moe_experts,
+                         moe_router_topk=config.moe_router_topk,
+                         moe_expert_capacity_factor=config.moe_expert_capacity_factor,
+                         moe_router_dtype=config.moe_router_dtype, token_dispatcher=config)
+    raise ValueError(f"config: expected a MoEConfig or a TokenDispatcherConfig, got "
+                     f"{type(config).__name__}")
+
+
+class ExpertBias(nnx.Variable):
+    """The router's aux-loss-free expert bias f32[E]: non-trainable state (not an nnx.Param),
+    changed only by `MoELayer.update_expert_bias`."""
 
 
 class MoELayer(nnx.Module):
-    """Mixture-of-experts feed-forward layer with expert parallelism.
+    """Mixture-of-experts feed-forward layer with expert parallelism (Megatron-Core's MoELayer).
 
-      config: TokenDispatcherConfig (experts, top-k, backend, router dtype, ...).
-      hidden_size H, ffn_hidden_size F: each expert is SwiGLU H -> 2F -> H.
-      mesh: a Mesh with config.expert_axis_name (and optionally data_axis) for pjit-style
-        calls; or expert_parallel_size P when the layer is called inside your shard_map.
-      shared_expert_size: hidden size of an always-on shared SwiGLU expert (None: none).
-      score_function: "softmax" (then top-k) or "sigmoid" (top-k renormalised).
-    __call__(x [..., H]) -> (y [..., H], aux) with aux = {"aux_loss": f32[],
-    "tokens_per_expert": i32[E] (global routed slots), "num_dropped": i32[] (global)}.
+      config: a MoEConfig (router, losses, capacity, expert sizes, its TokenDispatcherConfig),
+        or a bare TokenDispatcherConfig (= MoEConfig with Megatron's defaults around it).
+      hidden_size H; ffn_hidden_size F (default config.moe_ffn_hidden_size): each expert is
+        SwiGLU H -> 2F -> H; config.moe_shared_expert_intermediate_size adds a shared expert.
+      mesh: a Mesh with the expert axis (and optionally data_axis) for calls under jit; or
+        expert_parallel_size P when the layer is called inside your shard_map.
+      dtype: the compute dtype (None: promoted from the input's and the parameters' dtypes),
+        param_dtype: the parameters' dtype, as in nnx.Linear. The router's logits, scores and
+        probs use config.moe_router_dtype (None: the compute dtype).
+      sow_aux: also sow the aux dict below as nnx.Intermediate "moe_aux" (read it with
+        nnx.capture(fn, nnx.Intermediate)).
+    __call__(x [..., H]) -> (y [..., H] in the compute dtype, aux), aux over every token of the
+    mesh (summed over the data and expert axes, or the axes of your shard_map):
+      "aux_loss" f32[]: moe_aux_loss_coeff * load_balancing_loss + moe_z_loss_coeff * z_loss,
+        the term to add to the training loss (already scaled).
+      "load_balancing_loss" f32[]: unscaled, by moe_router_load_balancing_type: "aux_loss" the
+        switch loss of each device's tokens averaged over devices (Megatron's per-rank loss,
+        each device a data-parallel rank), "seq_aux_loss" that of each sequence (x's
+        second-to-last axis) averaged over sequences, "global_aux_loss" that of the whole
+        batch; 0 for "none" or moe_aux_loss_coeff=0 (not computed, as Megatron).
+      "z_loss" f32[]: unscaled mean over tokens of logsumexp(logits)^2 (0 without a coeff).
+      "tokens_per_expert" i32[E]: (token, expert) slots each expert got, after the capacity
+        drop, summed over the mesh. "load_ratio" f32[]: max / mean of it (Megatron's overload
+        factor; 0 for an empty batch). "num_dropped" i32[]: slots dropped to the capacity.
     """
 
-    def __init__(self, config: TokenDispatcherConfig, hidden_size: int, ffn_hidden_size: int, *,
+    def __init__(self, config, hidden_size: int, ffn_hidden_size: int | None = None, *,
                  rngs: nnx.Rngs, mesh=None, expert_parallel_size=None, data_axis="data",
-                 shared_expert_size=None, score_function="softmax", aux_loss_coeff=1e-2,
-                 dtype=jnp.float32, dispatcher: MoEFlexTokenDispatcher | None = None):
-        if score_function not in SCORE_FUNCTIONS:
-            raise ValueError(f"score_function: expected one of {SCORE_FUNCTIONS}, got "
-                             f"{score_function!r}")
-        axis = config.expert_axis_name
+                 dtype=None, param_dtype=jnp.float32, sow_aux: bool = False,
+                 dispatcher: MoEFlexTokenDispatcher | None = None):
+        config = _as_moe_config(config)
+        dcfg = config.dispatcher_config()
+        axis = dcfg.expert_axis_name
         if mesh is not None:
             if axis not in mesh.axis_names:
                 raise ValueError(f"mesh: has axes {mesh.axis_names}, missing the expert axis "
@@ -137,51 +206,68 @@ class MoELayer(nnx.Module):
         if num_experts % expert_parallel_size:
             raise ValueError(f"num_moe_experts ({num_experts}) must be divisible by the expert "
                              f"parallel size ({expert_parallel_size})")
+        F = ffn_hidden_size or config.moe_ffn_hidden_size
+        if not F:
+            raise ValueError("ffn_hidden_size: pass it or set MoEConfig.moe_ffn_hidden_size")
         self.config = config
+        self.dispatch_config = dcfg
         self.mesh = mesh
         self.data_axis = data_axis if mesh is not None and data_axis in mesh.axis_names else None
-        self.score_function = score_function
-        self.aux_loss_coeff = float(aux_loss_coeff)
-        H, F = hidden_size, ffn_hidden_size
+        self.dtype, self.param_dtype, self.sow_aux = dtype, param_dtype, sow_aux
+        H = hidden_size
         init = jax.nn.initializers.normal
 
         def param(key, shape, scale, names):
-            return nnx.Param(init(scale)(key, shape, dtype), eager_sharding=False,
+            return nnx.Param(init(scale)(key, shape, param_dtype), eager_sharding=False,
                              **{_SHARDING_KEY: names})
 
         self.router = param(rngs.params(), (H, num_experts), H ** -0.5, (None, None))
         self.w_gate_up = param(rngs.params(), (num_experts, H, 2 * F), H ** -0.5,
                                (axis, None, None))
         self.w_down = param(rngs.params(), (num_experts, F, H), F ** -0.5, (axis, None, None))
-        if shared_expert_size:
-            S = shared_expert_size
+        S = config.moe_shared_expert_intermediate_size
+        if S:
             self.shared_gate_up = param(rngs.params(), (H, 2 * S), H ** -0.5, (None, None))
             self.shared_down = param(rngs.params(), (S, H), S ** -0.5, (None, None))
         else:
             self.shared_gate_up = self.shared_down = None
+        self.expert_bias = (ExpertBias(jnp.zeros((num_experts,), jnp.float32),
+                                       eager_sharding=False, **{_SHARDING_KEY: (None,)})
+                            if config.moe_router_enable_expert_bias else None)
         num_local = num_experts // expert_parallel_size
-        self.dispatcher = dispatcher or shared_dispatcher(num_local, config, axis)
+        self.dispatcher = dispatcher or shared_dispatcher(num_local, dcfg, axis)
+
+    def update_expert_bias(self, tokens_per_expert):
+        """Aux-loss-free balancing, once per step outside autodiff (Megatron's rule): the
+        bias moves by moe_router_bias_update_rate up for experts below the mean of
+        tokens_per_expert i32[E] (the global aux["tokens_per_expert"] of the step), down for
+        those above."""
+        if self.expert_bias is None:
+            raise ValueError("update_expert_bias: the layer has no expert bias "
+                             "(MoEConfig.moe_router_enable_expert_bias=False)")
+        self.expert_bias[...] = routing.updated_expert_bias(
+            self.expert_bias[...], tokens_per_expert, self.config.moe_router_bias_update_rate)
 
     def _token_axes(self):
-        axis = self.config.expert_axis_name
+        axis = self.dispatch_config.expert_axis_name
         return (self.data_axis, axis) if self.data_axis else (axis,)
 
-    def _local(self, x, router, w_gate_up, w_down, shared):
+    def _local(self, x, router, w_gate_up, w_down, shared, expert_bias):
         """The per-device body (inside shard_map): x [..., H] local tokens."""
-        cfg = self.config
+        cfg, dcfg = self.config, self.dispatch_config
         tokens = x.reshape(-1, x.shape[-1])
-        scores, probs, ids = _route(tokens, router, cfg, self.score_function)
-        aux_loss, counts = _aux_loss(scores, ids, cfg.num_moe_experts, self.aux_loss_coeff,
-                                     self._token_axes())
+        logits, probs, ids, dropped_per_expert = _route(tokens, router, cfg, expert_bias)
+        axes = self._token_axes()
+        lb, z = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, axes)
         d = self.dispatcher
-        experts = partial(swiglu_experts, impl=cfg.grouped_gemm_impl, tile_rows=expert_tile_rows(
+        experts = partial(swiglu_experts, impl=dcfg.grouped_gemm_impl, tile_rows=expert_tile_rows(
             tokens.shape[0], cfg.moe_router_topk, d.num_local_experts))
-        if cfg.moe_deepep_async_dispatch and d.backend != "hybridep":
+        if dcfg.moe_deepep_async_dispatch and d.backend != "hybridep":
             def local_kernel(recv_x, recv_idx, recv_w):
                 routing_map, rprobs = d.local_multihot(recv_idx, recv_w)
                 n = d._num_permuted(recv_x.shape[0], recv_idx.shape[1])
                 px, pp, rows, tpe = ops.permute(recv_x, routing_map, rprobs, num_out_tokens=n,
-                                                pad_multiple=cfg.moe_router_expert_pad_multiple,
+                                                pad_multiple=dcfg.moe_router_expert_pad_multiple,
                                                 impl=d._local_impl)
                 out = _weighted(experts(px, tpe, w_gate_up, w_down), pp)
                 return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
@@ -193,25 +279,43 @@ class MoELayer(nnx.Module):
             dropped = state.num_dropped
         if shared is not None:
             y = y + _swiglu(tokens, *shared)
-        (dropped,) = _sum_over(self._token_axes(), dropped)
-        aux = {"aux_loss": aux_loss, "tokens_per_expert": counts, "num_dropped": dropped}
-        return y.reshape(x.shape).astype(x.dtype), aux
+        E = cfg.num_moe_experts
+        counts = jnp.zeros((E,), jnp.int32).at[jnp.where(ids < 0, E, ids).reshape(-1)].add(
+            1, mode="drop")  # dropped slots (-1) count nowhere
+        counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
+        return y.reshape(x.shape), _aux(cfg, lb, z, counts, dropped)
 
     def __call__(self, x):
         hidden = self.router.shape[0]
         if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
             raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")
-        shared = (None if self.shared_gate_up is None
-                  else (self.shared_gate_up[...], self.shared_down[...]))
-        params = (self.router[...], self.w_gate_up[...], self.w_down[...], shared)
-        axis = self.config.expert_axis_name
+        if self.config.moe_router_load_balancing_type == "seq_aux_loss" and jnp.ndim(x) < 3:
+            raise ValueError(f"x: seq_aux_loss needs [batch, seq, hidden_size], got shape "
+                             f"{jnp.shape(x)}")
+        weights = [self.router[...], self.w_gate_up[...], self.w_down[...]]
+        if self.shared_gate_up is not None:
+            weights += [self.shared_gate_up[...], self.shared_down[...]]
+        dtype = self.dtype or jnp.result_type(x, *weights)
+        x, *weights = (jnp.asarray(a, dtype) for a in (x, *weights))
+        shared = tuple(weights[3:]) or None
+        bias = None if self.expert_bias is None else self.expert_bias[...]
+        params = (*weights[:3], shared, bias)
+        axis = self.dispatch_config.expert_axis_name
         try:
             jax.lax.axis_size(axis)
             inside_shard_map = True
         except NameError:
             inside_shard_map = False
         if inside_shard_map:
-            return self._local(x, *params)
+            y, aux = self._local(x, *params)
+        else:
+            y, aux = self._sharded(x, params)
+        if self.sow_aux:
+            self.sow(nnx.Intermediate, "moe_aux", aux)
+        return y, aux
+
+    def _sharded(self, x, params):
+        axis = self.dispatch_config.expert_axis_name
         if self.mesh is None:
             raise ValueError(f"mesh: the layer was built without a mesh, so call it inside a "
                              f"jax.shard_map that binds {axis!r}")
@@ -221,11 +325,17 @@ class MoELayer(nnx.Module):
             raise ValueError(f"x: expected [batch, ..., hidden_size] with batch divisible by the "
                              f"{devices} devices of mesh axes {token_axes}, got shape {x.shape}")
         tokens_spec = P(token_axes)
-        shared_spec = None if shared is None else (P(), P())
-        in_specs = (tokens_spec, P(), P(axis), P(axis), shared_spec)
+        shared_spec = None if params[3] is None else (P(), P())
+        bias_spec = None if params[4] is None else P()
+        in_specs = (tokens_spec, P(), P(axis), P(axis), shared_spec, bias_spec)
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
+
+
+# help(MoELayer) shows __init__'s signature (nnx.Module's metaclass hides it otherwise).
+MoELayer.__signature__ = inspect.signature(MoELayer.__init__).replace(
+    parameters=list(inspect.signature(MoELayer.__init__).parameters.values())[1:])
 
 
 def _laid_out(mesh, args, specs):
@@ -250,20 +360,33 @@ def _laid_out(mesh, args, specs):
     return tuple(place(a, spec) for a, spec in zip(args, specs))
 
 
-def dense_forward(layer: MoELayer, x):
-    """Single-device reference of `layer` (no expert parallelism, no capacity): the oracle
-    the layer is tested against. Returns (y [..., H], aux_loss)."""
+def dense_forward(layer: MoELayer, x, num_devices=None):
+    """Single-device reference of `layer` (no expert parallelism): the oracle the layer is
+    tested against. x [B, ..., H] is taken as num_devices equal blocks of the batch (default:
+    the devices of the layer's token mesh axes, 1 without a mesh), each routed, dropped to
+    capacity and counted in the losses as that device does. Returns (y [..., H], aux_loss f32[],
+    the layer's aux["aux_loss"])."""
     cfg = layer.config
-    tokens = x.reshape(-1, x.shape[-1])
-    scores, probs, ids = _route(tokens, layer.router[...], cfg, layer.score_function)
-    aux_loss, _ = _aux_loss(scores, ids, cfg.num_moe_experts, layer.aux_loss_coeff, ())
-    every = jax.vmap(lambda a, b: _swiglu(tokens, a, b))(layer.w_gate_up[...],
-                                                         layer.w_down[...])  # [E,T,H]
-    picked = every[ids, jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
-    y = jnp.sum(_weighted(picked, probs), axis=1)
+    if num_devices is None:
+        num_devices = (1 if layer.mesh is None
+                       else math.prod(layer.mesh.shape[a] for a in layer._token_axes()))
+    weights = [layer.router[...], layer.w_gate_up[...], layer.w_down[...]]
     if layer.shared_gate_up is not None:
-        y = y + _swiglu(tokens, layer.shared_gate_up[...], layer.shared_down[...])
-    return y.reshape(x.shape).astype(x.dtype), aux_loss
+        weights += [layer.shared_gate_up[...], layer.shared_down[...]]
+    dtype = layer.dtype or jnp.result_type(x, *weights)
+    x, router, w_gate_up, w_down, *shared = (jnp.asarray(a, dtype) for a in (x, *weights))
+    tokens = x.reshape(-1, x.shape[-1])
+    bias = None if layer.expert_bias is None else layer.expert_bias[...]
+    blocks = tokens.reshape(num_devices, -1, tokens.shape[-1])
+    logits, probs, ids, _ = jax.vmap(lambda t: _route(t, router, cfg, bias))(blocks)
+    logits, probs, ids = (a.reshape(-1, a.shape[-1]) for a in (logits, probs, ids))
+    lb, z = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices)
+    every = jax.vmap(lambda a, b: _swiglu(tokens, a, b))(w_gate_up, w_down)  # [E,T,H]
+    picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
+    y = jnp.sum(_weighted(picked, probs), axis=1)  # dropped slots have probs 0
+    if shared:
+        y = y + _swiglu(tokens, *shared)
+    return y.reshape(x.shape), _scaled(cfg, lb, z)
 
 
 def shard_params(model, mesh):

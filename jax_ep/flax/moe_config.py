@@ -1,0 +1,186 @@
+"""MoEConfig: Megatron-Core's MoE fields (router, losses, capacity, expert sizes), same names and
+defaults as megatron.core.transformer.TransformerConfig, plus the TokenDispatcherConfig the
+layer's dispatcher uses. `MoEConfig.from_dict` takes a pasted Megatron/flex-dispatcher config."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import warnings
+
+import numpy as np
+
+from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
+
+__all__ = ["DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig", "SCORE_FUNCTIONS"]
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+DROP_POLICIES = ("probs", "position")
+# Fields MoEConfig and TokenDispatcherConfig share: MoEConfig's value is the one used.
+SHARED_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_expert_capacity_factor",
+                 "moe_router_dtype")
+
+
+def _require(ok, field, allowed, value):
+    if not ok:
+        raise ValueError(f"MoEConfig.{field}: expected {allowed}, got {value!r}")
+
+
+def _int(value, minimum=1):
+    return (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+            and value >= minimum)
+
+
+def _real(value, minimum=0.0, strict=False):
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+          and math.isfinite(value))
+    return ok and (value > minimum if strict else value >= minimum)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Megatron-Core MoE configuration (field names and defaults of TransformerConfig).
+
+      num_moe_experts E (required), moe_router_topk K.
+      moe_ffn_hidden_size: each expert's SwiGLU hidden size F (None: pass ffn_hidden_size to
+        MoELayer). moe_shared_expert_intermediate_size: an always-on shared SwiGLU expert of
+        that hidden size (None: none).
+      moe_router_score_function: "softmax" or "sigmoid". moe_router_pre_softmax: softmax over
+        all E logits before top-k (else top-k of the logits, softmax over the K chosen).
+        Sigmoid scores are renormalised over the K chosen (when K > 1).
+      moe_router_topk_scaling_factor: the top-k probs times this (None: 1).
+      moe_router_num_groups, moe_router_group_topk: node-limited routing (DeepSeek-V3): E
+        experts in that many contiguous groups, a group scored by the sum of its top
+        K / group_topk scores, top-K among the best group_topk groups only.
+      moe_router_enable_expert_bias: aux-loss-free balancing (sigmoid only, as Megatron): a
+        non-trainable f32[E] bias added to the scores for the top-k choice only, updated by
+        `MoELayer.update_expert_bias` with step moe_router_bias_update_rate.
+      moe_router_load_balancing_type: "aux_loss" (per device's tokens, averaged over devices),
+        "seq_aux_loss" (per sequence, averaged over sequences), "global_aux_loss" (over the
+        global batch), or "none". moe_aux_loss_coeff: its weight (0: off).
+      moe_z_loss_coeff: weight of the router z-loss mean(logsumexp(logits)^2) (None: off).
+      moe_expert_capacity_factor: None = no drop; else each expert keeps at most
+        ceil(T*K/E * factor) of a device's T tokens, chosen by moe_token_drop_policy:
+        "probs" (the highest probabilities) or "position" (the first in token order).
+      moe_pad_expert_input_to_capacity: Megatron pads each expert's input to its capacity
+        (needs a capacity factor); jax_ep's buffers are static-shaped already, and padding rows
+        carry probability 0, so outputs and gradients are those without it.
+      moe_router_dtype: "fp32", "fp64" or None (the input dtype) for logits, scores and probs.
+      token_dispatcher: the dispatcher's TokenDispatcherConfig (backend, transport, buffer
+        sizes, ...); its fields num_moe_experts, moe_router_topk, moe_expert_capacity_factor
+        and moe_router_dtype are replaced by this config's (see `dispatcher_config`).
+    Invalid values raise ValueError naming the field.
+    """
+
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_router_dtype: str | None = None
+    token_dispatcher: TokenDispatcherConfig = dataclasses.field(
+        default_factory=TokenDispatcherConfig)
+
+    def __post_init__(self):
+        E, K = self.num_moe_experts, self.moe_router_topk
+        _require(_int(E), "num_moe_experts", "a positive int", E)
+        _require(_int(K) and K <= E, "moe_router_topk", f"an int in [1, num_moe_experts={E}]",
+                 K)
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            v = getattr(self, name)
+            _require(v is None or _int(v), name, "None or a positive int", v)
+        _require(self.moe_router_score_function in SCORE_FUNCTIONS,
+                 "moe_router_score_function", f"one of {SCORE_FUNCTIONS}",
+                 self.moe_router_score_function)
+        for name in ("moe_router_pre_softmax", "moe_router_enable_expert_bias",
+                     "moe_pad_expert_input_to_capacity"):
+            _require(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
+        _require(not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
+                 "moe_router_pre_softmax", "False with the sigmoid score function",
+                 self.moe_router_pre_softmax)
+        s = self.moe_router_topk_scaling_factor
+        _require(s is None or _real(s, strict=True), "moe_router_topk_scaling_factor",
+                 "None or a positive float", s)
+        self._check_groups()
+        _require(not self.moe_router_enable_expert_bias
+                 or self.moe_router_score_function == "sigmoid", "moe_router_enable_expert_bias",
+                 "False unless moe_router_score_function='sigmoid' (Megatron's rule)",
+                 self.moe_router_enable_expert_bias)
+        _require(_real(self.moe_router_bias_update_rate), "moe_router_bias_update_rate",
+                 "a float >= 0", self.moe_router_bias_update_rate)
+        _require(self.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,
+                 "moe_router_load_balancing_type", f"one of {LOAD_BALANCING_TYPES}",
+                 self.moe_router_load_balancing_type)
+        _require(_real(self.moe_aux_loss_coeff), "moe_aux_loss_coeff", "a float >= 0",
+                 self.moe_aux_loss_coeff)
+        z = self.moe_z_loss_coeff
+        _require(z is None or _real(z), "moe_z_loss_coeff", "None or a float >= 0", z)
+        f = self.moe_expert_capacity_factor
+        _require(f is None or _real(f, strict=True), "moe_expert_capacity_factor",
+                 "None or a positive finite float", f)
+        _require(not self.moe_pad_expert_input_to_capacity or f is not None,
+                 "moe_pad_expert_input_to_capacity", "False without moe_expert_capacity_factor",
+                 self.moe_pad_expert_input_to_capacity)
+        _require(self.moe_token_drop_policy in DROP_POLICIES, "moe_token_drop_policy",
+                 f"one of {DROP_POLICIES}", self.moe_token_drop_policy)
+        _require(self.moe_router_dtype in ROUTER_DTYPES, "moe_router_dtype",
+                 f"one of {ROUTER_DTYPES}", self.moe_router_dtype)
+        _require(isinstance(self.token_dispatcher, TokenDispatcherConfig), "token_dispatcher",
+                 "a TokenDispatcherConfig", self.token_dispatcher)
+        self.dispatcher_config()  # the merged dispatcher config must be valid too
+
+    def _check_groups(self):
+        E, K = self.num_moe_experts, self.moe_router_topk
+        groups, top = self.moe_router_num_groups, self.moe_router_group_topk
+        _require((groups is None) == (top is None), "moe_router_group_topk",
+                 "set together with moe_router_num_groups (both or neither)", top)
+        if groups is None:
+            return
+        _require(_int(groups) and E % groups == 0, "moe_router_num_groups",
+                 f"a positive divisor of num_moe_experts={E}", groups)
+        _require(_int(top) and top <= groups and K % top == 0
+                 and K <= top * (E // groups), "moe_router_group_topk",
+                 f"an int in [1, moe_router_num_groups={groups}] dividing moe_router_topk={K}, "
+                 f"whose groups hold at least K experts", top)
+
+    def dispatcher_config(self) -> TokenDispatcherConfig:
+        """The TokenDispatcherConfig the layer's dispatcher uses: token_dispatcher with the
+        shared fields (num_moe_experts, moe_router_topk, moe_expert_capacity_factor,
+        moe_router_dtype) taken from this config."""
+        return dataclasses.replace(self.token_dispatcher,
+                                   **{name: getattr(self, name) for name in SHARED_FIELDS})
+
+    @classmethod
+    def from_dict(cls, fields: dict, *, ignore_unknown: bool = False) -> "MoEConfig":
+        """A config from a flat dict of Megatron MoE fields and TokenDispatcherConfig fields
+        (what a PyTorch user has: e.g. `vars(args)` restricted to the MoE ones). Unknown names
+        raise ValueError listing them, or with ignore_unknown=True warn (UserWarning) listing
+        them and are skipped."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"token_dispatcher"}
+        disp = {f.name for f in dataclasses.fields(TokenDispatcherConfig)}
+        unknown = sorted(set(fields) - own - disp)
+        if unknown and not ignore_unknown:
+            raise ValueError(f"MoEConfig.from_dict: unknown fields {unknown} (neither Megatron "
+                             f"MoE fields of MoEConfig nor TokenDispatcherConfig fields; pass "
+                             f"ignore_unknown=True to skip them with a warning)")
+        if unknown:
+            warnings.warn(f"MoEConfig.from_dict: ignoring unknown fields {unknown}",
+                          stacklevel=2)
+        dispatcher = TokenDispatcherConfig(**{k: v for k, v in fields.items()
+                                              if k in disp and k not in SHARED_FIELDS})
+        return cls(**{k: v for k, v in fields.items() if k in own},
+                   token_dispatcher=dispatcher)

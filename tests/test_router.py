@@ -1,0 +1,486 @@
+"""Megatron-Core router parity (jax_ep.flax.router, MoEConfig, MoELayer's losses and statistics)
+against Megatron's PyTorch formulation written here in numpy (float64): topk_softmax_with_capacity,
+group_limited_topk, apply_router_token_dropping, compute_routing_scores_for_aux_loss,
+switch_load_balancing_loss_func, z_loss_func, get_updated_expert_bias."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep.flax import MoEConfig, MoELayer, dense_forward, shard_params
+from jax_ep.flax import router as routing
+
+E, K, H = 8, 2, 16
+
+
+# ----------------------------------------------------------------- Megatron in numpy (float64)
+
+def np_topk(x, k):
+    """torch.topk(x, k, dim=1): values and indices, descending."""
+    idx = np.argsort(-x, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(x, idx, 1), idx
+
+
+def np_softmax(x):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def np_group_limited_topk(scores, topk, num_groups, group_topk):
+    T, num_experts = scores.shape
+    grouped = scores.reshape(T, num_groups, -1)
+    group_scores = -np.sort(-grouped, axis=-1)[..., :topk // group_topk].sum(axis=-1)
+    _, group_idx = np_topk(group_scores, group_topk)
+    group_mask = np.zeros_like(group_scores)
+    np.put_along_axis(group_mask, group_idx, 1, axis=1)
+    score_mask = np.repeat(group_mask, num_experts // num_groups, axis=1).astype(bool)
+    return np_topk(np.where(score_mask, scores, -np.inf), topk)
+
+
+def np_route(logits, c: MoEConfig, expert_bias=None):
+    """topk_softmax_with_capacity + apply_router_token_dropping -> (probs [T,E], map [T,E])."""
+    def topk(s):
+        if c.moe_router_group_topk:
+            return np_group_limited_topk(s, c.moe_router_topk, c.moe_router_num_groups,
+                                         c.moe_router_group_topk)
+        return np_topk(s, c.moe_router_topk)
+
+    if c.moe_router_score_function == "softmax":
+        if c.moe_router_pre_softmax:
+            probs, top = topk(np_softmax(logits))
+        else:
+            scores, top = topk(logits)
+            probs = np_softmax(scores)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+        if expert_bias is not None:
+            _, top = topk(scores + expert_bias)
+            scores = np.take_along_axis(scores, top, 1)
+        else:
+            scores, top = topk(scores)
+        probs = scores / (scores.sum(-1, keepdims=True) + 1e-20) if c.moe_router_topk > 1 \
+            else scores
+    if c.moe_router_topk_scaling_factor:
+        probs = probs * c.moe_router_topk_scaling_factor
+    T = logits.shape[0]
+    routing_probs = np.zeros_like(logits)
+    np.put_along_axis(routing_probs, top, probs, axis=1)
+    routing_map = np.zeros(logits.shape, bool)
+    np.put_along_axis(routing_map, top, True, axis=1)
+    if c.moe_expert_capacity_factor is None:
+        return routing_probs, routing_map
+    capacity = int(np.ceil(T * c.moe_router_topk / logits.shape[1] * c.moe_expert_capacity_factor))
+    if capacity > T:
+        return routing_probs, routing_map
+    key = routing_probs if c.moe_token_drop_policy == "probs" else routing_map.astype(float)
+    # torch.topk(key, capacity, dim=0); ties (equal probs / the 1s of the map) keep the lower
+    # token index, the order jax_ep documents.
+    order = np.argsort(-key, axis=0, kind="stable")[:capacity]
+    capacity_mask = np.zeros(logits.shape, bool)
+    np.put_along_axis(capacity_mask, order, True, axis=0)
+    final_map = capacity_mask if c.moe_pad_expert_input_to_capacity else routing_map & capacity_mask
+    return routing_probs * final_map, final_map
+
+
+def np_switch(logits, c: MoEConfig):
+    """compute_routing_scores_for_aux_loss + switch_load_balancing_loss_func, coeff 1."""
+    if c.moe_router_score_function == "softmax":
+        scores = np_softmax(logits)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+        scores = scores / (scores.sum(-1, keepdims=True) + 1e-20)
+    _, top = np_topk(scores, c.moe_router_topk)
+    routing_map = np.zeros(logits.shape, bool)
+    np.put_along_axis(routing_map, top, True, axis=1)
+    T, num_experts = logits.shape
+    return np.sum(scores.sum(0) * routing_map.sum(0)) * num_experts / (c.moe_router_topk * T * T)
+
+
+def np_z_loss(logits):
+    m = logits.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[:, 0]
+    return np.mean(lse ** 2)
+
+
+def np_losses(logits, c: MoEConfig, num_devices, seq_len):
+    """The layer's unscaled (load_balancing_loss, z_loss) over the global tokens [N,E]."""
+    kind = c.moe_router_load_balancing_type
+    if kind == "aux_loss":
+        lb = np.mean([np_switch(b, c) for b in np.split(logits, num_devices)])
+    elif kind == "seq_aux_loss":
+        lb = np.mean([np_switch(b, c) for b in np.split(logits, len(logits) // seq_len)])
+    elif kind == "global_aux_loss":
+        lb = np_switch(logits, c)
+    else:
+        lb = 0.0
+    return lb, (np_z_loss(logits) if c.moe_z_loss_coeff is not None else 0.0)
+
+
+# ----------------------------------------------------------------- function-level parity
+
+ROUTERS = {
+    "softmax": dict(),
+    "pre_softmax": dict(moe_router_pre_softmax=True),
+    "sigmoid_scaled": dict(moe_router_score_function="sigmoid",
+                           moe_router_topk_scaling_factor=2.5),
+    "sigmoid_top1": dict(moe_router_score_function="sigmoid", moe_router_topk=1),
+    "groups": dict(moe_router_num_groups=4, moe_router_group_topk=2),
+    "groups_pre_softmax": dict(moe_router_num_groups=4, moe_router_group_topk=1,
+                               moe_router_pre_softmax=True),
+    "sigmoid_bias_groups": dict(moe_router_score_function="sigmoid",
+                                moe_router_enable_expert_bias=True, moe_router_num_groups=2,
+                                moe_router_group_topk=2, moe_router_topk=4),
+    "capacity_probs": dict(moe_expert_capacity_factor=0.5),
+    "capacity_position": dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position"),
+    "capacity_pad": dict(moe_expert_capacity_factor=0.75, moe_pad_expert_input_to_capacity=True,
+                         moe_router_pre_softmax=True),
+}
+
+
+def _cfg(**fields):
+    return MoEConfig(**dict(dict(num_moe_experts=E, moe_router_topk=K), **fields))
+
+
+def _dense(probs, ids, num_experts=E):
+    """probs [T,K], ids [T,K] (-1 dropped) -> (probs [T,E], map [T,E])."""
+    probs, ids = np.asarray(probs, np.float64), np.asarray(ids)
+    dense = np.zeros((ids.shape[0], num_experts))
+    mask = np.zeros((ids.shape[0], num_experts), bool)
+    for t, k in zip(*np.nonzero(ids >= 0)):
+        dense[t, ids[t, k]] += probs[t, k]
+        mask[t, ids[t, k]] = True
+    return dense, mask
+
+
+@pytest.mark.parametrize("name", ROUTERS)
+def test_route_and_drop_match_megatron_values_and_gradients(name):
+    c = _cfg(**ROUTERS[name])
+    logits = np.asarray(jax.random.normal(jax.random.key(0), (16, E)), np.float64) * 2
+    bias = (np.asarray(jax.random.normal(jax.random.key(1), (E,))) * 0.3
+            if c.moe_router_enable_expert_bias else None)
+
+    def ours(lg):
+        probs, ids = routing.route(lg, c, None if bias is None else jnp.asarray(bias,
+                                                                                 jnp.float32))
+        return routing.capacity_drop(probs, ids, c)
+
+    probs, ids, dropped = ours(jnp.asarray(logits, jnp.float32))
+    want_probs, want_map = np_route(logits, c, bias)
+    got_probs, got_map = _dense(probs, ids)
+    routed = np_route(logits, dataclasses.replace(c, moe_expert_capacity_factor=None,
+                                                  moe_pad_expert_input_to_capacity=False),
+                      bias)[1]
+    # Megatron's padded map also holds each expert's padding rows (probability 0): the routed
+    # part of it is ours, and the probs are equal.
+    np.testing.assert_array_equal(got_map, want_map & routed)
+    np.testing.assert_allclose(got_probs, want_probs, rtol=1e-5, atol=1e-7)
+    if bias is not None:  # the bias must matter here, or this case checks nothing of it
+        assert (np_route(logits, c)[1] != want_map).any()
+    np.testing.assert_array_equal(np.asarray(dropped), (routed & ~want_map).sum(0))
+    # d/d logits of sum(probs * weights): jax.grad vs central differences of the numpy form.
+    weights = np.asarray(jax.random.normal(jax.random.key(2), (16, E)), np.float64)
+    direction = np.asarray(jax.random.normal(jax.random.key(3), (16, E)), np.float64)
+
+    def f(lg):
+        p, i, _ = ours(lg)
+        return jnp.sum(jnp.asarray(_scatter(p, i)) * weights.astype(np.float32))
+
+    grad = np.asarray(jax.grad(f)(jnp.asarray(logits, jnp.float32)), np.float64)
+    eps = 1e-5
+    fd = (np.sum(np_route(logits + eps * direction, c, bias)[0] * weights)
+          - np.sum(np_route(logits - eps * direction, c, bias)[0] * weights)) / (2 * eps)
+    np.testing.assert_allclose(np.sum(grad * direction), fd, rtol=2e-4, atol=1e-5)
+
+
+def _scatter(probs, ids):
+    """probs [T,K], ids [T,K] (-1 dropped) -> [T,E], differentiable in probs."""
+    return jnp.zeros((ids.shape[0], E), probs.dtype).at[
+        jnp.arange(ids.shape[0])[:, None], jnp.where(ids < 0, E, ids)].add(probs, mode="drop")
+
+
+def test_group_limited_routing_keeps_every_token_within_group_topk_groups():
+    c = _cfg(num_moe_experts=16, moe_router_topk=4, moe_router_num_groups=4,
+             moe_router_group_topk=2)
+    logits = jax.random.normal(jax.random.key(5), (256, 16))
+    _, ids = routing.route(logits, c)
+    groups = np.asarray(ids) // 4
+    assert max(len(set(row)) for row in groups) <= 2
+    assert (np.asarray(ids) >= 0).all()
+    # A group's score is the sum of its top K / group_topk = 2 scores: token 0 below has its
+    # single best expert in group 3 but groups 0 and 1 hold the best pairs.
+    row = np.full(16, -5.0)
+    row[[0, 1, 4, 5, 12]] = [2.0, 2.0, 1.9, 1.9, 3.0]
+    _, ids = routing.route(jnp.asarray(row[None], jnp.float32), c)
+    assert sorted(np.asarray(ids)[0].tolist()) == [0, 1, 4, 5]
+
+
+def test_drop_policies_by_hand():
+    # 4 tokens, 2 experts, top-1, capacity ceil(4*1/2 * 1.0) = 2; every token prefers expert 0
+    # with pre-softmax probs ordered by the logit gap: tokens 1 and 2 are the most confident.
+    logits = jnp.asarray([[1.0, 0.0], [3.0, 0.0], [2.0, 0.0], [0.5, 0.0]])
+    for policy, kept in (("probs", [1, 2]), ("position", [0, 1])):
+        c = MoEConfig(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True,
+                      moe_expert_capacity_factor=1.0, moe_token_drop_policy=policy)
+        probs, ids = routing.route(logits, c)
+        probs, ids, dropped = routing.capacity_drop(probs, ids, c)
+        assert np.nonzero(np.asarray(ids)[:, 0] == 0)[0].tolist() == kept, policy
+        assert np.asarray(dropped).tolist() == [2, 0]
+        assert (np.asarray(probs)[np.asarray(ids) < 0] == 0).all()
+
+
+def test_expert_bias_update_is_megatrons_sign_rule():
+    bias = jnp.asarray([0.5, 0.0, -0.25, 1.0])
+    got = routing.updated_expert_bias(bias, jnp.asarray([3, 1, 2, 2]), 0.1)
+    np.testing.assert_allclose(np.asarray(got), [0.4, 0.1, -0.25, 1.0], rtol=1e-6)
+
+
+# ----------------------------------------------------------------- MoEConfig
+
+def test_moe_config_has_megatrons_defaults_and_builds_the_dispatcher_config():
+    c = MoEConfig(num_moe_experts=E)
+    megatron = dict(moe_router_topk=2, moe_ffn_hidden_size=None,
+                    moe_shared_expert_intermediate_size=None, moe_router_score_function="softmax",
+                    moe_router_pre_softmax=False, moe_router_topk_scaling_factor=None,
+                    moe_router_num_groups=None, moe_router_group_topk=None,
+                    moe_router_enable_expert_bias=False, moe_router_bias_update_rate=1e-3,
+                    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+                    moe_z_loss_coeff=None, moe_expert_capacity_factor=None,
+                    moe_pad_expert_input_to_capacity=False, moe_token_drop_policy="probs",
+                    moe_router_dtype=None)
+    for name, value in megatron.items():
+        assert getattr(c, name) == value, name
+    d = MoEConfig(num_moe_experts=16, moe_router_topk=4, moe_expert_capacity_factor=1.5,
+                  moe_router_dtype="fp32", token_dispatcher=jax_ep.TokenDispatcherConfig(
+                      moe_flex_dispatcher_backend="hybridep")).dispatcher_config()
+    assert (d.num_moe_experts, d.moe_router_topk, d.moe_expert_capacity_factor,
+            d.moe_router_dtype, d.backend) == (16, 4, 1.5, "fp32", "hybridep")
+
+
+def test_moe_config_from_dict_names_unknown_fields_or_warns():
+    pasted = dict(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+                  moe_flex_dispatcher_backend="alltoall", moe_grouped_gemm=True,
+                  moe_layer_recompute=False)
+    with pytest.raises(ValueError, match=r"\['moe_grouped_gemm', 'moe_layer_recompute'\]"):
+        MoEConfig.from_dict(pasted)
+    with pytest.warns(UserWarning, match=r"\['moe_grouped_gemm', 'moe_layer_recompute'\]"):
+        c = MoEConfig.from_dict(pasted, ignore_unknown=True)
+    assert c.moe_aux_loss_coeff == 1e-2 and c.token_dispatcher.backend == "alltoall"
+    assert c.dispatcher_config().num_moe_experts == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MoEConfig.from_dict(dict(num_moe_experts=8))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_moe_experts", None), ("moe_router_topk", 9), ("moe_router_score_function", "relu"),
+    ("moe_router_load_balancing_type", "sinkhorn"), ("moe_token_drop_policy", "random"),
+    ("moe_router_topk_scaling_factor", 0.0), ("moe_aux_loss_coeff", -1.0),
+    ("moe_z_loss_coeff", float("nan")), ("moe_expert_capacity_factor", 0.0),
+    ("moe_pad_expert_input_to_capacity", True), ("moe_router_dtype", "bf16"),
+    ("moe_router_enable_expert_bias", True), ("moe_router_pre_softmax", 1),
+    ("moe_router_group_topk", 2), ("token_dispatcher", dict())])
+def test_moe_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        MoEConfig(**dict(dict(num_moe_experts=E), **{field: value}))
+
+
+@pytest.mark.parametrize("groups,top", [(3, 1), (4, 3), (4, 5), (8, 1)])
+def test_moe_config_checks_the_groups(groups, top):
+    # 8 experts, top-2: 3 does not divide 8; 3 does not divide K; 5 > 4 groups; 1 group of 1
+    # expert holds fewer than K experts.
+    with pytest.raises(ValueError, match="moe_router_(num_groups|group_topk)"):
+        _cfg(moe_router_num_groups=groups, moe_router_group_topk=top)
+
+
+# ----------------------------------------------------------------- the layer on a 2 x 4 mesh
+
+def _mesh():
+    return jax.make_mesh((2, 4), ("data", "expert"))
+
+
+def _layer(c, mesh):
+    """A sharded layer and its unsharded twin; an expert bias is set to one that changes the
+    routing."""
+    layer, twin = (MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh) for _ in range(2))
+    if c.moe_router_enable_expert_bias:
+        for m in (layer, twin):
+            m.expert_bias[...] = jnp.asarray(np.linspace(-0.3, 0.3, E), jnp.float32)
+    shard_params(layer, mesh)
+    return layer, twin
+
+
+LAYER_CASES = {
+    "aux_z": dict(moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
+    "seq_pre_softmax_position": dict(moe_router_load_balancing_type="seq_aux_loss",
+                                     moe_aux_loss_coeff=0.1, moe_router_pre_softmax=True,
+                                     moe_expert_capacity_factor=0.5,
+                                     moe_token_drop_policy="position"),
+    "global_sigmoid_bias_groups": dict(moe_router_load_balancing_type="global_aux_loss",
+                                       moe_aux_loss_coeff=0.1,
+                                       moe_router_score_function="sigmoid",
+                                       moe_router_enable_expert_bias=True,
+                                       moe_router_num_groups=4, moe_router_group_topk=1,
+                                       moe_router_topk_scaling_factor=2.0,
+                                       moe_shared_expert_intermediate_size=8),
+    "none_probs_drop": dict(moe_router_load_balancing_type="none",
+                            moe_expert_capacity_factor=0.5, moe_z_loss_coeff=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", LAYER_CASES)
+def test_layer_losses_statistics_and_gradients_match_megatron(name):
+    c = _cfg(token_dispatcher=jax_ep.TokenDispatcherConfig(moe_permute_fusion=True),
+             **LAYER_CASES[name])
+    mesh = _mesh()
+    layer, twin = _layer(c, mesh)
+    x = jax.random.normal(jax.random.key(1), (16, 3, H))  # 8 devices x 2 sequences of 3
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+
+    def loss(m, x):
+        y, aux = m(x)
+        return jnp.sum(y * cot) + aux["aux_loss"], aux
+
+    with jax.set_mesh(mesh):
+        (got, aux), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, xs)
+        aux_grads = nnx.jit(nnx.grad(lambda m, x: m(x)[1]["aux_loss"]))(layer, xs)
+    want, want_grads = nnx.value_and_grad(
+        lambda m, x: (lambda y, a: jnp.sum(y * cot) + a)(*dense_forward(m, x)))(twin, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(grads, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(want_grads, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=3e-5,
+                                   atol=3e-6, err_msg=str(path))
+    # Against the numpy formulation: losses, counts, drops, and d aux_loss / d router.
+    W = np.asarray(twin.router[...], np.float64)
+    xf = np.asarray(x, np.float64).reshape(-1, H)
+    bias = None if twin.expert_bias is None else np.asarray(twin.expert_bias[...], np.float64)
+
+    def np_aux(W):
+        lb, z = np_losses(xf @ W, c, 8, 3)
+        return c.moe_aux_loss_coeff * lb + (c.moe_z_loss_coeff or 0.0) * z, lb, z
+
+    total, lb, z = np_aux(W)
+    np.testing.assert_allclose(float(aux["load_balancing_loss"]), lb, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(aux["z_loss"]), z, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(aux["aux_loss"]), total, rtol=1e-5, atol=1e-8)
+    maps = [np_route(b @ W, c, bias)[1] for b in np.split(xf, 8)]
+    plain = dataclasses.replace(c, moe_expert_capacity_factor=None)
+    routed = sum(np_route(b @ W, plain, bias)[1].sum() for b in np.split(xf, 8))
+    counts = sum(m.sum(0) for m in maps)
+    np.testing.assert_array_equal(np.asarray(aux["tokens_per_expert"]), counts)
+    assert int(aux["num_dropped"]) == routed - counts.sum()
+    np.testing.assert_allclose(float(aux["load_ratio"]), counts.max() / counts.mean(),
+                               rtol=1e-6)
+    direction = np.asarray(jax.random.normal(jax.random.key(4), W.shape), np.float64)
+    eps = 1e-5
+    fd = (np_aux(W + eps * direction)[0] - np_aux(W - eps * direction)[0]) / (2 * eps)
+    np.testing.assert_allclose(np.sum(np.asarray(aux_grads.router[...]) * direction), fd,
+                               rtol=2e-3, atol=1e-9)
+
+
+def test_statistics_by_hand_and_sown():
+    # Every token picks experts 0 and 1 (router columns 0 > 1 > the rest): 8 devices x 8
+    # tokens, capacity ceil(8*2/8 * 1.0) = 2 per expert and device.
+    mesh = _mesh()
+    for factor, kept, dropped in ((None, 64, 0), (1.0, 16, 96)):
+        c = _cfg(moe_expert_capacity_factor=factor)
+        layer = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh, sow_aux=True)
+        layer.router[...] = jnp.zeros((H, E)).at[:, 0].set(2.0).at[:, 1].set(1.0)
+        shard_params(layer, mesh)
+        x = jax.device_put(jnp.abs(jax.random.normal(jax.random.key(3), (8, 8, H))),
+                           NamedSharding(mesh, P(("data", "expert"))))
+
+        run = nnx.jit(nnx.capture(lambda m, x: m(x)[1], nnx.Intermediate))
+        with jax.set_mesh(mesh):
+            aux, sown = run(layer, x)
+        assert np.asarray(aux["tokens_per_expert"]).tolist() == [kept, kept] + [0] * 6
+        assert int(aux["num_dropped"]) == dropped
+        assert float(aux["load_ratio"]) == 4.0  # max kept / (2 * kept / 8)
+        (sown_aux,) = sown["moe_aux"]
+        assert np.asarray(sown_aux["tokens_per_expert"]).tolist() == [kept, kept] + [0] * 6
+
+
+def test_expert_bias_is_state_updated_once_per_step_outside_autodiff():
+    c = _cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+             moe_router_bias_update_rate=0.01)
+    mesh = _mesh()
+    layer = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh)
+    shard_params(layer, mesh)
+    assert not isinstance(layer.expert_bias, nnx.Param)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 4, H)),
+                       NamedSharding(mesh, P(("data", "expert"))))
+
+    @nnx.jit
+    def step(m, x):
+        def loss(m):
+            y, aux = m(x)
+            return jnp.sum(y), aux
+        grads, aux = nnx.grad(loss, has_aux=True)(m)
+        m.update_expert_bias(aux["tokens_per_expert"])
+        return grads, aux
+
+    with jax.set_mesh(mesh):
+        grads, aux = step(layer, x)
+    counts = np.asarray(aux["tokens_per_expert"], np.float64)
+    np.testing.assert_allclose(np.asarray(layer.expert_bias[...]),
+                               0.01 * np.sign(counts.mean() - counts), rtol=1e-6)
+    assert "expert_bias" not in grads and "router" in grads
+    with pytest.raises(ValueError, match="expert bias"):
+        MoELayer(_cfg(), H, 32, rngs=nnx.Rngs(0), mesh=mesh).update_expert_bias(counts)
+
+
+def test_dtype_is_compute_and_param_dtype_is_parameters():
+    mesh = _mesh()
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 2, H)),
+                       NamedSharding(mesh, P(("data", "expert"))))
+    c = _cfg(moe_router_dtype="fp32")
+    for dtype, param_dtype, out in ((jnp.bfloat16, jnp.float32, jnp.bfloat16),
+                                    (None, jnp.bfloat16, jnp.float32),
+                                    (None, jnp.float32, jnp.float32)):
+        make = lambda: MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh,  # noqa: E731
+                                dtype=dtype, param_dtype=param_dtype)
+        layer, twin = make(), make()
+        assert {v.dtype for v in jax.tree.leaves(nnx.state(layer, nnx.Param))} == {
+            jnp.dtype(param_dtype)}
+        shard_params(layer, mesh)
+        with jax.set_mesh(mesh):
+            y, aux = nnx.jit(lambda m, x: m(x))(layer, x)
+        assert y.dtype == out and aux["aux_loss"].dtype == jnp.float32
+        if dtype is None and param_dtype == jnp.float32:
+            want = dense_forward(twin, np.asarray(x))[0]
+            np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_seq_aux_loss_needs_sequences():
+    mesh = _mesh()
+    layer = MoELayer(_cfg(moe_router_load_balancing_type="seq_aux_loss"), H, 32,
+                     rngs=nnx.Rngs(0), mesh=mesh)
+    with pytest.raises(ValueError, match="seq_aux_loss"):
+        layer(jnp.zeros((8, H)))
+
+
+def test_layer_takes_its_sizes_from_the_config_and_shows_its_signature():
+    import inspect
+    mesh = _mesh()
+    layer = MoELayer(_cfg(moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=8), H,
+                     rngs=nnx.Rngs(0), mesh=mesh)
+    assert layer.w_gate_up.shape == (E, H, 48) and layer.shared_down.shape == (8, H)
+    assert layer.expert_bias is None
+    with pytest.raises(ValueError, match="ffn_hidden_size"):
+        MoELayer(_cfg(), H, rngs=nnx.Rngs(0), mesh=mesh)
+    with pytest.raises(ValueError, match="config"):
+        MoELayer(dict(num_moe_experts=E), H, 32, rngs=nnx.Rngs(0), mesh=mesh)
+    params = inspect.signature(MoELayer).parameters
+    assert list(params)[:3] == ["config", "hidden_size", "ffn_hidden_size"]
+    assert {"dtype", "param_dtype", "sow_aux", "rngs", "mesh"} <= set(params)
