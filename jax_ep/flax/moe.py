@@ -17,7 +17,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import flax
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -25,6 +24,7 @@ from jax_ep.config import TokenDispatcherConfig
 from jax_ep.flax import router as routing
 from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
 from jax_ep.flax.moe_config import MoEConfig
+from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, ops
 
 __all__ = ["ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows", "shard_params",
@@ -390,11 +390,8 @@ def dense_forward(layer: MoELayer, x, num_devices=None):
 
 
 def shard_params(model, mesh):
-    """Places every nnx.Param of `model` by its sharding_names on `mesh` (experts over the
-    expert axis, the rest replicated). Works across processes: values go through host memory,
-    so every process must hold the same values (same seed)."""
-    state = nnx.state(model)
-    shardings = nnx.get_named_sharding(state, mesh)
-    host = jax.tree.map(np.asarray, state)
-    nnx.update(model, jax.device_put(host, shardings))
-    return model
+    """Places all nnx state of `model` on `mesh` by its sharding metadata (experts over the
+    expert axis, the rest replicated), spelled as a jitted step returns it:
+    `shard_state(model, None, mesh)` (see there; pass the optimizer to shard_state too, or
+    its step counter recompiles step 2). Returns model."""
+    return shard_state(model, None, mesh)[0]
