@@ -291,7 +291,7 @@ def _internode_plan(topk_idx, num_experts, axes, capacity, num_worst_tokens,
     topk_idx, num_invalid = unroute_invalid_experts(topk_idx, num_experts)
     capacity, num_recv = _sizes(num_tokens, num_nodes * num_local_ranks, capacity,
                                 num_worst_tokens)
-    num_rdma_recv = num_nodes * num_tokens if num_worst_rdma_tokens is None else \
+    num_rdma_recv = max(1, num_nodes * num_tokens) if num_worst_rdma_tokens is None else \
         check_positive(num_worst_rdma_tokens, "num_worst_rdma_tokens")
     per_node = ops.get_dispatch_layout(topk_idx, num_experts=num_experts, num_ranks=num_nodes,
                                        impl=impl)[0]
