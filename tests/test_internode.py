@@ -324,3 +324,29 @@ def test_bad_input_raises(kwargs, arg):
         return jax_ep.dispatch(x, idx, w, **call)[0]
     with pytest.raises(ValueError, match=arg):
         run_pair(body, mesh, x, idx, w)
+
+
+@pytest.mark.parametrize("cls", [jax_ep.Buffer, jax_ep.UCCLBuffer])
+def test_buffer_over_a_pair_runs_two_hops(cls):
+    N, G, T, H, K, E = 2, 4, 4, 8, 2, 16
+    x, idx, w = _case(19, N * G, T, H, K, E)
+    mesh = pair_mesh(N, G)
+    buf = cls(AXES)
+
+    def body(x, idx, w):
+        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, ri, rw, counts, h, _ = buf.dispatch(x, num_tokens_per_rank=per_rank,
+                                                num_tokens_per_rdma_rank=per_node,
+                                                is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=per_expert,
+                                                topk_idx=idx, topk_weights=w)
+        combined = buf.combine(rx, h)[0]
+        return rx, ri, combined, per_node, h.num_tokens_per_rdma_rank
+    rx, ri, combined, per_node, rdma = run_pair(body, mesh, x, idx, w)
+    flat = _dispatch_combine(mesh, x, idx, w, E, hierarchical=False)
+    np.testing.assert_array_equal(rx, flat["rx"])
+    np.testing.assert_array_equal(ri, flat["ri"])
+    np.testing.assert_allclose(combined, flat["c"], rtol=1e-6, atol=1e-6)
+    want = _numpy_rdma_counts(idx, N, E // N).reshape(N * G, T, N).sum(axis=1)
+    np.testing.assert_array_equal(per_node.reshape(-1, N), want)
+    np.testing.assert_array_equal(rdma, per_node)
