@@ -350,3 +350,41 @@ def test_buffer_over_a_pair_runs_two_hops(cls):
     want = _numpy_rdma_counts(idx, N, E // N).reshape(N * G, T, N).sum(axis=1)
     np.testing.assert_array_equal(per_node.reshape(-1, N), want)
     np.testing.assert_array_equal(rdma, per_node)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_hybridep_over_a_pair_equals_the_flat_exchange(compact):
+    N, G, T, H, K, E, NP = 2, 4, 4, 8, 2, 16, 40
+    x, idx, w = _case(23, N * G, T, H, K, E)
+    routing = dict(topk_idx=idx, probs=w) if compact else dict(
+        routing_map=np.zeros((N * G * T, E), bool), probs=np.zeros((N * G * T, E), np.float32))
+    if not compact:
+        rows = np.arange(N * G * T)[:, None]
+        routing["routing_map"][rows, np.clip(idx, 0, None)] = idx >= 0
+        routing["probs"][rows, np.clip(idx, 0, None)] = np.where(idx >= 0, w, 0)
+    names = list(routing)
+
+    def run(mesh, axis, spec):
+        def body(x, a, b):
+            def loss(x, b):
+                px, pp, tpe, h = jax_ep.hybridep_dispatch(
+                    x, **{names[0]: a, names[1]: b}, num_experts=E, axis_name=axis,
+                    num_permuted_tokens=NP, pad_multiple=2)
+                out = jax_ep.hybridep_combine(px * (1.0 + pp[:, None]), h)
+                return jnp.sum(out ** 2), (px, pp, tpe, out)
+            (_, outs), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, b)
+            return outs + grads
+        args = [jax.device_put(a, NamedSharding(mesh, spec))
+                for a in (x, routing[names[0]], routing[names[1]])]
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return [np.asarray(a) for a in jax.jit(mapped)(*args)]
+
+    two = run(pair_mesh(N, G), AXES, SPEC)
+    flat_mesh = jax.make_mesh((N * G,), ("ep",), devices=jax.devices()[:N * G])
+    flat = run(flat_mesh, "ep", P("ep"))
+    for i, (a, b) in enumerate(zip(two, flat)):
+        if i < 3:
+            np.testing.assert_array_equal(a, b, err_msg=str(i))  # px, pp, tokens_per_expert
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(i))
+    assert two[0].any()
