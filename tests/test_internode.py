@@ -388,3 +388,35 @@ def test_hybridep_over_a_pair_equals_the_flat_exchange(compact):
         else:
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(i))
     assert two[0].any()
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_moe_layer_over_a_node_local_pair_matches_dense(backend):
+    from flax import nnx
+
+    from jax_ep.flax import MoELayer, dense_forward, shard_params
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=3,
+                                       moe_flex_dispatcher_backend=backend,
+                                       moe_permute_fusion=True, expert_axis_name=AXES)
+    mesh = jax.make_mesh((2, 2, 2), ("data",) + AXES)
+    layer = MoELayer(cfg, 16, 8, rngs=nnx.Rngs(0), mesh=mesh)
+    twin = MoELayer(cfg, 16, 8, rngs=nnx.Rngs(0), mesh=mesh)
+    shard_params(layer, mesh)
+    x = jax.random.normal(jax.random.key(1), (8, 3, 16))
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data",) + AXES)))
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return jnp.sum(y * cot) + aux["aux_loss"], aux
+
+    with jax.set_mesh(mesh):
+        (got, aux), g_layer = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, xs)
+    want, g_want = nnx.value_and_grad(
+        lambda l, x: jnp.sum(dense_forward(l, x)[0] * cot) + dense_forward(l, x)[1])(twin, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert int(aux["num_dropped"]) == 0
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(g_layer, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(g_want, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=2e-5,
+                                   atol=2e-6, err_msg=str(path))

@@ -127,10 +127,10 @@ class MoELayer(nnx.Module):
                              f"{score_function!r}")
         axis = config.expert_axis_name
         if mesh is not None:
-            if axis not in mesh.axis_names:
+            if not set(_names(axis)) <= set(mesh.axis_names):
                 raise ValueError(f"mesh: has axes {mesh.axis_names}, missing the expert axis "
                                  f"{axis!r} (TokenDispatcherConfig.expert_axis_name)")
-            expert_parallel_size = mesh.shape[axis]
+            expert_parallel_size = math.prod(mesh.shape[a] for a in _names(axis))
         if expert_parallel_size is None:
             raise ValueError("mesh / expert_parallel_size: pass one so the layer knows P")
         num_experts = config.num_moe_experts
@@ -163,8 +163,8 @@ class MoELayer(nnx.Module):
         self.dispatcher = dispatcher or shared_dispatcher(num_local, config, axis)
 
     def _token_axes(self):
-        axis = self.config.expert_axis_name
-        return (self.data_axis, axis) if self.data_axis else (axis,)
+        axes = _names(self.config.expert_axis_name)
+        return (self.data_axis,) + axes if self.data_axis else axes
 
     def _local(self, x, router, w_gate_up, w_down, shared):
         """The per-device body (inside shard_map): x [..., H] local tokens."""
@@ -226,6 +226,11 @@ class MoELayer(nnx.Module):
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
+
+
+def _names(axis):
+    """The mesh axis names of an expert axis (a name or a (node, local) pair) as a tuple."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
 def _laid_out(mesh, args, specs):
