@@ -10,6 +10,8 @@ plot and a JSON log.
   python examples/train_moe.py --backend hybridep    # deepep | uccl_ep | alltoall | hybridep
   python examples/train_moe.py --grouped-gemm ragged_dot  # the experts on jax.lax.ragged_dot
   python examples/train_moe.py --gpu                 # every local GPU on the expert axis
+  python examples/train_moe.py --nodes 2             # Mesh(("data", "node", "local")):
+                                                     # two-hop dispatch, node crossings
   # multi-process (e.g. 2 hosts x 4 devices), one command per process:
   python examples/train_moe.py --num-processes 2 --process-id 0 --coordinator HOST:PORT ...
 """
@@ -50,6 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
     p.add_argument("--data-parallel", type=int, default=2, help="size of the 'data' axis")
     p.add_argument("--gpu", action="store_true", help="run on the local GPUs")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="split the expert axis into ('node', 'local') with this many nodes "
+                        "(DeepEP's two-hop internode dispatch); prints the rows that cross "
+                        "the node axis per step")
     p.add_argument("--coordinator", default=None, help="HOST:PORT for jax.distributed")
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
@@ -97,6 +103,9 @@ def stdlib_corpus(max_bytes=2_000_000):
     return "\n\n".join(pieces).encode("utf-8", "ignore")
 
 
+EXPERT_AXES = ("node", "local")
+
+
 def build_model(args, mesh, jax):
     import jax.numpy as jnp
     from flax import nnx
@@ -108,7 +117,8 @@ def build_model(args, mesh, jax):
         num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
         moe_expert_capacity_factor=args.capacity_factor, grouped_gemm_impl=args.grouped_gemm,
-        moe_fp8_dispatch=args.fp8_dispatch)
+        moe_fp8_dispatch=args.fp8_dispatch,
+        expert_axis_name=EXPERT_AXES if args.nodes else "expert")
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -167,8 +177,18 @@ def train(args):
     if args.gpu:
         data = 1
     # Auto axes: pjit style, XLA propagates the batch sharding through the dense layers.
-    mesh = jax.make_mesh((data, len(devices) // data), ("data", "expert"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    experts = len(devices) // data
+    if args.nodes:
+        if experts % args.nodes:
+            raise SystemExit(f"--nodes {args.nodes} does not divide the {experts} devices of "
+                             f"the expert axis")
+        mesh = jax.make_mesh((data, args.nodes, experts // args.nodes),
+                             ("data",) + EXPERT_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    else:
+        mesh = jax.make_mesh((data, experts), ("data", "expert"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    token_axes = tuple(mesh.axis_names)
     is_main = jax.process_index() == 0
     if is_main:
         print(f"mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices, "
@@ -187,7 +207,7 @@ def train(args):
         lambda a: a if isinstance(a.sharding, NamedSharding)
         else jax.device_put(np.asarray(a), replicated),
         nnx.state(optimizer)))
-    batch_sharding = NamedSharding(mesh, P(("data", "expert")))
+    batch_sharding = NamedSharding(mesh, P(token_axes))
 
     @nnx.jit
     def train_step(model, optimizer, batch):
@@ -199,7 +219,9 @@ def train(args):
         optimizer.update(model, grads)
         load = jnp.stack([a["tokens_per_expert"] for a in auxes])
         dropped = sum(a["num_dropped"] for a in auxes)
-        return ce, load, dropped
+        crossed = jnp.stack([sum(a.get(k, 0) for a in auxes)
+                             for k in ("rows_across_nodes", "flat_rows_across_nodes")])
+        return ce, load, dropped, crossed
 
     records = []
     tokens_per_step = args.batch * args.seq
@@ -212,7 +234,7 @@ def train(args):
             batch = jax.make_array_from_callback(host.shape, batch_sharding,
                                                  lambda index: host[index])
             t0 = time.perf_counter()
-            ce, load, dropped = train_step(model, optimizer, batch)
+            ce, load, dropped, crossed = train_step(model, optimizer, batch)
             ce = float(ce)  # the step's only host read, after the step
             elapsed = time.perf_counter() - t0
             if step == 0:
@@ -220,6 +242,12 @@ def train(args):
             load = np.asarray(jax.device_get(load)).tolist()
             records.append(dict(step=step, loss=ce, seconds=elapsed, load=load,
                                 dropped=int(dropped)))
+            if args.nodes:
+                two_hop, flat = (int(c) for c in jax.device_get(crossed))
+                records[-1].update(rows_across_nodes=two_hop, flat_rows_across_nodes=flat)
+                if is_main and (step < 3 or step % 25 == 0 or step == args.steps - 1):
+                    tqdm.write(f"step {step}: {two_hop} rows crossed the node axis (two-hop; "
+                               f"the flat exchange would send {flat})")
             if step > 0:
                 rate = tokens_per_step * step / (time.perf_counter() - start)
                 bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{rate:,.0f}", dropped=int(dropped))

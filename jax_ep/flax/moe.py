@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ep.config import TokenDispatcherConfig
 from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
-from jax_ep import _ffi, ops
+from jax_ep import _ffi, ops, transport
 
 __all__ = ["MoELayer", "dense_forward", "expert_tile_rows", "shard_params", "swiglu_experts"]
 
@@ -115,7 +115,10 @@ class MoELayer(nnx.Module):
       shared_expert_size: hidden size of an always-on shared SwiGLU expert (None: none).
       score_function: "softmax" (then top-k) or "sigmoid" (top-k renormalised).
     __call__(x [..., H]) -> (y [..., H], aux) with aux = {"aux_loss": f32[],
-    "tokens_per_expert": i32[E] (global routed slots), "num_dropped": i32[] (global)}.
+    "tokens_per_expert": i32[E] (global routed slots), "num_dropped": i32[] (global)}; with
+    a (node, local) expert axis also "rows_across_nodes" i32[] (rows the two-hop dispatch
+    sends over the node axis, global, before drops) and "flat_rows_across_nodes" i32[]
+    (what the flat exchange would send).
     """
 
     def __init__(self, config: TokenDispatcherConfig, hidden_size: int, ffn_hidden_size: int, *,
@@ -195,6 +198,10 @@ class MoELayer(nnx.Module):
             y = y + _swiglu(tokens, *shared)
         (dropped,) = _sum_over(self._token_axes(), dropped)
         aux = {"aux_loss": aux_loss, "tokens_per_expert": counts, "num_dropped": dropped}
+        if not isinstance(cfg.expert_axis_name, str):
+            aux.update(zip(("rows_across_nodes", "flat_rows_across_nodes"), _sum_over(
+                self._token_axes(), *_rows_across_nodes(ids, cfg.num_moe_experts,
+                                                        cfg.expert_axis_name))))
         return y.reshape(x.shape).astype(x.dtype), aux
 
     def __call__(self, x):
@@ -226,6 +233,19 @@ class MoELayer(nnx.Module):
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
+
+
+def _rows_across_nodes(ids, num_experts, axes):
+    """Rows this rank's tokens (ids i32[T,K]) send over the node axis of axes=(node, local)
+    before drops: the two-hop dispatch's (token, other node) pairs and the flat exchange's
+    (token, rank on another node) pairs, i32[] each."""
+    node, num_nodes = transport.axis_rank_and_size(axes[0])
+    num_ranks = num_nodes * transport.axis_rank_and_size(axes[1])[1]
+    per_node = ops.get_dispatch_layout(ids, num_experts=num_experts, num_ranks=num_nodes)[0]
+    per_rank = ops.get_dispatch_layout(ids, num_experts=num_experts, num_ranks=num_ranks)[0]
+    own_ranks = num_ranks // num_nodes
+    on_own_node = jax.lax.dynamic_slice_in_dim(per_rank, node * own_ranks, own_ranks).sum()
+    return per_node.sum() - per_node[node], per_rank.sum() - on_own_node
 
 
 def _names(axis):
