@@ -182,9 +182,12 @@ def train(args):
         if experts % args.nodes:
             raise SystemExit(f"--nodes {args.nodes} does not divide the {experts} devices of "
                              f"the expert axis")
-        mesh = jax.make_mesh((data, args.nodes, experts // args.nodes),
-                             ("data",) + EXPERT_AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * 3)
+        # Node n is the n-th contiguous run of devices ordered by process: with one
+        # process per node (jax.distributed), the node axis is the process boundary.
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        grid = np.array(ordered, dtype=object).reshape(args.nodes, data, -1).transpose(1, 0, 2)
+        mesh = jax.sharding.Mesh(grid, ("data",) + EXPERT_AXES,
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 3)
     else:
         mesh = jax.make_mesh((data, experts), ("data", "expert"),
                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
