@@ -420,3 +420,26 @@ def test_moe_layer_over_a_node_local_pair_matches_dense(backend):
                                  nnx.to_flat_state(nnx.state(g_want, nnx.Param))):
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=2e-5,
                                    atol=2e-6, err_msg=str(path))
+
+
+def test_fp8_cast_back_over_two_hops_equals_flat():
+    N, G, T, H, K, E = 2, 4, 4, 128, 2, 16
+    x, idx, w = _case(29, N * G, T, H, K, E)
+    mesh = pair_mesh(N, G)
+
+    def body(x, idx, w):
+        outs = []
+        for hier in (True, False):
+            def loss(x):
+                rx, _, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXES,
+                                               hierarchical=hier, use_fp8=True,
+                                               fp8_output="cast_back")
+                return jnp.sum(rx * rx[:, :1]), rx
+            (_, rx), grad = jax.value_and_grad(loss, has_aux=True)(x)
+            outs += [rx, grad]
+        return tuple(outs)
+    two_rx, two_g, flat_rx, flat_g = run_pair(body, mesh, jnp.asarray(x, jnp.bfloat16), idx, w)
+    np.testing.assert_array_equal(two_rx, flat_rx)
+    np.testing.assert_allclose(two_g.astype(np.float32), flat_g.astype(np.float32),
+                               rtol=2 ** -7, atol=1e-2)
+    assert two_rx.any()
