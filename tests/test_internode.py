@@ -245,7 +245,8 @@ def test_edge_cases_match_flat(case):
             idx = np.stack([rng.permutation(E // N)[:K] for _ in range(N * G * T)]).astype(
                 np.int32)
     mesh = pair_mesh(N, G)
-    two = _dispatch_combine(mesh, x, idx, w, E)
+    # transport as a (node hop, local hop) pair ("auto" is all_to_all on CPU)
+    two = _dispatch_combine(mesh, x, idx, w, E, transport=("all_to_all", "auto"))
     flat = _dispatch_combine(mesh, x, idx, w, E, hierarchical=False)
     for key in ("rx", "ri", "rw", "n", "per_expert"):
         np.testing.assert_array_equal(two[key], flat[key], err_msg=key)
