@@ -443,3 +443,21 @@ def test_fp8_cast_back_over_two_hops_equals_flat():
     np.testing.assert_allclose(two_g.astype(np.float32), flat_g.astype(np.float32),
                                rtol=2 ** -7, atol=1e-2)
     assert two_rx.any()
+
+
+def test_low_latency_over_a_pair_is_the_flat_exchange():
+    x, idx, w = _case(31, 8, 4, 8, 2, 16)
+
+    def run(mesh, axis, spec):
+        def body(x, i, w):
+            recv, count, h = jax_ep.low_latency_dispatch(
+                x, i, num_max_dispatch_tokens_per_rank=4, num_experts=16, axis_name=axis)
+            return recv, count, jax_ep.low_latency_combine(recv, i, w, h)
+        args = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, idx, w)]
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return [np.asarray(a) for a in jax.jit(mapped)(*args)]
+    pair = run(pair_mesh(2, 4), AXES, SPEC)
+    flat = run(jax.make_mesh((8,), ("ep",), devices=jax.devices()[:8]), "ep", P("ep"))
+    for a, b in zip(pair, flat):
+        np.testing.assert_array_equal(a, b)
+    assert pair[1].sum() > 0
