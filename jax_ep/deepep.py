@@ -10,6 +10,10 @@ a token (unweighted, fp32 accumulation). "deepep" (and its alias "uccl_ep") run 
 kernels for the send layout, row packing and the combine reduction; "alltoall" gives the same
 results from XLA ops only. Gradients: dispatch's backward is a combine of the cotangents,
 combine's backward is a dispatch replaying the forward handle.
+
+Over a (node_axis, local_axis) pair the same calls run DeepEP's internode two hops (hop 1:
+this module's flat exchange over the node axis; hop 2: `jax_ep.internode` over the local
+axis) with the flat result; the handle is then an InternodeHandle.
 """
 
 from __future__ import annotations

@@ -461,3 +461,13 @@ def test_low_latency_over_a_pair_is_the_flat_exchange():
     for a, b in zip(pair, flat):
         np.testing.assert_array_equal(a, b)
     assert pair[1].sum() > 0
+
+
+def test_combine_dtype_must_be_float32_or_the_rows_dtype():
+    x, idx, w = _case(0, 8, 2, 8, 2, 16)
+
+    def body(x, idx, w):
+        rx, _, _, h = jax_ep.dispatch(x, idx, w, num_experts=16, axis_name=AXES)
+        return jax_ep.combine(rx, h, combine_dtype=jnp.int32)[0]
+    with pytest.raises(ValueError, match="combine_dtype"):
+        run_pair(body, pair_mesh(2, 4), x, idx, w)
