@@ -471,3 +471,22 @@ def test_combine_dtype_must_be_float32_or_the_rows_dtype():
         return jax_ep.combine(rx, h, combine_dtype=jnp.int32)[0]
     with pytest.raises(ValueError, match="combine_dtype"):
         run_pair(body, pair_mesh(2, 4), x, idx, w)
+
+
+def test_remat_by_checkpoint_name_through_two_hops():
+    N, G, T, H, K, E = 2, 4, 3, 8, 2, 16
+    x, idx, w = _case(37, N * G, T, H, K, E)
+    policy = jax.checkpoint_policies.save_only_these_names("ep_dispatch", "ep_combine")
+
+    def body(x, idx, w):
+        def f(x, w):
+            rx, _, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXES)
+            y = jnp.sin(rx) * rw.sum(axis=1, keepdims=True)
+            return jnp.sum(jax_ep.combine(y, h)[0] ** 2)
+        plain = jax.grad(f, argnums=(0, 1))(x, w)
+        remat = jax.grad(jax.checkpoint(f, policy=policy), argnums=(0, 1))(x, w)
+        return plain + remat
+    gx, gw, rx, rw = run_pair(body, pair_mesh(N, G), x, idx, w)
+    np.testing.assert_allclose(rx, gx, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(rw, gw, rtol=1e-6, atol=1e-6)
+    assert np.abs(gx).sum() > 0
