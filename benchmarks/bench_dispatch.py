@@ -27,6 +27,10 @@ DeepSeek-V3-like routing scaled down (E=256, K=8, smaller H and T), for a unifor
    in --dtype vs use_fp8=True (fp8_output="cast_back"), forward and forward+backward
    (jax.value_and_grad of a random projection of the output, as a training step): row bytes
    (the backward's two cotangent exchanges move --dtype rows) and time.
+With --nodes N: the internode section instead (benchmarks/bench_internode.py): two-hop vs
+flat over a ("node", "local") = (N, P/N) pair, rows and bytes crossing the node axis, time,
+and the EP16/32/64 cost model.
+
 5. A probe of the emulated wire itself: one jax.lax.all_to_all of the deepep-sized padded
    buffer [P, C=T, H] per rank, in bf16, as the same bits in uint16, and in float32 (XLA:CPU
    widens 16-bit float collectives to f32, which the uint16 row avoids).
@@ -70,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="all",
                    help="comma list of mode name prefixes (sort_a2a, gshard, deepep, "
                         "alltoall, hybridep) or 'all'")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="run the internode section instead: the ranks as a ('node', "
+                        "'local') = (N, P/N) pair, two-hop vs flat (benchmarks.bench_internode)")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -380,8 +387,13 @@ def main(argv=None):
         sys.exit("--hidden must be a multiple of 128 (the FP8 low-latency mode needs it)")
     if a.experts % a.ranks:
         sys.exit("--experts must be a multiple of --ranks")
+    if a.nodes is not None and (a.nodes < 1 or a.ranks % a.nodes):
+        sys.exit("--nodes must divide --ranks")
     common.force_cpu_devices(a.ranks)
     print(f"host heap: {common.keep_host_heap(not a.glibc_heap_defaults)}")
+    if a.nodes is not None:
+        from benchmarks import bench_internode
+        return bench_internode.run(a)
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -16,6 +16,8 @@ plot and a JSON log.
   # checkpoint every 50 steps with orbax; a later run with --resume continues up to --steps:
   python examples/train_moe.py --checkpoint-dir /tmp/moe_ckpt --save-every 50 --steps 100
   python examples/train_moe.py --checkpoint-dir /tmp/moe_ckpt --resume --steps 150
+  python examples/train_moe.py --nodes 2             # Mesh(("data", "node", "local")):
+                                                     # two-hop dispatch, node crossings
   # multi-process (e.g. 2 hosts x 4 devices), one command per process:
   python examples/train_moe.py --num-processes 2 --process-id 0 --coordinator HOST:PORT ...
 """
@@ -73,6 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
     p.add_argument("--data-parallel", type=int, default=2, help="size of the 'data' axis")
     p.add_argument("--gpu", action="store_true", help="run on the local GPUs")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="split the expert axis into ('node', 'local') with this many nodes "
+                        "(DeepEP's two-hop internode dispatch); prints the rows that cross "
+                        "the node axis per step")
     p.add_argument("--coordinator", default=None, help="HOST:PORT for jax.distributed")
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
@@ -132,6 +138,9 @@ def stdlib_corpus(max_bytes=2_000_000):
     return "\n\n".join(pieces).encode("utf-8", "ignore")
 
 
+EXPERT_AXES = ("node", "local")
+
+
 def build_model(args, mesh, jax):
     import jax.numpy as jnp
     from flax import nnx
@@ -152,7 +161,8 @@ def build_model(args, mesh, jax):
         moe_router_group_topk=args.router_group_topk,
         token_dispatcher=jax_ep.TokenDispatcherConfig(
             moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
-            grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch))
+            grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,
+            expert_axis_name=EXPERT_AXES if args.nodes else "expert"))
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -210,8 +220,21 @@ def train(args):
     if args.gpu:
         data = 1
     # Auto axes: pjit style, XLA propagates the batch sharding through the dense layers.
-    mesh = jax.make_mesh((data, len(devices) // data), ("data", "expert"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    experts = len(devices) // data
+    if args.nodes:
+        if experts % args.nodes:
+            raise SystemExit(f"--nodes {args.nodes} does not divide the {experts} devices of "
+                             f"the expert axis")
+        # Node n is the n-th contiguous run of devices ordered by process: with one
+        # process per node (jax.distributed), the node axis is the process boundary.
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        grid = np.array(ordered, dtype=object).reshape(args.nodes, data, -1).transpose(1, 0, 2)
+        mesh = jax.sharding.Mesh(grid, ("data",) + EXPERT_AXES,
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    else:
+        mesh = jax.make_mesh((data, experts), ("data", "expert"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    token_axes = tuple(mesh.axis_names)
     is_main = jax.process_index() == 0
     if is_main:
         print(f"mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices, "
@@ -228,7 +251,7 @@ def train(args):
     first_step = checkpoints.restore(model, optimizer, rng) if args.resume else 0
     if is_main and args.resume:
         print(f"resumed from {args.checkpoint_dir} at step {first_step}")
-    batch_sharding = NamedSharding(mesh, P(("data", "expert")))
+    batch_sharding = NamedSharding(mesh, P(token_axes))
 
     @nnx.jit
     def train_step(model, optimizer, batch):
@@ -243,6 +266,8 @@ def train(args):
                 block.moe.update_expert_bias(aux["tokens_per_expert"])
         stats = {name: jnp.stack([a[name] for a in auxes]) for name in (
             "tokens_per_expert", "load_ratio", "num_dropped", "load_balancing_loss")}
+        stats["crossed"] = jnp.stack([sum(a.get(k, 0) for a in auxes)
+                                      for k in ("rows_across_nodes", "flat_rows_across_nodes")])
         return ce, stats
 
     records = []
@@ -271,6 +296,12 @@ def train(args):
                                 load_ratio=stats["load_ratio"],
                                 dropped_per_layer=stats["num_dropped"], dropped=dropped,
                                 balance_loss=stats["load_balancing_loss"]))
+            if args.nodes:
+                two_hop, flat = stats["crossed"]
+                records[-1].update(rows_across_nodes=two_hop, flat_rows_across_nodes=flat)
+                if is_main and (step < 3 or step % 25 == 0 or step == args.steps - 1):
+                    tqdm.write(f"step {step}: {two_hop} rows crossed the node axis (two-hop; "
+                               f"the flat exchange would send {flat})")
             if step > first_step:
                 rate = tokens_per_step * (step - first_step) / (time.perf_counter() - start)
                 bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{rate:,.0f}", dropped=int(dropped))

@@ -13,6 +13,7 @@ from jax_ep.buffer import Buffer, Config, EventOverlap, UCCLBuffer
 from jax_ep.config import TokenDispatcherConfig
 from jax_ep.deepep import (
     DispatchHandle,
+    InternodeHandle,
     chunk_bounds,
     combine,
     dispatch,
@@ -34,6 +35,7 @@ __all__ = [
     "DispatchHandle",
     "EventOverlap",
     "HybridEPHandle",
+    "InternodeHandle",
     "LowLatencyHandle",
     "TokenDispatcherConfig",
     "UCCLBuffer",

@@ -18,7 +18,7 @@ Arguments that have no effect under XLA (accepted so that ported calls run uncha
 | `config` | `dispatch`, `combine` | no SM / chunk tuning (`Config` is a plain record) |
 | `previous_event`, `async_finish`, `allocate_on_comm_stream` | normal-mode methods | XLA orders and schedules the collectives; results are `EventOverlap()` |
 | `async_finish`, `return_recv_hook` | low-latency methods | as above; the hook is a callable returning None |
-| `num_tokens_per_rdma_rank` | `dispatch` | a single expert axis has no RDMA hop |
+| `num_tokens_per_rdma_rank` | `dispatch` | recomputed from topk_idx by the two-hop dispatch (a (node, local) `group`) |
 | `dispatch_wait_recv_cost_stats`, `combine_wait_recv_cost_stats` | low-latency methods | no timers inside a compiled program; left untouched |
 | `zero_copy` | `low_latency_combine` | `x` already is the combine buffer |
 | `new_num_sms` | `set_num_sms` | no SM partitioning |
@@ -83,11 +83,15 @@ def _no_hook():
 
 
 def _check_group(group):
+    """The expert axis: a name, or a (node_axis, local_axis) pair (DeepEP's internode mode:
+    the normal-mode methods run the two-hop dispatch/combine)."""
     if isinstance(group, str):
         return group
-    raise ValueError(
-        f"group: expected the name (str) of the expert mesh axis, got {group!r}; a (node, "
-        "local) pair of axes is the internode mode, which Buffer does not offer yet")
+    if isinstance(group, (tuple, list)) and len(group) == 2 and all(
+            isinstance(a, str) for a in group):
+        return tuple(group)
+    raise ValueError(f"group: expected the name (str) of the expert mesh axis or a "
+                     f"(node_axis, local_axis) pair of names, got {group!r}")
 
 
 class Buffer:
@@ -178,12 +182,19 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """topk_idx [T,K] int32/int64 global expert ids (-1 = unrouted) ->
-        (num_tokens_per_rank i32[P], num_tokens_per_rdma_rank None, num_tokens_per_expert
-        i32[E], is_token_in_rank bool[T,P], event)."""
+        (num_tokens_per_rank i32[P], num_tokens_per_rdma_rank, num_tokens_per_expert
+        i32[E], is_token_in_rank bool[T,P], event); num_tokens_per_rdma_rank is i32[N] (this
+        rank's tokens going to each node, once per node) when `group` is a (node, local)
+        pair of N x G ranks, else None."""
         impl = deepep.check_backend(self.backend)
         per_rank, in_rank, per_expert = ops.get_dispatch_layout(
             topk_idx, num_experts=num_experts, num_ranks=self.group_size, impl=impl)
-        return per_rank, None, per_expert, in_rank, EventOverlap()
+        per_node = None
+        if isinstance(self.group, tuple):
+            per_node = ops.get_dispatch_layout(
+                topk_idx, num_experts=num_experts,
+                num_ranks=tp.axis_rank_and_size(self.group[0])[1], impl=impl)[0]
+        return per_rank, per_node, per_expert, in_rank, EventOverlap()
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
@@ -329,7 +340,7 @@ class Buffer:
 
 class UCCLBuffer(Buffer):
     """UCCL-EP's DeepEP-compatible buffer (backend "uccl_ep"); `is_intranode` follows the
-    group: a single expert axis is intranode (the only group Buffer accepts for now)."""
+    group: a single expert axis is intranode, a (node, local) pair is not."""
 
     backend = "uccl_ep"
 

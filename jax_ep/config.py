@@ -71,7 +71,8 @@ class TokenDispatcherConfig:
         into `num_overlap_chunks` chunks (deepep/uccl_ep/alltoall backends).
       moe_benchmark_static_routing: force balanced routing (benchmarks only).
     JAX-only fields:
-      expert_axis_name: the mesh axis experts are sharded over.
+      expert_axis_name: the mesh axis experts are sharded over, or a (node_axis, local_axis)
+        pair (the dispatch then runs DeepEP's two hops, see jax_ep.deepep.dispatch).
       transport: "auto", "all_to_all" or "ragged" (see jax_ep.transport).
       num_worst_tokens: receive rows per rank for deepep modes (None: the no-drop worst case).
       num_permuted_tokens: permuted rows per rank for hybridep. None (default): the no-drop
@@ -114,7 +115,7 @@ class TokenDispatcherConfig:
     moe_share_token_dispatcher: bool = True
     moe_deepep_async_dispatch: bool = False
     moe_benchmark_static_routing: bool = False
-    expert_axis_name: str = "expert"
+    expert_axis_name: str | tuple = "expert"
     transport: str = "auto"
     num_worst_tokens: int | None = None
     num_permuted_tokens: int | None = None
@@ -163,8 +164,15 @@ class TokenDispatcherConfig:
                      "num_worst_tokens", "num_permuted_tokens"):
             _require(_positive_int(getattr(self, name), allow_none=True), name,
                      "None or a positive int", getattr(self, name))
-        _require(isinstance(self.expert_axis_name, str) and self.expert_axis_name,
-                 "expert_axis_name", "a mesh axis name", self.expert_axis_name)
+        axis = self.expert_axis_name
+        if isinstance(axis, list):
+            axis = tuple(axis)
+            object.__setattr__(self, "expert_axis_name", axis)
+        _require((isinstance(axis, str) and axis) or (
+            isinstance(axis, tuple) and len(axis) == 2 and len(set(axis)) == 2
+            and all(isinstance(a, str) and a for a in axis)),
+            "expert_axis_name", "a mesh axis name or a (node_axis, local_axis) pair of names",
+            axis)
         # numpy scalars (np.int64(8), np.float32(1.5)) are stored as Python numbers, so equal
         # configs hash alike (the shared dispatcher and jit's static arguments key on them).
         for field in dataclasses.fields(self):

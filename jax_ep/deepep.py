@@ -10,6 +10,10 @@ a token (unweighted, fp32 accumulation). "deepep" (and its alias "uccl_ep") run 
 kernels for the send layout, row packing and the combine reduction; "alltoall" gives the same
 results from XLA ops only. Gradients: dispatch's backward is a combine of the cotangents,
 combine's backward is a dispatch replaying the forward handle.
+
+Over a (node_axis, local_axis) pair the same calls run DeepEP's internode two hops (hop 1:
+this module's flat exchange over the node axis; hop 2: `jax_ep.internode` over the local
+axis) with the flat result; the handle is then an InternodeHandle.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _ffi, ops, transport as tp
+from jax_ep import _ffi, internode, ops, transport as tp
 from jax_ep._checks import (
     check_experts,
     check_float,
@@ -37,6 +41,7 @@ __all__ = [
     "BACKENDS",
     "DROP_POLICIES",
     "DispatchHandle",
+    "InternodeHandle",
     "capacity_from_factor",
     "chunk_bounds",
     "combine",
@@ -182,10 +187,7 @@ def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
     num_recv_tokens = plan.recv_counts.sum()
     valid = jnp.arange(num_recv)[:, None] < num_recv_tokens
     recv_idx = jnp.where(valid, recv_idx, -1)
-    per_expert = jnp.zeros((num_local,), jnp.int32).at[
-        jnp.where(recv_idx >= 0, recv_idx, num_local)].add(1, mode="drop")
-    align = check_positive(expert_alignment, "expert_alignment")
-    per_expert = (per_expert + align - 1) // align * align
+    per_expert = _per_expert_counts(recv_idx, num_local, expert_alignment)
     handle = DispatchHandle(
         plan=plan, send_token_idx=send_token_idx, send_row_idx=send_row_idx,
         recv_topk_idx=recv_idx, num_recv_tokens=num_recv_tokens,
@@ -197,16 +199,152 @@ def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
     return handle
 
 
+def _per_expert_counts(recv_idx, num_local, expert_alignment):
+    """i32[L]: received rows per local expert (recv_idx i32[R,K]), aligned up."""
+    per_expert = jnp.zeros((num_local,), jnp.int32).at[
+        jnp.where(recv_idx >= 0, recv_idx, num_local)].add(1, mode="drop")
+    align = check_positive(expert_alignment, "expert_alignment")
+    return (per_expert + align - 1) // align * align
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["hop1", "hop2", "recv_topk_idx", "num_recv_tokens",
+                      "num_recv_tokens_per_expert", "num_tokens_per_rdma_rank",
+                      "num_rdma_recv_tokens", "num_dropped", "num_invalid"],
+         meta_fields=["num_tokens", "num_recv", "num_rdma_recv", "capacity", "hop_capacity",
+                      "num_experts", "axis_name", "transport", "impl"])
+@dataclasses.dataclass(frozen=True)
+class InternodeHandle:
+    """The handle of a two-hop dispatch over axis_name=(node_axis, local_axis), N x G ranks.
+
+    hop1: the DispatchHandle of the node hop (one row per (token, destination node), to the
+      rank with this rank's local index; its recv_topk_idx holds node-local expert ids).
+    hop2: internode.LocalHop, the local hop (one row per (token, owning rank) of the node).
+    recv_topk_idx i32[R,K], num_recv_tokens i32[], num_recv_tokens_per_expert i32[L]: as
+      DispatchHandle's (the flat contract over the N*G global ranks).
+    num_tokens_per_rdma_rank i32[N]: this rank's tokens going to each node (once per node).
+    num_rdma_recv_tokens i32[]: rows this rank received on hop 1 (as a forwarder).
+    num_dropped i32[]: hop-1 rows this rank dropped as a source (num_worst_rdma_tokens) plus
+      hop-2 rows it dropped as a forwarder (capacity, num_worst_tokens); summed over the
+      ranks it equals the flat exchange's count when hop 1 drops nothing.
+    num_invalid i32[]: expert ids outside [-1, E) seen (routed nowhere).
+    """
+
+    hop1: DispatchHandle
+    hop2: internode.LocalHop
+    recv_topk_idx: jax.Array
+    num_recv_tokens: jax.Array
+    num_recv_tokens_per_expert: jax.Array
+    num_tokens_per_rdma_rank: jax.Array
+    num_rdma_recv_tokens: jax.Array
+    num_dropped: jax.Array
+    num_invalid: jax.Array
+    num_tokens: int
+    num_recv: int
+    num_rdma_recv: int
+    capacity: int
+    hop_capacity: int
+    num_experts: int
+    axis_name: tuple
+    transport: tuple
+    impl: str
+
+
+HANDLES = (DispatchHandle, InternodeHandle)
+
+
+def two_hop_axes(axis_name, hierarchical=None):
+    """(node_axis, local_axis) when the dispatch over axis_name runs two hops, else None.
+
+    hierarchical=None: two hops whenever axis_name is a pair with N > 1 and G > 1; False:
+    the flat exchange over the (possibly paired) axis; True: two hops (requires a pair)."""
+    if hierarchical not in (None, True, False):
+        raise ValueError(f"hierarchical: expected None, True or False, got {hierarchical!r}")
+    is_pair = isinstance(axis_name, (tuple, list)) and len(axis_name) == 2
+    if hierarchical and not is_pair:
+        raise ValueError(f"hierarchical: True needs axis_name=(node_axis, local_axis), got "
+                         f"{axis_name!r}")
+    if not is_pair or hierarchical is False:
+        return None
+    node_axis, local_axis = axis_name
+    sizes = [tp.axis_rank_and_size(a)[1] for a in (node_axis, local_axis)]
+    if hierarchical is None and min(sizes) == 1:
+        return None
+    return node_axis, local_axis
+
+
+def resolve_transports(transport, two_hop):
+    """transport (one name, or a (node hop, local hop) pair) -> (node, local) resolved names
+    for two hops, or one name for a flat exchange (a pair's node-hop name)."""
+    pair = transport if isinstance(transport, (tuple, list)) else (transport, transport)
+    if len(pair) != 2:
+        raise ValueError(f"transport: expected a name or a (node hop, local hop) pair, got "
+                         f"{transport!r}")
+    resolved = tuple(tp.resolve_transport(t) for t in pair)
+    return resolved if two_hop else resolved[0]
+
+
+def _internode_plan(topk_idx, num_experts, axes, capacity, num_worst_tokens,
+                    num_worst_rdma_tokens, expert_alignment, transports, impl):
+    """Both hops' plans (one count exchange per hop) -> InternodeHandle."""
+    node_axis, local_axis = axes
+    _, num_nodes = tp.axis_rank_and_size(node_axis)
+    _, num_local_ranks = tp.axis_rank_and_size(local_axis)
+    num_local = check_experts(num_experts, num_nodes * num_local_ranks)
+    num_tokens, _ = topk_idx.shape
+    topk_idx, num_invalid = unroute_invalid_experts(topk_idx, num_experts)
+    capacity, num_recv = _sizes(num_tokens, num_nodes * num_local_ranks, capacity,
+                                num_worst_tokens)
+    num_rdma_recv = max(1, num_nodes * num_tokens) if num_worst_rdma_tokens is None else \
+        check_positive(num_worst_rdma_tokens, "num_worst_rdma_tokens")
+    per_node = ops.get_dispatch_layout(topk_idx, num_experts=num_experts, num_ranks=num_nodes,
+                                       impl=impl)[0]
+    hop1 = _routing_plan(topk_idx, num_experts, node_axis, None, num_rdma_recv, 1,
+                         transports[0], impl, send_counts=per_node)
+    source_node = internode.source_of_rows(hop1.plan.recv_counts, hop1.plan.recv_offsets,
+                                           num_rdma_recv)
+    hop_cap = internode.hop_capacity(num_nodes, capacity, num_recv, num_rdma_recv)
+    hop2 = internode.plan_local_hop(
+        hop1.recv_topk_idx, source_node, num_nodes=num_nodes, num_local_experts=num_local,
+        local_axis=local_axis, capacity=capacity, num_recv=num_recv, hop_cap=hop_cap,
+        transport=transports[1], impl=impl)
+    return InternodeHandle(
+        hop1=hop1, hop2=hop2, recv_topk_idx=hop2.recv_topk_idx,
+        num_recv_tokens=hop2.plan.recv_counts.sum(),
+        num_recv_tokens_per_expert=_per_expert_counts(hop2.recv_topk_idx, num_local,
+                                                      expert_alignment),
+        num_tokens_per_rdma_rank=per_node.astype(jnp.int32),
+        num_rdma_recv_tokens=hop1.num_recv_tokens,
+        num_dropped=hop1.num_dropped + hop2.num_dropped, num_invalid=num_invalid,
+        num_tokens=num_tokens, num_recv=num_recv, num_rdma_recv=num_rdma_recv,
+        capacity=capacity, hop_capacity=hop_cap, num_experts=num_experts,
+        axis_name=tuple(axes), transport=tuple(transports), impl=impl)
+
+
 def _send(x, handle):
     """Rows of x [T,...] to their owning ranks -> [R,...] (the data path of dispatch)."""
+    if isinstance(handle, InternodeHandle):
+        rows = _send(x, handle.hop1)
+        return internode.send_local(rows, handle.hop2, num_recv=handle.num_recv,
+                                    hop_cap=handle.hop_capacity,
+                                    local_axis=handle.axis_name[1],
+                                    transport=handle.transport[1], impl=handle.impl)
     return tp.send_rows(x, handle.send_token_idx, handle.plan, num_recv=handle.num_recv,
                         capacity=handle.capacity, axis_name=handle.axis_name,
                         transport=handle.transport, impl=handle.impl)
 
 
 def _reduce_back(y, handle):
-    """Rows y [R,...] back to their source tokens, summed per token in fp32 -> [T,...]."""
+    """Rows y [R,...] back to their source tokens, summed per token in fp32 -> [T,...].
+    Two hops: the forwarder sums the copies of each (token, node) in fp32 and the partial
+    sums cross the node axis in y.dtype, the source sums them in fp32."""
     flat = y.reshape(y.shape[0], math.prod(y.shape[1:]))
+    if isinstance(handle, InternodeHandle):
+        partial_sums = internode.return_local(
+            flat, handle.hop2, num_forward=handle.num_rdma_recv, hop_cap=handle.hop_capacity,
+            local_axis=handle.axis_name[1], transport=handle.transport[1], impl=handle.impl)
+        out = _reduce_back(partial_sums, handle.hop1)
+        return out.reshape((handle.num_tokens,) + y.shape[1:])
     rows, owner, _ = tp.return_rows(flat, handle.send_token_idx, handle.plan,
                                  num_send=handle.send_token_idx.shape[0],
                                  capacity=handle.capacity, axis_name=handle.axis_name,
@@ -215,7 +353,13 @@ def _reduce_back(y, handle):
     return out.reshape((handle.num_tokens,) + y.shape[1:])
 
 
+def _reduce_back_fp32(y, handle):
+    """_reduce_back with the two-hop partial sums crossing the node axis in fp32."""
+    return _reduce_back(y.astype(jnp.float32), handle).astype(y.dtype)
+
+
 _combine_rows = tp.with_transpose(_reduce_back, _send)
+_combine_rows_fp32 = tp.with_transpose(_reduce_back_fp32, _send)
 _sent_rows = tp.with_transpose(_send, _reduce_back)
 _sent_rows_fp8 = tp.with_fp8_wire(_send, _reduce_back)
 
@@ -235,7 +379,8 @@ def _dispatch_rows(x, topk_weights, handle):
 def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name,
              backend="deepep", num_worst_tokens=None, expert_alignment=1, transport="auto",
              capacity=None, handle=None, layout=None, use_fp8=False, fp8_output="pair",
-             round_scale=False, use_ue8m0=False):
+             round_scale=False, use_ue8m0=False, hierarchical=None,
+             num_worst_rdma_tokens=None):
     """Send each token once to every rank owning one of its experts (DeepEP normal mode).
 
     Call inside `jax.shard_map` over `axis_name` (P ranks; P = 1 runs no collective).
@@ -273,6 +418,16 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         x.dtype through the backward of the dispatch without FP8, the cast being the
         identity (straight-through): the gradient equals that of the non-FP8 dispatch of the
         FP8 round trip of x.
+      hierarchical, num_worst_rdma_tokens: the internode mode. axis_name may be a pair
+        (node_axis, local_axis) of N x G ranks (global rank n*G + g); hierarchical=None runs
+        DeepEP's two hops when N > 1 and G > 1 (hop 1 once per (token, destination node)
+        over the node axis to the rank with this local index, hop 2 once per (token, owning
+        rank) over the local axis), False the flat exchange over the pair. The result is the
+        flat one. num_worst_rdma_tokens R1 (default N*T: no drop) bounds each forwarder's
+        hop-1 rows, filled source node by source node, the rows that do not fit dropped by
+        their senders (highest token indices first) and counted. transport may be a
+        (node hop, local hop) pair. The handle is then an InternodeHandle
+        (num_tokens_per_rdma_rank i32[N], num_rdma_recv_tokens i32[]).
     Returns (recv_x [R,H], recv_topk_idx i32[R,K], recv_topk_weights f32[R,K], handle).
     """
     impl = check_backend(backend)
@@ -283,7 +438,9 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
                                    axis_name=axis_name, backend=backend,
                                    num_worst_tokens=num_worst_tokens,
                                    expert_alignment=expert_alignment, transport=transport,
-                                   capacity=capacity, handle=handle, layout=layout)
+                                   capacity=capacity, handle=handle, layout=layout,
+                                   hierarchical=hierarchical,
+                                   num_worst_rdma_tokens=num_worst_rdma_tokens)
     check_rank(x, 2, "x")
     if handle is None:
         if topk_idx is None or num_experts is None:
@@ -292,14 +449,24 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         if topk_idx.shape[0] != x.shape[0]:
             raise ValueError(f"topk_idx: expected {x.shape[0]} rows to match x {x.shape}, got "
                              f"shape {topk_idx.shape}")
+        axes = two_hop_axes(axis_name, hierarchical)
+        transports = resolve_transports(transport, axes is not None)
+        if num_worst_rdma_tokens is not None and axes is None:
+            raise ValueError(f"num_worst_rdma_tokens: bounds the node hop of a two-hop "
+                             f"dispatch; axis_name {axis_name!r} (hierarchical="
+                             f"{hierarchical}) runs a flat exchange")
         send_counts = None
         if layout is not None:
             _, num_ranks = tp.axis_rank_and_size(axis_name)
             send_counts = _check_layout(layout, x.shape[0], num_ranks, num_experts)
-        handle = _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
-                               expert_alignment, tp.resolve_transport(transport), impl,
-                               send_counts=send_counts)
-    elif not isinstance(handle, DispatchHandle):
+        if axes is not None:
+            handle = _internode_plan(topk_idx, num_experts, axes, capacity, num_worst_tokens,
+                                     num_worst_rdma_tokens, expert_alignment, transports, impl)
+        else:
+            handle = _routing_plan(topk_idx, num_experts, axis_name, capacity,
+                                   num_worst_tokens, expert_alignment, transports, impl,
+                                   send_counts=send_counts)
+    elif not isinstance(handle, HANDLES):
         raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got "
                          f"{type(handle).__name__}")
     elif x.shape[0] != handle.num_tokens:
@@ -348,15 +515,24 @@ def _check_layout(layout, num_tokens, num_ranks, num_experts):
     return per_rank.astype(jnp.int32)
 
 
-def combine(y, handle, *, topk_weights=None):
+def combine(y, handle, *, topk_weights=None, combine_dtype=None):
     """Sum every returned copy of a token: y [R,H] -> (combined [T,H], combined_weights).
 
     Unweighted (experts apply gate weights themselves), fp32 accumulation, cast to y.dtype;
     unrouted tokens combine to 0. topk_weights [R,K] (optional) are summed back the same way
-    into combined_weights f32[T,K], else None.
+    into combined_weights f32[T,K], else None. Two-hop handle: each forwarder sums the
+    copies of a (token, node) in fp32, the partial sums cross the node axis in y.dtype
+    (DeepEP's bytes; one extra rounding for bf16) or in fp32 with
+    combine_dtype=jnp.float32, and the source sums them in fp32. A flat handle sums once at
+    the source, combine_dtype changes nothing there.
     """
+    if combine_dtype is not None and jnp.dtype(combine_dtype) not in (
+            jnp.dtype(jnp.float32), jnp.dtype(y.dtype)):
+        raise ValueError(f"combine_dtype: expected None, float32 or y's dtype {y.dtype}, got "
+                         f"{combine_dtype}")
     check_combine_rows(y, handle, "y")
-    combined = _combine_rows(y, handle)
+    wide = combine_dtype is not None and jnp.dtype(combine_dtype) != jnp.dtype(y.dtype)
+    combined = (_combine_rows_fp32 if wide else _combine_rows)(y, handle)
     combined_weights = None
     if topk_weights is not None:
         check_shape(topk_weights, handle.recv_topk_idx.shape, "topk_weights")
@@ -368,7 +544,7 @@ def check_combine_rows(y, handle, name):
     """ValueError naming `name` (the caller's argument: "y" here, "x" in Buffer.combine) unless
     y is float [handle.num_recv, H] and handle a DispatchHandle. Integer rows dispatch fine
     but cannot be combined (the sum accumulates in fp32 and is cast back)."""
-    if not isinstance(handle, DispatchHandle):
+    if not isinstance(handle, HANDLES):
         raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got {type(handle)}")
     check_rank(y, 2, name)
     check_float(y, name)

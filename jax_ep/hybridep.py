@@ -109,9 +109,23 @@ def _dense_layout_idx(routing_map, num_ranks):
     return jnp.where(local.any(axis=-1), first, -1).astype(jnp.int32)
 
 
+def _two_hop(h):
+    """The dispatch runs DeepEP's two hops over a (node, local) pair (deepep.InternodeHandle):
+    rows then move through deepep's row paths and are permuted after arrival."""
+    return isinstance(h.routing, deepep.InternodeHandle)
+
+
+def _own_columns(rows, num_local, axis_name):
+    """[R, P*L] -> [R, L], the columns of this rank's experts."""
+    rank, _ = tp.axis_rank_and_size(axis_name)
+    return jax.lax.dynamic_slice_in_dim(rows, rank * num_local, num_local, axis=1)
+
+
 def _send_permuted(x, h):
     """x [T,...] rows -> [N,...] permuted rows, gathered straight from the receive buffer."""
     r = h.routing
+    if _two_hop(h):
+        return ops.gather_rows(deepep._send(x, r), h.sorted_rows, impl=r.impl)
     buffer, slot = tp.receive_buffer(x, r.send_token_idx, r.plan, num_recv=r.num_recv,
                                      capacity=r.capacity, axis_name=r.axis_name,
                                      transport=r.transport, impl=r.impl)
@@ -124,6 +138,9 @@ def _return_unpermuted(y, h):
     buffer, sent back, summed per source token (fp32)."""
     r = h.routing
     flat = y.reshape(y.shape[0], math.prod(y.shape[1:]))
+    if _two_hop(h):
+        packed = ops.unpermute(flat, h.sorted_rows, num_tokens=r.num_recv, impl=r.impl)
+        return deepep._reduce_back(packed, r).reshape((r.num_tokens,) + y.shape[1:])
     ret_slot = tp.return_slots(r.plan, num_recv=r.num_recv, capacity=r.capacity,
                                axis_name=r.axis_name, transport=r.transport)
     target = jnp.where(h.sorted_rows >= 0, jnp.take(ret_slot, jnp.clip(h.sorted_rows, 0)), -1)
@@ -141,12 +158,14 @@ def _return_unpermuted(y, h):
 def _recv_probs(probs, h):
     """Routing probs -> f32[R,L] on the receiving rank (dense [T,E] or compact [T,K])."""
     r = h.routing
-    kwargs = dict(num_recv=r.num_recv, capacity=r.capacity, axis_name=r.axis_name,
-                  transport=r.transport, impl=r.impl)
     num_local = h.recv_map.shape[1]
     if h.compact:
-        recv_w = tp.send_rows(probs, r.send_token_idx, r.plan, **kwargs)
+        recv_w = deepep._send(probs, r)
         return reference.indices_to_multihot(r.recv_topk_idx, recv_w, num_experts=num_local)[1]
+    if _two_hop(h):
+        return _own_columns(deepep._send(probs, r), num_local, r.axis_name)
+    kwargs = dict(num_recv=r.num_recv, capacity=r.capacity, axis_name=r.axis_name,
+                  transport=r.transport, impl=r.impl)
     num_ranks = r.plan.send_counts.shape[0]
     by_rank = probs.reshape(probs.shape[0] * num_ranks, num_local)
     send_rank = _send_ranks(r)
@@ -187,6 +206,11 @@ def _hybrid_rows_bwd(h, cotangents):
         picked = jnp.take_along_axis(d_recv, jnp.clip(ids, 0, num_local - 1), axis=1)
         d_recv_w = jnp.where(ids >= 0, picked, 0.0)
         return d_x, deepep._reduce_back(d_recv_w, r), None
+    if _two_hop(h):  # each rank's columns of the [T,E] probs come back from their owner
+        rank, num_ranks = tp.axis_rank_and_size(r.axis_name)
+        d_full = jnp.zeros((num_recv, num_ranks * num_local), jnp.float32)
+        d_full = jax.lax.dynamic_update_slice_in_dim(d_full, d_recv, rank * num_local, axis=1)
+        return d_x, deepep._reduce_back(d_full, r), None
     back, owner, src_rank = tp.return_rows(d_recv, r.send_token_idx, r.plan,
                                            num_send=r.send_token_idx.shape[0],
                                            capacity=r.capacity, axis_name=r.axis_name,
@@ -250,6 +274,10 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         static shapes always take the bound. A smaller N drops rows (counted in the handle).
       pad_multiple: pad every local expert block to a multiple of it.
       backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
+      axis_name: the expert axis, or a (node_axis, local_axis) pair: with N > 1 and G > 1
+        the rows then move by DeepEP's two hops (deepep.dispatch's internode mode;
+        `transport` may be a (node hop, local hop) pair) and are permuted on arrival; the
+        result equals the flat exchange's.
       use_fp8 / round_scale / use_ue8m0 / fp8_output: as jax_ep.dispatch's - x (f32/bf16/f16,
         H % 128 == 0) crosses the wire as FP8 codes plus per-128-channel scales; permuted_x
         is then the pair (float8_e4m3fn[N,H], scales f32[N,H/128] or i32[N,H/512]) or, with
@@ -304,12 +332,20 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         layout_idx = _dense_layout_idx(routing_map, num_ranks)
     x = _pad_rows(x, padded, 0)
     probs = _pad_rows(probs.astype(jnp.float32), padded, 0.0)
-    routing = deepep._routing_plan(layout_idx, num_experts, axis_name, None, None, 1,
-                                   tp.resolve_transport(transport), impl)
+    axes = deepep.two_hop_axes(axis_name)
+    if axes is not None:  # DeepEP's two hops over a (node, local) pair
+        routing = deepep._internode_plan(layout_idx, num_experts, axes, None, None, None, 1,
+                                         deepep.resolve_transports(transport, True), impl)
+    else:
+        routing = deepep._routing_plan(layout_idx, num_experts, axis_name, None, None, 1,
+                                       tp.resolve_transport(transport), impl)
     if compact:
         recv_map, _ = reference.indices_to_multihot(
             routing.recv_topk_idx, jnp.zeros(routing.recv_topk_idx.shape, jnp.float32),
             num_experts=num_local)
+    elif axes is not None:
+        recv_map = _own_columns(deepep._send(routing_map.astype(jnp.int8), routing),
+                                num_local, axis_name).astype(bool)
     else:
         kwargs = dict(num_recv=routing.num_recv, capacity=routing.capacity,
                       axis_name=axis_name, transport=routing.transport, impl=impl)

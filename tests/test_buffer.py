@@ -108,10 +108,10 @@ def test_inert_pieces():
     assert buf.destroy() is None and buf.reset_rdma_buffer() is None
     assert buf.clean_low_latency_buffer(128, 256, 16) is None
     assert jax_ep.Buffer.set_num_sms(24) is None
-    with pytest.raises(ValueError, match="group: .*internode"):
-        jax_ep.Buffer(("node", "local"))
-    with pytest.raises(ValueError, match="group: .*internode"):
-        jax_ep.UCCLBuffer(("node", "local"))
+    with pytest.raises(ValueError, match="group: .*pair"):
+        jax_ep.Buffer(("data", "node", "local"))
+    assert jax_ep.Buffer(("node", "local")).group == ("node", "local")
+    assert not jax_ep.UCCLBuffer(("node", "local")).is_intranode
 
 
 def test_normal_mode_equals_functional_api():

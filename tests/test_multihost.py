@@ -37,15 +37,21 @@ def _env():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["deepep"])
-def test_two_processes_match_one(tmp_path, backend):
+@pytest.mark.parametrize("backend, extra", [
+    ("deepep", []),
+    # each process one node of a ("node", "local") = (2, 4) expert axis: two-hop dispatch
+    ("deepep", ["--nodes", "2", "--data-parallel", "1"]),
+])
+def test_two_processes_match_one(tmp_path, backend, extra):
     single = tmp_path / "single"
-    subprocess.run([sys.executable, str(SCRIPT), *SMALL, "--backend", backend, "--devices", "8",
-                    "--out", str(single)], check=True, env=_env(), timeout=600)
+    subprocess.run([sys.executable, str(SCRIPT), *SMALL, *extra, "--backend", backend,
+                    "--devices", "8", "--out", str(single)], check=True, env=_env(),
+                   timeout=600)
     multi = tmp_path / "multi"
     port = _free_port()
     procs = [subprocess.Popen(
-        [sys.executable, str(SCRIPT), *SMALL, "--backend", backend, "--local-devices", "4",
+        [sys.executable, str(SCRIPT), *SMALL, *extra, "--backend", backend,
+         "--local-devices", "4",
          "--num-processes", "2", "--process-id", str(i),
          "--coordinator", f"127.0.0.1:{port}", "--out", str(multi)],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -65,3 +71,8 @@ def test_two_processes_match_one(tmp_path, backend):
     assert len(multi_losses) == 3
     for a, b in zip(single_losses, multi_losses):
         assert abs(a - b) <= 1e-5 * abs(a), (single_losses, multi_losses)
+    if extra:
+        assert "'node': 2, 'local': 4" in logs[0]
+        crossed = [[(r["rows_across_nodes"], r["flat_rows_across_nodes"]) for r in json.loads(
+            (Path(d) / "train_moe.json").read_text())["records"]] for d in (single, multi)]
+        assert crossed[0] == crossed[1] and all(0 < a < b for a, b in crossed[0]), crossed

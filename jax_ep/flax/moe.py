@@ -25,7 +25,7 @@ from jax_ep.flax import router as routing
 from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
-from jax_ep import _ffi, ops
+from jax_ep import _ffi, ops, transport
 
 __all__ = ["ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows", "shard_params",
            "swiglu_experts"]
@@ -186,6 +186,9 @@ class MoELayer(nnx.Module):
       "tokens_per_expert" i32[E]: (token, expert) slots each expert got, after the capacity
         drop, summed over the mesh. "load_ratio" f32[]: max / mean of it (Megatron's overload
         factor; 0 for an empty batch). "num_dropped" i32[]: slots dropped to the capacity.
+      With a (node, local) expert axis also "rows_across_nodes" i32[] (rows the two-hop
+        dispatch sends over the node axis, global, before drops) and "flat_rows_across_nodes"
+        i32[] (what the flat exchange would send).
     """
 
     def __init__(self, config, hidden_size: int, ffn_hidden_size: int | None = None, *,
@@ -196,10 +199,10 @@ class MoELayer(nnx.Module):
         dcfg = config.dispatcher_config()
         axis = dcfg.expert_axis_name
         if mesh is not None:
-            if axis not in mesh.axis_names:
+            if not set(_names(axis)) <= set(mesh.axis_names):
                 raise ValueError(f"mesh: has axes {mesh.axis_names}, missing the expert axis "
                                  f"{axis!r} (TokenDispatcherConfig.expert_axis_name)")
-            expert_parallel_size = mesh.shape[axis]
+            expert_parallel_size = math.prod(mesh.shape[a] for a in _names(axis))
         if expert_parallel_size is None:
             raise ValueError("mesh / expert_parallel_size: pass one so the layer knows P")
         num_experts = config.num_moe_experts
@@ -249,8 +252,8 @@ class MoELayer(nnx.Module):
             self.expert_bias[...], tokens_per_expert, self.config.moe_router_bias_update_rate)
 
     def _token_axes(self):
-        axis = self.dispatch_config.expert_axis_name
-        return (self.data_axis, axis) if self.data_axis else (axis,)
+        axes = _names(self.dispatch_config.expert_axis_name)
+        return (self.data_axis,) + axes if self.data_axis else axes
 
     def _local(self, x, router, w_gate_up, w_down, shared, expert_bias):
         """The per-device body (inside shard_map): x [..., H] local tokens."""
@@ -283,7 +286,11 @@ class MoELayer(nnx.Module):
         counts = jnp.zeros((E,), jnp.int32).at[jnp.where(ids < 0, E, ids).reshape(-1)].add(
             1, mode="drop")  # dropped slots (-1) count nowhere
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
-        return y.reshape(x.shape), _aux(cfg, lb, z, counts, dropped)
+        aux = _aux(cfg, lb, z, counts, dropped)
+        if not isinstance(dcfg.expert_axis_name, str):
+            aux.update(zip(("rows_across_nodes", "flat_rows_across_nodes"), _sum_over(
+                axes, *_rows_across_nodes(ids, E, dcfg.expert_axis_name))))
+        return y.reshape(x.shape), aux
 
     def __call__(self, x):
         hidden = self.router.shape[0]
@@ -336,6 +343,24 @@ class MoELayer(nnx.Module):
 # help(MoELayer) shows __init__'s signature (nnx.Module's metaclass hides it otherwise).
 MoELayer.__signature__ = inspect.signature(MoELayer.__init__).replace(
     parameters=list(inspect.signature(MoELayer.__init__).parameters.values())[1:])
+
+
+def _rows_across_nodes(ids, num_experts, axes):
+    """Rows this rank's tokens (ids i32[T,K]) send over the node axis of axes=(node, local)
+    before drops: the two-hop dispatch's (token, other node) pairs and the flat exchange's
+    (token, rank on another node) pairs, i32[] each."""
+    node, num_nodes = transport.axis_rank_and_size(axes[0])
+    num_ranks = num_nodes * transport.axis_rank_and_size(axes[1])[1]
+    per_node = ops.get_dispatch_layout(ids, num_experts=num_experts, num_ranks=num_nodes)[0]
+    per_rank = ops.get_dispatch_layout(ids, num_experts=num_experts, num_ranks=num_ranks)[0]
+    own_ranks = num_ranks // num_nodes
+    on_own_node = jax.lax.dynamic_slice_in_dim(per_rank, node * own_ranks, own_ranks).sum()
+    return per_node.sum() - per_node[node], per_rank.sum() - on_own_node
+
+
+def _names(axis):
+    """The mesh axis names of an expert axis (a name or a (node, local) pair) as a tuple."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
 def _laid_out(mesh, args, specs):
