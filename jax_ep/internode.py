@@ -76,7 +76,6 @@ def plan_local_hop(recv_idx, source_node, *, num_nodes, num_local_experts, local
       rows; hop_cap: the padded per-destination rows of the hop-2 all_to_all.
     """
     me, num_local = tp.axis_rank_and_size(local_axis)
-    num_fwd = recv_idx.shape[0]
     layout = ops.build_send_layout(recv_idx, jnp.zeros(recv_idx.shape, jnp.float32),
                                    num_ranks=num_local, num_local_experts=num_local_experts,
                                    impl=impl)
