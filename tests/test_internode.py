@@ -422,6 +422,34 @@ def test_moe_layer_over_a_node_local_pair_matches_dense(backend):
                                    atol=2e-6, err_msg=str(path))
 
 
+def test_node_limited_routing_crosses_to_at_most_group_topk_nodes():
+    """MoEConfig moe_router_num_groups = N = 4 (groups = nodes), group_topk = 1: each token's
+    K experts sit on one node, so hop 1 sends at most one row per token to another node (at
+    most T rows cross the node axis); without the limit, K = 4 of 16 experts on 4 nodes reach
+    two or more other nodes for most tokens (more than T rows cross)."""
+    from flax import nnx
+
+    from jax_ep.flax import MoEConfig, MoELayer, shard_params
+    mesh = jax.make_mesh((4, 2), AXES)
+    x = jax.random.normal(jax.random.key(3), (8, 16, 16))
+    xs = jax.device_put(x, NamedSharding(mesh, P(AXES)))
+    crossed = {}
+    for groups in (None, 4):
+        cfg = MoEConfig(num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=8,
+                        moe_router_num_groups=groups, moe_router_group_topk=groups and 1,
+                        token_dispatcher=jax_ep.TokenDispatcherConfig(
+                            moe_flex_dispatcher_backend="deepep", moe_permute_fusion=True,
+                            expert_axis_name=AXES))
+        layer = MoELayer(cfg, 16, rngs=nnx.Rngs(0), mesh=mesh)
+        shard_params(layer, mesh)
+        with jax.set_mesh(mesh):
+            _, aux = nnx.jit(lambda l, x: l(x))(layer, xs)
+        crossed[groups] = int(aux["rows_across_nodes"]), int(aux["flat_rows_across_nodes"])
+    tokens = x.shape[0] * x.shape[1]
+    assert 0 < crossed[4][0] <= tokens < crossed[None][0], crossed
+    assert crossed[4][0] <= crossed[4][1], crossed
+
+
 def test_fp8_cast_back_over_two_hops_equals_flat():
     N, G, T, H, K, E = 2, 4, 4, 128, 2, 16
     x, idx, w = _case(29, N * G, T, H, K, E)
