@@ -47,9 +47,6 @@ class LocalHop(NamedTuple):
     num_dropped: jax.Array
 
 
-def _exclusive_cumsum(x, axis=-1):
-    return jnp.cumsum(x, axis=axis) - x
-
 
 def source_of_rows(recv_counts, recv_offsets, num_rows):
     """i32[num_rows]: the source (block index) of each compact receive row, given the
@@ -89,36 +86,36 @@ def plan_local_hop(recv_idx, source_node, *, num_nodes, num_local_experts, local
     # The flat count matrix of this node's destinations, sources in global rank order.
     flat = jnp.swapaxes(gathered, 0, 1).reshape(num_nodes * num_local, num_local)
     kept = jnp.minimum(flat, capacity)
-    kept = jnp.clip(num_recv - _exclusive_cumsum(kept, axis=0), 0, kept)
+    kept = jnp.clip(num_recv - tp.exclusive_cumsum(kept, axis=0), 0, kept)
     kept = kept.reshape(num_nodes, num_local, num_local)  # [N_src, G_fwd, G_dst]
 
     # Layout rows are destination-major, then hop-1 row ascending (source node ascending):
     # position j inside the (destination, source node) sub-block decides whether it is kept.
     row = jnp.arange(layout.rank.shape[0], dtype=jnp.int32)
-    sub_off = _exclusive_cumsum(counts, axis=0)  # [N, G_dst] inside each destination block
+    sub_off = tp.exclusive_cumsum(counts, axis=0)  # [N, G_dst] inside each destination block
     node_c = jnp.clip(node, 0, num_nodes - 1)
-    j = row - _exclusive_cumsum(layout.send_counts)[dest] - sub_off[node_c, dest]
+    j = row - tp.exclusive_cumsum(layout.send_counts)[dest] - sub_off[node_c, dest]
     mine = kept[:, me, :]  # [N_src, G_dst]
     keep = valid & (node < num_nodes) & (j < mine[node_c, dest])
     totals = kept.sum(axis=0)  # [G_fwd, G_dst]
-    send_offsets = _exclusive_cumsum(totals[me])
-    pos = send_offsets[dest] + _exclusive_cumsum(mine, axis=0)[node_c, dest] + j
+    send_offsets = tp.exclusive_cumsum(totals[me])
+    pos = send_offsets[dest] + tp.exclusive_cumsum(mine, axis=0)[node_c, dest] + j
     num_send = layout.rank.shape[0]
     pos = jnp.where(keep, pos, num_send)
     send_row_idx = jnp.full((num_send,), -1, jnp.int32).at[pos].set(layout.token_idx,
                                                                     mode="drop")
     send_layout_row = jnp.full((num_send,), -1, jnp.int32).at[pos].set(row, mode="drop")
     recv_counts = totals[:, me]
-    recv_offsets = _exclusive_cumsum(recv_counts)
+    recv_offsets = tp.exclusive_cumsum(recv_counts)
     plan = tp.ExchangePlan(totals[me], send_offsets, recv_counts, recv_offsets,
-                           _exclusive_cumsum(totals, axis=0)[me],
-                           _exclusive_cumsum(totals, axis=1)[:, me])
+                           tp.exclusive_cumsum(totals, axis=0)[me],
+                           tp.exclusive_cumsum(totals, axis=1)[:, me])
 
     # Arrival (g, n_s, t) -> flat (n_s*G + g, t) on this receiver.
     k = kept[:, :, me]  # [N_src, G_fwd]
-    arrival_off = recv_offsets[None, :] + _exclusive_cumsum(k, axis=0)
+    arrival_off = recv_offsets[None, :] + tp.exclusive_cumsum(k, axis=0)
     flat_counts = k.reshape(-1)
-    flat_off = _exclusive_cumsum(flat_counts)
+    flat_off = tp.exclusive_cumsum(flat_counts)
     r = jnp.arange(num_recv, dtype=jnp.int32)
     b = jnp.clip(jnp.searchsorted(flat_off, r, side="right") - 1, 0, flat_counts.shape[0] - 1)
     jr = r - flat_off[b]

@@ -139,14 +139,11 @@ def _ll_combine_rows_bwd(residuals, d_out):
 _ll_combine_rows.defvjp(_ll_combine_rows_fwd, _ll_combine_rows_bwd)
 
 
-def _exclusive_cumsum(x, axis):
-    return jnp.cumsum(x, axis=axis) - x
-
 
 def _block_rows(counts, capacity):
     """counts i32[B, L] (rows per expert of each block) -> (expert, j) i32[B, capacity] of
     every row of the blocks (expert-major, row j of that expert), expert -1 past the used."""
-    begin = _exclusive_cumsum(counts, axis=1)
+    begin = tp.exclusive_cumsum(counts, axis=1)
     c = jnp.arange(capacity, dtype=jnp.int32)
     expert = jax.vmap(lambda b: jnp.searchsorted(b, c, side="right") - 1)(begin)
     expert = jnp.clip(expert, 0, counts.shape[1] - 1)
@@ -182,14 +179,14 @@ def _plan(topk_idx, num_experts, tmax, axis_name, transport, impl):
     src_token = tp.exchange_blocks(send_token, send_sizes, recv_sizes, capacity=capacity,
                                    axis_name=axis_name, transport=transport, name="ep_src_info")
     recv_counts = counts.T  # [L, P_src]
-    begin = _exclusive_cumsum(recv_counts, axis=1)
+    begin = tp.exclusive_cumsum(recv_counts, axis=1)
     # Output row (l, i) <- row (begin of expert l in source p's block) + j of wire block p.
     i = jnp.arange(num_ranks * tmax, dtype=jnp.int32)
     p = jax.vmap(lambda b: jnp.searchsorted(b, i, side="right") - 1)(begin)
     p = jnp.clip(p, 0, num_ranks - 1)
     j = i[None, :] - jnp.take_along_axis(begin, p, axis=1)
     valid = j < jnp.take_along_axis(recv_counts, p, axis=1)
-    in_block = _exclusive_cumsum(counts, axis=1).T  # [L, P_src]
+    in_block = tp.exclusive_cumsum(counts, axis=1).T  # [L, P_src]
     slot = jnp.where(valid, p * capacity + jnp.take_along_axis(in_block, p, axis=1) + j, -1)
     recv_slot = slot.reshape(-1).astype(jnp.int32)
     total = num_ranks * capacity

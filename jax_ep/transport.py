@@ -36,6 +36,7 @@ __all__ = [
     "as_bits",
     "from_bits",
     "ExchangePlan",
+    "exclusive_cumsum",
     "axis_rank_and_size",
     "exchange_blocks",
     "exchange_counts",
@@ -173,7 +174,8 @@ class ExchangePlan(NamedTuple):
     remote_send_offsets: jax.Array
 
 
-def _exclusive_cumsum(x, axis=-1):
+def exclusive_cumsum(x, axis=-1):
+    """The exclusive prefix sum of x along axis (x[0] -> 0)."""
     return jnp.cumsum(x, axis=axis) - x
 
 
@@ -186,11 +188,11 @@ def make_plan(count_matrix, rank, capacity, num_recv):
     each sender drops the rows of its block that no longer fit (none when R >= P*capacity).
     """
     capped = jnp.minimum(count_matrix, capacity)
-    capped = jnp.clip(num_recv - _exclusive_cumsum(capped, axis=0), 0, capped)
-    offsets_in_source = _exclusive_cumsum(count_matrix, axis=1)
-    offsets_in_dest = _exclusive_cumsum(capped, axis=0)
+    capped = jnp.clip(num_recv - exclusive_cumsum(capped, axis=0), 0, capped)
+    offsets_in_source = exclusive_cumsum(count_matrix, axis=1)
+    offsets_in_dest = exclusive_cumsum(capped, axis=0)
     recv_counts = capped[:, rank]
-    fields = (capped[rank], offsets_in_source[rank], recv_counts, _exclusive_cumsum(recv_counts),
+    fields = (capped[rank], offsets_in_source[rank], recv_counts, exclusive_cumsum(recv_counts),
               offsets_in_dest[rank], offsets_in_source[:, rank])
     return ExchangePlan(*(f.astype(jnp.int32) for f in fields))
 

@@ -119,3 +119,34 @@ def local_experts(recv_x, recv_idx, recv_w, w_in, w_out):
     """Applies local experts (w_in [L,H,F], w_out [L,F,H]) to received rows, weighting each
     slot by its routing weight: y[r] = sum_k recv_w[r,k] * expert_{recv_idx[r,k]}(recv_x[r])."""
     return dense_moe(recv_x, recv_idx, recv_w, w_in, w_out)
+
+
+def layer_vs_dense(layer, twin, mesh, x, token_axes, *, seed=2):
+    """The loss sum(y * cot) + aux_loss of an MoELayer on `mesh` (x [B,S,H] sharded over
+    token_axes, under jit) and of its twin's dense single-device forward
+    (jax_ep.flax.dense_forward) -> (got, aux, grads, want, want_grads); cot is a fixed
+    random cotangent like x."""
+    from flax import nnx
+
+    from jax_ep.flax import dense_forward
+    xs = jax.device_put(x, NamedSharding(mesh, P(token_axes)))
+    cot = jax.random.normal(jax.random.key(seed), x.shape)
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return jnp.sum(y * cot) + aux["aux_loss"], aux
+
+    with jax.set_mesh(mesh):
+        (got, aux), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, xs)
+    want, want_grads = nnx.value_and_grad(
+        lambda m, x: (lambda y, a: jnp.sum(y * cot) + a)(*dense_forward(m, x)))(twin, x)
+    return got, aux, grads, want, want_grads
+
+
+def assert_param_grads_close(grads, want_grads, rtol, atol):
+    """Every nnx.Param leaf of two gradient states equal within rtol/atol."""
+    from flax import nnx
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(grads, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(want_grads, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=rtol,
+                                   atol=atol, err_msg=str(path))

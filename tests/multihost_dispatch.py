@@ -35,7 +35,6 @@ def main():
         jax.distributed.initialize(coordinator_address=args.coordinator,
                                    num_processes=args.num_processes,
                                    process_id=args.process_id)
-    import jax.numpy as jnp
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from ep_utils import AXIS, ep_mesh, random_routing, run_ep
+from ep_utils import (AXIS, assert_param_grads_close, ep_mesh, layer_vs_dense, random_routing,
+                      run_ep)
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -233,24 +234,11 @@ def test_moe_layer_forward_and_grad_match_dense(backend, extra):
     layer, twin = _layer_pair(_moe(cfg, moe_shared_expert_intermediate_size=8,
                                    moe_aux_loss_coeff=1e-2), mesh)
     x = jax.random.normal(jax.random.key(1), (8, 6, 16))
-    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
-    cot = jax.random.normal(jax.random.key(2), x.shape)
-
-    def loss(layer, x):
-        y, aux = layer(x)
-        return jnp.sum(y * cot) + aux["aux_loss"], aux
-
-    with jax.set_mesh(mesh):
-        (got, aux), g_layer = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, xs)
-    want, want_aux = nnx.value_and_grad(
-        lambda l, x: jnp.sum(dense_forward(l, x)[0] * cot) + dense_forward(l, x)[1])(twin, x)
+    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert int(aux["num_dropped"]) == 0
     assert int(aux["tokens_per_expert"].sum()) == 8 * 6 * cfg.moe_router_topk
-    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(g_layer, nnx.Param)),
-                                 nnx.to_flat_state(nnx.state(want_aux, nnx.Param))):
-        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=2e-5,
-                                   atol=2e-6, err_msg=str(path))
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (8, 1)])

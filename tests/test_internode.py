@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep_utils import dense_moe, deepep_layout, local_experts, random_routing
+from ep_utils import (assert_param_grads_close, dense_moe, deepep_layout, layer_vs_dense,
+                      local_experts, random_routing)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -394,7 +395,7 @@ def test_hybridep_over_a_pair_equals_the_flat_exchange(compact):
 def test_moe_layer_over_a_node_local_pair_matches_dense(backend):
     from flax import nnx
 
-    from jax_ep.flax import MoELayer, dense_forward, shard_params
+    from jax_ep.flax import MoELayer, shard_params
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=3,
                                        moe_flex_dispatcher_backend=backend,
                                        moe_permute_fusion=True, expert_axis_name=AXES)
@@ -403,23 +404,10 @@ def test_moe_layer_over_a_node_local_pair_matches_dense(backend):
     twin = MoELayer(cfg, 16, 8, rngs=nnx.Rngs(0), mesh=mesh)
     shard_params(layer, mesh)
     x = jax.random.normal(jax.random.key(1), (8, 3, 16))
-    xs = jax.device_put(x, NamedSharding(mesh, P(("data",) + AXES)))
-    cot = jax.random.normal(jax.random.key(2), x.shape)
-
-    def loss(layer, x):
-        y, aux = layer(x)
-        return jnp.sum(y * cot) + aux["aux_loss"], aux
-
-    with jax.set_mesh(mesh):
-        (got, aux), g_layer = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, xs)
-    want, g_want = nnx.value_and_grad(
-        lambda l, x: jnp.sum(dense_forward(l, x)[0] * cot) + dense_forward(l, x)[1])(twin, x)
+    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data",) + AXES)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert int(aux["num_dropped"]) == 0
-    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(g_layer, nnx.Param)),
-                                 nnx.to_flat_state(nnx.state(g_want, nnx.Param))):
-        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=2e-5,
-                                   atol=2e-6, err_msg=str(path))
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
 
 
 def test_node_limited_routing_crosses_to_at_most_group_topk_nodes():

@@ -38,6 +38,26 @@ def _env():
     return env
 
 
+def _run_two_processes(command, timeout=600):
+    """Runs command(process_id, coordinator) for process ids 0 and 1 at once; returns their
+    logs (stdout + stderr), asserting both exit 0."""
+    port = _free_port()
+    procs = [subprocess.Popen(command(i, f"127.0.0.1:{port}"), env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append(out)
+        assert p.returncode == 0, out[-3000:]
+    return logs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, extra", [
     ("deepep", []),
@@ -50,24 +70,10 @@ def test_two_processes_match_one(tmp_path, backend, extra):
                     "--devices", "8", "--out", str(single)], check=True, env=_env(),
                    timeout=600)
     multi = tmp_path / "multi"
-    port = _free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(SCRIPT), *SMALL, *extra, "--backend", backend,
-         "--local-devices", "4",
-         "--num-processes", "2", "--process-id", str(i),
-         "--coordinator", f"127.0.0.1:{port}", "--out", str(multi)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
-    logs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        logs.append(out)
-        assert p.returncode == 0, out[-3000:]
+    logs = _run_two_processes(lambda i, coordinator: [
+        sys.executable, str(SCRIPT), *SMALL, *extra, "--backend", backend,
+        "--local-devices", "4", "--num-processes", "2", "--process-id", str(i),
+        "--coordinator", coordinator, "--out", str(multi)])
     assert "2 process(es)" in logs[0]
     single_losses, multi_losses = _losses(single), _losses(multi)
     assert len(multi_losses) == 3
@@ -93,20 +99,9 @@ def test_two_hop_dispatch_combine_across_processes_match_one_process(tmp_path):
     subprocess.run([sys.executable, str(DISPATCH_SCRIPT), "--out", str(single)], check=True,
                    env=_env(), timeout=300)
     multi = tmp_path / "multi.npz"
-    port = _free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(DISPATCH_SCRIPT), "--out", str(multi), "--num-processes", "2",
-         "--process-id", str(i), "--coordinator", f"127.0.0.1:{port}"],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)]
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert p.returncode == 0, out[-3000:]
+    _run_two_processes(lambda i, coordinator: [
+        sys.executable, str(DISPATCH_SCRIPT), "--out", str(multi), "--num-processes", "2",
+        "--process-id", str(i), "--coordinator", coordinator], timeout=300)
     a, b = np.load(single), np.load(multi)
     assert sorted(a.files) == sorted(b.files)
     for name in a.files:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ep_utils import assert_param_grads_close, layer_vs_dense
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -344,23 +345,12 @@ def test_layer_losses_statistics_and_gradients_match_megatron(name):
     mesh = _mesh()
     layer, twin = _layer(c, mesh)
     x = jax.random.normal(jax.random.key(1), (16, 3, H))  # 8 devices x 2 sequences of 3
+    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
     xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
-    cot = jax.random.normal(jax.random.key(2), x.shape)
-
-    def loss(m, x):
-        y, aux = m(x)
-        return jnp.sum(y * cot) + aux["aux_loss"], aux
-
     with jax.set_mesh(mesh):
-        (got, aux), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, xs)
         aux_grads = nnx.jit(nnx.grad(lambda m, x: m(x)[1]["aux_loss"]))(layer, xs)
-    want, want_grads = nnx.value_and_grad(
-        lambda m, x: (lambda y, a: jnp.sum(y * cot) + a)(*dense_forward(m, x)))(twin, x)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(grads, nnx.Param)),
-                                 nnx.to_flat_state(nnx.state(want_grads, nnx.Param))):
-        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=3e-5,
-                                   atol=3e-6, err_msg=str(path))
+    assert_param_grads_close(grads, want_grads, rtol=3e-5, atol=3e-6)
     # Against the numpy formulation: losses, counts, drops, and d aux_loss / d router.
     W = np.asarray(twin.router[...], np.float64)
     xf = np.asarray(x, np.float64).reshape(-1, H)
