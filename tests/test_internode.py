@@ -145,10 +145,23 @@ def _collectives(fn, mesh, *arrays):
         m = re.search(r'"stablehlo\.(all_to_all|all_gather|all_reduce|ragged_all_to_all|'
                       r'collective_permute|reduce_scatter)"', line)
         if m:
-            groups = re.search(r"replica_groups = dense<[^>]*> : tensor<(\d+)x(\d+)xi64>", line)
             operand = re.search(r":\s*\((tensor<[^>]*>)", line)
-            found.append((m.group(1), operand.group(1), int(groups.group(2)) if groups else None))
+            found.append((m.group(1), operand.group(1), _group_size(line, mesh)))
     return found
+
+
+def _group_size(line, mesh):
+    """Replica group size of a collective's StableHLO line: `dense<...> : tensor<GxSxi64>`
+    (jax <= 0.11) or `replica_group_mesh_axes<... axes = [axis_ref<name = "a">, ...]>`
+    (jax 0.12: the product of the named mesh axes' sizes); None if neither is there."""
+    dense = re.search(r"replica_groups = dense<[^>]*> : tensor<(\d+)x(\d+)xi64>", line)
+    if dense:
+        return int(dense.group(2))
+    axes = re.search(r"replica_groups = #stablehlo\.replica_group_mesh_axes<(.*?)\]>", line)
+    if axes:
+        names = re.findall(r'axis_ref<name = "([^"]+)"', axes.group(1))
+        return int(np.prod([mesh.shape[n] for n in names]))
+    return None
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
@@ -405,7 +418,9 @@ def test_moe_layer_over_a_node_local_pair_matches_dense(backend):
     shard_params(layer, mesh)
     x = jax.random.normal(jax.random.key(1), (8, 3, 16))
     got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data",) + AXES)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # got = sum(y * cot) over 384 O(1) terms cancels to ~0.09: an absolute bound at fp32
+    # rounding of the terms (jax 0.12's fp32 matmuls differ from 0.10's by ~5e-6 here)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     assert int(aux["num_dropped"]) == 0
     assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
 
