@@ -139,7 +139,6 @@ def _ll_combine_rows_bwd(residuals, d_out):
 _ll_combine_rows.defvjp(_ll_combine_rows_fwd, _ll_combine_rows_bwd)
 
 
-
 def _block_rows(counts, capacity):
     """counts i32[B, L] (rows per expert of each block) -> (expert, j) i32[B, capacity] of
     every row of the blocks (expert-major, row j of that expert), expert -1 past the used."""
