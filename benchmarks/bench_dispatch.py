@@ -27,10 +27,6 @@ DeepSeek-V3-like routing scaled down (E=256, K=8, smaller H and T), for a unifor
    in --dtype vs use_fp8=True (fp8_output="cast_back"), forward and forward+backward
    (jax.value_and_grad of a random projection of the output, as a training step): row bytes
    (the backward's two cotangent exchanges move --dtype rows) and time.
-With --nodes N: the internode section instead (benchmarks/bench_internode.py): two-hop vs
-flat over a ("node", "local") = (N, P/N) pair, rows and bytes crossing the node axis, time,
-and the EP16/32/64 cost model.
-
 5. A probe of the emulated wire itself: one jax.lax.all_to_all of the deepep-sized padded
    buffer [P, C=T, H] per rank, in bf16, as the same bits in uint16, and in float32 (XLA:CPU
    widens 16-bit float collectives to f32, which the uint16 row avoids).
@@ -51,16 +47,7 @@ AXIS = "ep"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=256, help="tokens per rank (T)")
-    p.add_argument("--glibc-heap-defaults", action="store_true",
-                   help="leave glibc malloc as it is (default: keep freed host memory mapped, "
-                        "see common.keep_host_heap)")
-    p.add_argument("--hidden", type=int, default=512, help="hidden size H (multiple of 128)")
-    p.add_argument("--experts", type=int, default=256, help="global experts E")
-    p.add_argument("--topk", type=int, default=8, help="experts per token K")
-    p.add_argument("--ranks", type=int, default=8, help="expert-parallel ranks P (CPU devices)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--zipf", type=float, default=1.0, help="exponent of the skewed routing")
+    common.add_ep_args(p)
     p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity factor")
     p.add_argument("--routings", default="uniform,skewed",
                    help="comma list of routings: uniform (every expert equally likely), "
@@ -74,33 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="all",
                    help="comma list of mode name prefixes (sort_a2a, gshard, deepep, "
                         "alltoall, hybridep) or 'all'")
-    p.add_argument("--nodes", type=int, default=None,
-                   help="run the internode section instead: the ranks as a ('node', "
-                        "'local') = (N, P/N) pair, two-hop vs flat (benchmarks.bench_internode)")
-    p.add_argument("--iters", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/out")
     return p.parse_args(argv)
-
-
-# ----------------------------------------------------------------------------- routing
-
-
-def make_routing(rng, num_tokens, top_k, num_experts, kind, zipf=1.0):
-    """(topk_idx i32[N,K] distinct experts per token, topk_weights f32[N,K] summing to 1).
-    uniform: every expert equally likely; skewed: popularity of expert e ~ 1/(e+1)^zipf, so
-    the hottest experts sit on rank 0. Gumbel top-k = sampling K experts without replacement."""
-    import numpy as np
-    logp = np.zeros(num_experts)
-    if kind == "skewed":
-        logp = -zipf * np.log(np.arange(1, num_experts + 1))
-    elif kind != "uniform":
-        raise ValueError(f"routing: expected uniform or skewed, got {kind!r}")
-    scores = logp[None, :] + rng.gumbel(size=(num_tokens, num_experts))
-    idx = np.argsort(-scores, axis=1)[:, :top_k].astype(np.int32)
-    w = rng.uniform(0.1, 1.0, idx.shape)
-    return idx, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
 def traffic(idx, a, tokens, ll=False):
@@ -387,13 +348,8 @@ def main(argv=None):
         sys.exit("--hidden must be a multiple of 128 (the FP8 low-latency mode needs it)")
     if a.experts % a.ranks:
         sys.exit("--experts must be a multiple of --ranks")
-    if a.nodes is not None and (a.nodes < 1 or a.ranks % a.nodes):
-        sys.exit("--nodes must divide --ranks")
     common.force_cpu_devices(a.ranks)
     print(f"host heap: {common.keep_host_heap(not a.glibc_heap_defaults)}")
-    if a.nodes is not None:
-        from benchmarks import bench_internode
-        return bench_internode.run(a)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -424,7 +380,7 @@ def main(argv=None):
     markdown = []
     for r_i, kind in enumerate(a.routings.split(",")):
         rng = np.random.default_rng(a.seed + r_i)
-        idx, w = make_routing(rng, a.ranks * a.tokens, a.topk, a.experts, kind, a.zipf)
+        idx, w = common.make_routing(rng, a.ranks * a.tokens, a.topk, a.experts, kind, a.zipf)
         x = rng.standard_normal((a.ranks * a.tokens, a.hidden)).astype(np.float32)
         want = x * w.sum(axis=1, keepdims=True)
         owner = idx // (a.experts // a.ranks)
@@ -482,7 +438,7 @@ def main(argv=None):
     if fp8_modes:
         kind = a.routings.split(",")[0]
         rng = np.random.default_rng(a.seed)
-        idx, w = make_routing(rng, a.ranks * a.tokens, a.topk, a.experts, kind, a.zipf)
+        idx, w = common.make_routing(rng, a.ranks * a.tokens, a.topk, a.experts, kind, a.zipf)
         x = rng.standard_normal((a.ranks * a.tokens, a.hidden)).astype(np.float32)
         cot = jax.device_put(rng.standard_normal(x.shape).astype(dtype), sharding)
         want = x * w.sum(axis=1, keepdims=True)
@@ -535,7 +491,7 @@ def main(argv=None):
     if a.ll_tokens:
         rng = np.random.default_rng(a.seed + 100)
         n = a.ranks * a.ll_tokens
-        idx, w = make_routing(rng, n, a.topk, a.experts, "uniform")
+        idx, w = common.make_routing(rng, n, a.topk, a.experts, "uniform")
         x = rng.standard_normal((n, a.hidden)).astype(np.float32)
         want = x * w.sum(axis=1, keepdims=True)
         tr = traffic(idx, a, a.ll_tokens, ll=True)

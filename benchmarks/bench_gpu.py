@@ -10,6 +10,10 @@ Kernels (bf16 data, K=8, P=8 ranks for the send side, C = T rows per rank):
   gather_rows    send packing: [T,H] -> padded [P*C,H] send buffer (zero rows where -1)
   combine        the combine reduction: unpermute of a [P*C,H] receive buffer by token index
   fp8_cast       per_token_cast_to_fp8: [T,H] bf16 -> e4m3 codes + f32 scale per 128 channels
+and, first, the experts' grouped GEMM (ops.grouped_matmul, bf16, N rows in G groups of random
+sizes, [G,H,F] weights): impl="tiled" (jax_ep's loop over row tiles) vs "ragged_dot" (XLA's
+jax.lax.ragged_dot, what impl="auto" picks on a GPU), forward and forward + backward (dx, dw),
+in TFLOP/s of the 2*N*H*F multiply-adds per pass (three passes with the backward).
 Effective bandwidth = the bytes an op must touch (rows read + rows written + index/prob/scale
 arrays; padding rows are not read) / median time per call over >= 20 samples after warm-up,
 each sample a batch of back-to-back calls (about 2 ms of them) closed by one
@@ -21,7 +25,8 @@ index_add_ to unpermute/reduce (bf16 accumulation), index_select + masked_fill_ 
 DeepEP's reference per_token_cast_to_fp8; skipped when torch (or its CUDA) is missing.
 
 Without a GPU the script prints a message and exits 0 (unless --dry-run). JSON, Markdown and
-PNG go to --out; the JSON is rewritten after every shape, so a run cut short keeps its rows.
+PNG go to --out (the grouped GEMM: a second table in the Markdown, bench_gpu_gmm.png); the JSON
+is rewritten after every shape, so a run cut short keeps its rows.
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ from benchmarks import common  # noqa: E402  (imports neither jax nor torch)
 DEFAULT_SHAPES = "4096x7168x256,16384x7168x256,4096x2048x64,16384x2048x64"
 DRY_SHAPES = "64x256x16,96x384x32"
 KERNELS = ("permute", "unpermute", "gather_rows", "combine", "fp8_cast")
+# NxGxHxF: DeepSeek-V3's experts at EP8 (T=4096 tokens x K=8 rows, 32 local experts), and a
+# smaller model's (8 local experts, H=2048)
+DEFAULT_GMM_SHAPES = "32768x32x7168x2048,8192x8x2048x1408"
+DRY_GMM_SHAPES = "256x4x128x64"
+GMM_IMPLS = ("tiled", "ragged_dot")
 
 
 def parse_args(argv=None):
@@ -50,14 +60,17 @@ def parse_args(argv=None):
     p.add_argument("--out", default="benchmarks/out")
     p.add_argument("--shapes", default=None,
                    help=f"comma list of TxHxE (default {DEFAULT_SHAPES})")
+    p.add_argument("--gmm-shapes", default=None,
+                   help=f"comma list of NxGxHxF for the grouped GEMM (default "
+                        f"{DEFAULT_GMM_SHAPES}; '' skips it)")
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--ranks", type=int, default=8, help="P of the send/combine buffers")
     p.add_argument("--iters", type=int, default=30,
                    help="timed samples (batches of calls) per measurement (>= 20)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=75.0,
-                   help="start no new shape after this many seconds (device_check.sh passes "
-                        "60 and stops the script at 90 s)")
+                   help="start no new kernel shape after this many seconds (device_check.sh "
+                        "passes 85 and stops the script at 120 s)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch column")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes on CPU (no GPU needed): exercises every code path")
@@ -304,6 +317,68 @@ def _torch_diff(torch, jax, jnp, name, out_t, out_ffi):
     return float((t_val - ref_t).abs().max() / ref_t.abs().max().clamp(min=1e-30))
 
 
+# ----------------------------------------------------------------------------- grouped GEMM
+
+
+def bench_grouped_matmul(N, G, H, F, a):
+    """Times ops.grouped_matmul, each impl of GMM_IMPLS, forward and forward + backward, at one
+    shape; returns a row dict per impl (check: the forward's max relative difference from
+    ragged_dot's)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_ep import ops
+
+    rng = np.random.default_rng(N + G + H + F)
+    sizes = jnp.asarray(np.bincount(rng.integers(0, G, N), minlength=G), jnp.int32)
+    kx, kw = jax.random.split(jax.random.key(G))
+    x = jax.random.normal(kx, (N, H), jnp.bfloat16)
+    w = (jax.random.normal(kw, (G, H, F), jnp.float32) / np.sqrt(H)).astype(jnp.bfloat16)
+    flops = 2 * N * H * F
+    rows, outs = [], {}
+    for impl in GMM_IMPLS:
+        def forward(x, w, impl=impl):
+            return ops.grouped_matmul(x, w, sizes, impl=impl)
+
+        backward = jax.grad(lambda x, w, f=forward: f(x, w).astype(jnp.float32).sum(),
+                            argnums=(0, 1))
+        fwd_s, outs[impl] = _median_jax(jax.jit(forward), (x, w), a.warmup, a.iters)
+        bwd_s, _ = _median_jax(jax.jit(backward), (x, w), a.warmup, a.iters)
+        rows.append(dict(kernel="grouped_matmul", impl=impl, N=N, G=G, H=H, F=F,
+                         fwd_s=fwd_s, fwd_tflops=flops / fwd_s / 1e12, fwd_bwd_s=bwd_s,
+                         fwd_bwd_tflops=3 * flops / bwd_s / 1e12))
+        print(f"  grouped_matmul {N}x{G}x{H}x{F} {impl:10s} forward {fwd_s * 1e3:8.3f} ms "
+              f"({rows[-1]['fwd_tflops']:6.1f} TFLOP/s), forward + backward "
+              f"{bwd_s * 1e3:8.3f} ms ({rows[-1]['fwd_bwd_tflops']:6.1f})", flush=True)
+    for row in rows:
+        row["check_vs_ragged_dot"] = _max_rel_diff(jax, jnp, outs[row["impl"]],
+                                                   outs["ragged_dot"])
+    return rows
+
+
+def _gmm_shape(row):
+    return f"{row['N']}x{row['G']}x{row['H']}x{row['F']}"
+
+
+def _gmm_report(rows, a):
+    """The grouped GEMM's Markdown table, and its bar plot's labels and series (TFLOP/s per
+    shape and pass, one series per impl)."""
+    ragged_s = {_gmm_shape(r): r["fwd_s"] for r in rows if r["impl"] == "ragged_dot"}
+    table = [[_gmm_shape(r), r["impl"], r["fwd_s"] * 1e3, r["fwd_tflops"], r["fwd_bwd_s"] * 1e3,
+              r["fwd_bwd_tflops"], r["fwd_s"] / ragged_s[_gmm_shape(r)],
+              f"{r['check_vs_ragged_dot']:.1e}"] for r in rows]
+    md = common.print_table(
+        f"grouped GEMM (ops.grouped_matmul, bf16, median of {a.iters}): tiled vs ragged_dot",
+        ["shape NxGxHxF", "impl", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s",
+         "fwd time vs ragged_dot", "max rel diff"], table)
+    labels = [f"{shape} {p}" for shape in dict.fromkeys(map(_gmm_shape, rows))
+              for p in ("fwd", "fwd+bwd")]
+    series = {impl: [r[k] for r in rows if r["impl"] == impl
+                     for k in ("fwd_tflops", "fwd_bwd_tflops")] for impl in GMM_IMPLS}
+    return md, labels, series
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -358,6 +433,12 @@ def main(argv=None):
     name = "bench_gpu_dry" if a.dry_run else "bench_gpu"
     json_path = os.path.join(a.out, f"{name}.json")
     t_start = time.perf_counter()
+    gmm_shapes = a.gmm_shapes if a.gmm_shapes is not None else (
+        DRY_GMM_SHAPES if a.dry_run else DEFAULT_GMM_SHAPES)
+    gmm_rows = []
+    for s in filter(None, gmm_shapes.split(",")):
+        gmm_rows += bench_grouped_matmul(*(int(v) for v in s.split("x")), a)
+        gc.collect()
     rows, skipped = [], []
     for T, H, E in shapes:
         if time.perf_counter() - t_start > a.budget_s:
@@ -368,15 +449,24 @@ def main(argv=None):
             raise SystemExit(f"shape {T}x{H}x{E}: H must be a multiple of 128 and E of P")
         rows += bench_shape(T, H, E, a, tk)
         common.write_json(json_path, dict(config=vars(a), torch=torch_note, rows=rows,
-                                          skipped=skipped, elapsed_s=time.perf_counter()
-                                          - t_start))
+                                          grouped_matmul=gmm_rows, skipped=skipped,
+                                          elapsed_s=time.perf_counter() - t_start))
         gc.collect()
     common.write_json(json_path, dict(config=vars(a), torch=torch_note, rows=rows,
-                                      skipped=skipped, elapsed_s=time.perf_counter() - t_start))
+                                      grouped_matmul=gmm_rows, skipped=skipped,
+                                      elapsed_s=time.perf_counter() - t_start))
     if not rows:
         print("bench_gpu: no shape measured")
         return 1
     md = _report(rows, a, torch_note)
+    gmm_png = None
+    if gmm_rows:
+        gmm_md, gmm_labels, gmm_series = _gmm_report(gmm_rows, a)
+        md += "\n" + gmm_md
+        gmm_png = common.bar_plot(os.path.join(a.out, f"{name}_gmm.png"), gmm_labels,
+                                  gmm_series, ylabel="TFLOP/s",
+                                  title=f"grouped GEMM on {jax.devices()[0].device_kind}: "
+                                        "tiled vs ragged_dot (bf16)")
     with open(os.path.join(a.out, f"{name}.md"), "w") as f:
         f.write(md)
     labels = [f"{r['kernel']} {r['T']}x{r['H']}x{r['E']}" for r in rows]
@@ -388,7 +478,8 @@ def main(argv=None):
                           ylabel="effective GB/s", title=f"jax_ep kernels on "
                           f"{jax.devices()[0].device_kind} (bf16, K={a.topk}, P={a.ranks})")
     print(f"bench_gpu: {len(rows)} rows in {time.perf_counter() - t_start:.0f} s; wrote "
-          f"{json_path}, {name}.md" + (f", {name}.png" if png else ""))
+          f"{json_path}, {name}.md" + (f", {name}.png" if png else "")
+          + (f", {name}_gmm.png" if gmm_png else ""))
     return 0
 
 

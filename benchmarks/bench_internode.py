@@ -1,6 +1,9 @@
-"""The internode section of bench_dispatch (`python -m benchmarks.bench_dispatch --nodes N`):
-DeepEP's two-hop dispatch over a ("node", "local") = (N, P/N) expert axis vs the flat
-deepep exchange over the same pair vs the per-(token, expert) rows of the sort_a2a baseline.
+"""Internode dispatch on emulated CPU devices: DeepEP's two-hop dispatch over a
+("node", "local") = (N, P/N) expert axis vs the flat deepep exchange over the same pair vs the
+per-(token, expert) rows of bench_dispatch's sort_a2a baseline.
+
+    python -m benchmarks.bench_internode [--nodes 2 --ranks 8 --tokens 256 --hidden 512
+                                          --experts 256 --topk 8 --out benchmarks/out]
 
 1. Rows and bytes that cross the node axis per step (dispatch + combine, row payload), exact
    counts read from the dispatch handles (two-hop: num_tokens_per_rdma_rank minus the own
@@ -13,12 +16,23 @@ deepep exchange over the same pair vs the per-(token, expert) rows of the sort_a
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
 from benchmarks import common
 
 AXES = ("node", "local")
 NVLINK_BPS, RDMA_BPS = 160e9, 50e9  # DeepEP V1's intranode / per-GPU RDMA figures
+
+
+def parse_args(argv=None):
+    """The shared problem options (common.add_ep_args) plus --nodes."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_ep_args(p)
+    p.add_argument("--nodes", type=int, default=2,
+                   help="N: the ranks as a ('node', 'local') = (N, P/N) pair")
+    return p.parse_args(argv)
 
 
 def node_limited_routing(rng, num_tokens, top_k, num_experts, num_groups, group_topk):
@@ -80,13 +94,11 @@ def link_rows(idx, num_nodes, local, num_experts):
 def routings(a, num_nodes, rng_seed):
     """name -> (idx, w) for uniform, skewed and (N > 1) node-limited routing."""
     import numpy as np
-
-    from benchmarks.bench_dispatch import make_routing
     P = a.ranks
     out = {}
     for i, kind in enumerate(("uniform", "skewed")):
         rng = np.random.default_rng(rng_seed + i)
-        out[kind] = make_routing(rng, P * a.tokens, a.topk, a.experts, kind, a.zipf)
+        out[kind] = common.make_routing(rng, P * a.tokens, a.topk, a.experts, kind, a.zipf)
     group_topk = min(4, num_nodes // 2)
     if group_topk >= 1:
         rng = np.random.default_rng(rng_seed + 7)
@@ -96,7 +108,7 @@ def routings(a, num_nodes, rng_seed):
 
 
 def run(a):
-    """The section; a: bench_dispatch's parsed args (a.nodes divides a.ranks)."""
+    """The benchmark; a: parse_args()'s namespace (a.nodes divides a.ranks)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -198,8 +210,7 @@ def cost_model(a, tokens=4096, hidden=7168, local=8):
         for kind in ("uniform", f"node-limited {min(4, nodes // 2)}/{nodes}"):
             rng = np.random.default_rng(ep)
             if kind == "uniform":
-                from benchmarks.bench_dispatch import make_routing
-                idx, _ = make_routing(rng, ep * tokens, a.topk, a.experts, "uniform")
+                idx, _ = common.make_routing(rng, ep * tokens, a.topk, a.experts, "uniform")
             else:
                 idx, _ = node_limited_routing(rng, ep * tokens, a.topk, a.experts, nodes,
                                               min(4, nodes // 2))
@@ -218,3 +229,19 @@ def cost_model(a, tokens=4096, hidden=7168, local=8):
         f"K={a.topk}, 8 GPUs/node, RDMA 50 GB/s, NVLink 160 GB/s per GPU (busiest GPU)",
         ["EP", "routing", "two-hop", "flat", "per (token, expert)", "flat / two-hop"], table)
     return dict(rows=rows, table=text)
+
+
+def main(argv=None):
+    """Checks the shape options, emulates a.ranks CPU devices and runs the benchmark."""
+    a = parse_args(argv)
+    if a.experts % a.ranks:
+        sys.exit("--experts must be a multiple of --ranks")
+    if a.nodes < 1 or a.ranks % a.nodes:
+        sys.exit("--nodes must divide --ranks")
+    common.force_cpu_devices(a.ranks)
+    print(f"host heap: {common.keep_host_heap(not a.glibc_heap_defaults)}")
+    return run(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,8 @@
     python -m benchmarks.bench_setup [--steps 4 --out benchmarks/out]
 
 Per set-up: the wall time of each step (from the call to the loss on the host; step 1
-includes tracing and compiling) and the number of executables the jitted step compiled.
+includes tracing and compiling) and the number of executables the jitted step compiled
+(common.compilations).
 The ratio column divides each step by the same step of shard_state.
 """
 
@@ -57,14 +58,14 @@ def run(setup, steps, train_moe, jax):
 
     rng = np.random.default_rng(0)
     seconds = []
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), common.compilations("step") as compiled:
         for _ in range(steps):
             host = rng.integers(0, 256, (args.batch, args.seq + 1)).astype(np.int32)
             batch = jax.device_put(host, NamedSharding(mesh, P(("data", "expert"))))
             t0 = time.perf_counter()
             float(step(model, optimizer, batch))
             seconds.append(time.perf_counter() - t0)
-    return seconds, step.jitted_fn._cache_size()
+    return seconds, len(compiled)
 
 
 def main(argv=None):

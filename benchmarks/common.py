@@ -1,4 +1,5 @@
-"""Shared helpers of the jax_ep benchmarks: emulated CPU devices, timing, tables, JSON, plots.
+"""Shared helpers of the jax_ep benchmarks: emulated CPU devices, the expert-parallel problem
+options and routings, timing, tables, JSON, plots.
 
 jax is imported inside the functions, so a benchmark can call `force_cpu_devices` before its
 first `import jax`. rich and matplotlib are optional (the GPU machine may lack them): tables
@@ -7,6 +8,7 @@ fall back to plain text and plots are skipped with a message.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import json
@@ -15,8 +17,8 @@ import platform
 import statistics
 import time
 
-__all__ = ["keep_host_heap", "force_cpu_devices", "cpu_mesh", "time_fn", "time_round_robin",
-           "print_table",
+__all__ = ["keep_host_heap", "force_cpu_devices", "cpu_mesh", "add_ep_args", "make_routing",
+           "compilations", "time_fn", "time_round_robin", "print_table",
            "write_json", "env_info", "bar_plot", "line_plot", "fmt_bytes"]
 
 
@@ -76,6 +78,65 @@ def cpu_mesh(shape=(8,), axes=("ep",)):
         raise RuntimeError(f"need {n} devices, have {len(jax.devices())}: call "
                            "force_cpu_devices() before importing jax")
     return jax.make_mesh(tuple(shape), tuple(axes), devices=jax.devices()[:n])
+
+
+def add_ep_args(p) -> None:
+    """Adds to argparse parser p the options bench_dispatch and bench_internode share: the
+    problem (T per rank, H, E, K, P ranks, dtype, Zipf exponent of the skewed routing), the
+    timing (iters, warmup), the seed, the output folder and the host-heap switch."""
+    p.add_argument("--tokens", type=int, default=256, help="tokens per rank (T)")
+    p.add_argument("--glibc-heap-defaults", action="store_true",
+                   help="leave glibc malloc as it is (default: keep freed host memory mapped, "
+                        "see common.keep_host_heap)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size H (multiple of 128)")
+    p.add_argument("--experts", type=int, default=256, help="global experts E")
+    p.add_argument("--topk", type=int, default=8, help="experts per token K")
+    p.add_argument("--ranks", type=int, default=8, help="expert-parallel ranks P (CPU devices)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--zipf", type=float, default=1.0, help="exponent of the skewed routing")
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/out")
+
+
+def make_routing(rng, num_tokens, top_k, num_experts, kind, zipf=1.0):
+    """(topk_idx i32[N,K] distinct experts per token, topk_weights f32[N,K] summing to 1).
+    uniform: every expert equally likely; skewed: popularity of expert e ~ 1/(e+1)^zipf, so
+    the hottest experts sit on rank 0. Gumbel top-k = sampling K experts without replacement."""
+    import numpy as np
+    logp = np.zeros(num_experts)
+    if kind == "skewed":
+        logp = -zipf * np.log(np.arange(1, num_experts + 1))
+    elif kind != "uniform":
+        raise ValueError(f"routing: expected uniform or skewed, got {kind!r}")
+    scores = logp[None, :] + rng.gumbel(size=(num_tokens, num_experts))
+    idx = np.argsort(-scores, axis=1)[:, :top_k].astype(np.int32)
+    w = rng.uniform(0.1, 1.0, idx.shape)
+    return idx, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+# What jax.monitoring reports once per executable a jit builds (fun_name="jit(<name>)").
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compilations(fun_name: str):
+    """Collects the XLA compilations of jitted functions named fun_name inside the block:
+    yields a list that gets each one's duration in seconds (the public jax.monitoring
+    listeners; tests/test_training.py counts the same way)."""
+    import jax
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE_EVENT and kwargs.get("fun_name") == f"jit({fun_name})":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def time_fn(fn, *args, warmup: int = 2, iters: int = 10, jit: bool = True,

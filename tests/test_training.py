@@ -3,6 +3,7 @@ Explicit mesh axes, for a small model with an embedding, an MoE layer and non-tr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -18,6 +19,27 @@ import jax_ep
 from jax_ep.flax import MoELayer, shard_state
 
 TOKENS = ("data", "expert")
+# What jax.monitoring reports once per executable a jit builds (fun_name="jit(<name>)").
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compilations(fun_name):
+    """Collects the XLA compilations of jitted functions named fun_name inside the block:
+    yields a list that gets each one's duration in seconds. Counted through the public
+    jax.monitoring listeners, so every executable jit builds for fun_name is seen, whether
+    XLA compiles it or the persistent compilation cache hands it back."""
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE_EVENT and kwargs.get("fun_name") == f"jit({fun_name})":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 class TinyLM(nnx.Module):
@@ -64,10 +86,24 @@ def _train(axis_type, steps=3):
     ids = jax.device_put(np.random.default_rng(0).integers(0, 32, (8, 5)).astype(np.int32),
                          NamedSharding(mesh, P(TOKENS)))
     losses = []
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), compilations("step") as compiled:
         for _ in range(steps):
             losses.append(float(step(model, optimizer, ids)))
-    return losses, step.jitted_fn._cache_size(), model, optimizer
+    return losses, len(compiled), model, optimizer
+
+
+def test_compilations_counts_each_executable_of_the_named_function():
+    """The counter the one-compilation test relies on: one per new input signature of the
+    named jit, none for a cached call or for another function."""
+    @jax.jit
+    def double(x):
+        return 2 * x
+
+    with compilations("double") as compiled:
+        for shape in ((3,), (3,), (4,)):
+            double(jnp.ones(shape))
+        jax.jit(lambda x: x + 1)(jnp.ones(5))
+    assert len(compiled) == 2
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])

@@ -2,17 +2,13 @@
 // with the CPU handlers always and the CUDA handlers when the build found nvcc.
 #include <nanobind/nanobind.h>
 
-#include "targets.h"
-#include "xla/ffi/api/c_api.h"
+#include "registrations.h"
 
 namespace nb = nanobind;
 
-#define JAX_EP_DECLARE(name, symbol) extern "C" XLA_FFI_Error* symbol##Cpu(XLA_FFI_CallFrame*);
-JAX_EP_TARGETS(JAX_EP_DECLARE)
+JAX_EP_DECLARE_HANDLERS(Cpu)
 #ifdef JAX_EP_WITH_CUDA
-#define JAX_EP_DECLARE_CUDA(name, symbol) \
-  extern "C" XLA_FFI_Error* symbol##Cuda(XLA_FFI_CallFrame*);
-JAX_EP_TARGETS(JAX_EP_DECLARE_CUDA)
+JAX_EP_DECLARE_HANDLERS(Cuda)
 #endif
 
 namespace jax_ep {
@@ -21,21 +17,14 @@ const char* CpuFp8Loops();  // fp8.cc
 
 namespace {
 
-template <typename Fn>
-nb::capsule Capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
 nb::dict Registrations() {
-  nb::dict cpu, cuda, out;
-#define JAX_EP_ADD_CPU(name, symbol) cpu[name] = Capsule(symbol##Cpu);
-  JAX_EP_TARGETS(JAX_EP_ADD_CPU)
+  nb::dict out;
+  out["cpu"] = jax_ep::TargetDict(JAX_EP_HANDLER_ROWS(Cpu, JAX_EP_AS_IS));
 #ifdef JAX_EP_WITH_CUDA
-#define JAX_EP_ADD_CUDA(name, symbol) cuda[name] = Capsule(symbol##Cuda);
-  JAX_EP_TARGETS(JAX_EP_ADD_CUDA)
+  out["CUDA"] = jax_ep::TargetDict(JAX_EP_HANDLER_ROWS(Cuda, JAX_EP_AS_IS));
+#else
+  out["CUDA"] = nb::dict();
 #endif
-  out["cpu"] = cpu;
-  out["CUDA"] = cuda;
   return out;
 }
 

@@ -1,13 +1,15 @@
-// The FFI targets of jax_ep: X(target name, handler symbol stem). Each .cc / .cu file defines
-// the symbols <stem>Cpu / <stem>Cuda with XLA_FFI_DEFINE_HANDLER_SYMBOL (extern "C").
+// The FFI targets of jax_ep: X(target name, handler symbol stem, ...), the arguments after
+// JAX_EP_TARGETS's first passed on to X (registrations.h passes a symbol suffix and a
+// wrapper). Each .cc / .cu file defines the symbols <stem>Cpu / <stem>Cuda with
+// XLA_FFI_DEFINE_HANDLER_SYMBOL (extern "C").
 #pragma once
 
-#define JAX_EP_TARGETS(X)                                 \
-  X("jax_ep_dispatch_layout", JaxEpDispatchLayout)        \
-  X("jax_ep_send_layout", JaxEpSendLayout)                \
-  X("jax_ep_indices_to_multihot", JaxEpIndicesToMultihot) \
-  X("jax_ep_permute", JaxEpPermute)                       \
-  X("jax_ep_gather_rows", JaxEpGatherRows)                \
-  X("jax_ep_unpermute", JaxEpUnpermute)                   \
-  X("jax_ep_cast_to_fp8", JaxEpCastToFp8)                 \
-  X("jax_ep_cast_back", JaxEpCastBack)
+#define JAX_EP_TARGETS(X, ...)                                         \
+  X("jax_ep_dispatch_layout", JaxEpDispatchLayout, __VA_ARGS__)        \
+  X("jax_ep_send_layout", JaxEpSendLayout, __VA_ARGS__)                \
+  X("jax_ep_indices_to_multihot", JaxEpIndicesToMultihot, __VA_ARGS__) \
+  X("jax_ep_permute", JaxEpPermute, __VA_ARGS__)                       \
+  X("jax_ep_gather_rows", JaxEpGatherRows, __VA_ARGS__)                \
+  X("jax_ep_unpermute", JaxEpUnpermute, __VA_ARGS__)                   \
+  X("jax_ep_cast_to_fp8", JaxEpCastToFp8, __VA_ARGS__)                 \
+  X("jax_ep_cast_back", JaxEpCastBack, __VA_ARGS__)

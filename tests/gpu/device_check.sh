@@ -6,13 +6,18 @@
 #
 # Steps, each under its own timeout and all within DEADLINE (450 s; typically 3 to 4 minutes):
 #   1. pip install -e . with JAX_EP_CUDA=ON, sm_90 only          -> $OUT/build.log
-#   2. pytest: the layer-1 handlers (contract, ops), then the EP modes and the MoE layer, then
-#      a few op tests with XLA's minimum CUDA-graph size at 1, so the handlers marked
-#      graph-compatible (all but unpermute) run inside graphs     -> $OUT/pytest_gpu.log
-#   3. benchmarks/bench_gpu.py --out $OUT                          -> $OUT/bench_gpu.log
+#   2. pytest: the layer-1 handlers (contract, ops: every target of xla_ffi/targets.h), then the
+#      EP modes, transport="auto" (ragged on the GPU), grouped_matmul tiled vs ragged_dot and
+#      the MoE layer, then a few op tests with XLA's minimum CUDA-graph size at 1, so the
+#      handlers marked graph-compatible (all but unpermute) run inside graphs
+#                                                                 -> $OUT/pytest_gpu.log
+#   3. benchmarks/bench_gpu.py --out $OUT: grouped GEMM tiled vs ragged_dot, then the kernels'
+#      bandwidth; the figures for benchmarks/RESULTS.md           -> $OUT/bench_gpu.log, and
+#      $OUT/bench_gpu.{json,md,png}, $OUT/bench_gpu_gmm.png (a missing figure fails the step)
 #   4. opt-in (SANITIZE=1): a small GPU test subset under compute-sanitizer memcheck
 #                                                                 -> $OUT/sanitizer.log
-# Prints a short summary; exits non-zero if the build or any test step failed.
+# Prints a short summary; exits non-zero if the build or any test step failed. $OUT ends with at
+# most 8 files (what the device tool brings back).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -100,8 +105,14 @@ fi
 # 3. The benchmark.
 if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
   bench_rc=0
-  limit 90 "$PY" benchmarks/bench_gpu.py --out "$OUT" --budget-s 60 > "$OUT/bench_gpu.log" 2>&1 \
+  limit 120 "$PY" benchmarks/bench_gpu.py --out "$OUT" --budget-s 85 > "$OUT/bench_gpu.log" 2>&1 \
     || bench_rc=$?
+  for figure in bench_gpu.md bench_gpu.png bench_gpu_gmm.png; do
+    if [ ! -s "$OUT/$figure" ]; then
+      echo "figure missing: $OUT/$figure"
+      [ "$bench_rc" = 0 ] && bench_rc=1
+    fi
+  done
   echo "[$(elapsed)] bench rc=$bench_rc"
 fi
 
@@ -122,6 +133,7 @@ echo "pytest:  rc=$test_rc"
 grep -E "$SUMMARY_RE" "$OUT/pytest_gpu.log" | head -n 60
 echo "bench:   rc=$bench_rc"
 [ -f "$OUT/bench_gpu.log" ] && tail -n 15 "$OUT/bench_gpu.log"
+ls -l "$OUT"/bench_gpu*.md "$OUT"/bench_gpu*.png 2> /dev/null
 echo "sanitizer: rc=$san_rc"
 [ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitizer.log" | tail -n 5
 [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ] && [ "$test_rc" = 0 ]

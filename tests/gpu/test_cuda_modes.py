@@ -3,7 +3,8 @@
 With one GPU the expert axis has P = 1 (collective-free); with more, the "auto" transport is
 ragged_all_to_all, checked against the padded all_to_all transport bit for bit. On one GPU,
 P = 4 and 8 ranks are also emulated with jax.vmap over the expert axis (all_to_all only:
-ragged_all_to_all has no batching rule) and checked against the CPU handlers.
+ragged_all_to_all has no batching rule) and checked against the CPU handlers. The experts'
+grouped GEMM: impl="tiled" against XLA:GPU's ragged_dot (what impl="auto" picks there).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ep_utils import (  # noqa: E402
 
 import jax_ep  # noqa: E402
 from jax_ep import hybridep, ops  # noqa: E402
+from jax_ep import transport as tp  # noqa: E402
 
 NUM_RANKS = len(jax.devices())
 
@@ -72,6 +74,32 @@ def test_deepep_ffi_equals_alltoall_and_dense_on_gpu():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(np.asarray(auto[2]), dense_moe(x, idx, w, w_in, w_out),
                                rtol=2e-4, atol=2e-4)
+
+
+def test_auto_transport_picks_ragged_on_gpu():
+    """transport="auto" resolves, when the dispatch is traced, to "ragged" (ragged_all_to_all)
+    on the GPU mesh and to "all_to_all" on the CPU devices of the emulated run; the step runs
+    and equals the resolved transport's, bit for bit."""
+    T, H, K, E = 32, 128, 2, 4 * NUM_RANKS
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((NUM_RANKS * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, NUM_RANKS * T, K, E)
+    resolved = []
+
+    def body(transport):
+        def f(x, i, w):
+            resolved.append(tp.resolve_transport(transport))
+            rx, _, _, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                          transport=transport)
+            return rx, jax_ep.combine(rx, h)[0]
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    auto = run_ep(body("auto"), mesh, x, idx, w)
+    want = "all_to_all" if EMULATED else "ragged"
+    assert resolved == [want]
+    for a, b in zip(auto, run_ep(body(want), mesh, x, idx, w)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_small_receive_budget_on_gpu():
@@ -156,6 +184,36 @@ def test_moe_layer_trains_on_gpu():
         y, _ = nnx.jit(lambda l, x: l(x))(layer, xs)
     np.testing.assert_allclose(np.asarray(y), np.asarray(dense_forward(twin, x)[0]),
                                rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.skipif(EMULATED, reason="no CUDA code: on the CPU devices this is "
+                    "tests/test_grouped_matmul.py")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_matmul_tiled_equals_ragged_dot_on_gpu(dtype):
+    """impl="tiled" (a while loop over row tiles) against XLA:GPU's ragged_dot, values and
+    gradients, with empty groups, a one-row group and rows past the groups; impl="auto" is
+    ragged_dot on the GPU."""
+    N, H, F = 1000, 256, 128
+    sizes = jnp.asarray([130, 0, 257, 64, 0, 1, 300, 200], jnp.int32)  # 952 rows in groups
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((N, H)), dtype)
+    w = jnp.asarray(rng.standard_normal((sizes.shape[0], H, F)) / np.sqrt(H), dtype)
+
+    def value_and_grads(impl):
+        def f(x, w):
+            y = ops.grouped_matmul(x, w, sizes, impl=impl)
+            return jnp.sum(jnp.sin(y.astype(jnp.float32))), y
+        (_, y), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, w)
+        return (y, *grads)
+
+    tiled = value_and_grads("tiled")
+    tol = 1e-3 if dtype == jnp.float32 else 2e-2  # summation order; bf16 rounding
+    for got, want in zip(tiled, value_and_grads("ragged_dot")):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol)
+    assert not np.asarray(tiled[0][952:], np.float32).any()
+    auto = str(jax.make_jaxpr(lambda x, w: ops.grouped_matmul(x, w, sizes))(x, w))
+    assert "ragged_dot_general" in auto and "while" not in auto
 
 
 @pytest.mark.parametrize("num_ranks", [4, 8])

@@ -10,6 +10,8 @@ ignores sorted_indices outside [-1, T). Skipped unless JAX's default device is a
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +30,9 @@ if jax.devices()[0].platform != "gpu" and not EMULATED:
 GPU = jax.devices()[0]
 CPU = jax.devices("cpu")[0]
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-TARGETS = ["jax_ep_dispatch_layout", "jax_ep_send_layout", "jax_ep_indices_to_multihot",
-           "jax_ep_permute", "jax_ep_gather_rows", "jax_ep_unpermute", "jax_ep_cast_to_fp8",
-           "jax_ep_cast_back"]
+# Every FFI target, from the table both nanobind modules register (X("name", Stem, ...)).
+TARGETS = re.findall(r'X\("(\w+)"', (Path(__file__).resolve().parents[2] / "xla_ffi" /
+                                      "targets.h").read_text())
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -129,6 +131,22 @@ def test_built_with_cuda():
 
     assert _ffi.WITH_CUDA, "jax_ep was built without its CUDA handlers (JAX_EP_CUDA=ON?)"
     assert sorted(_jax_ep.registrations()["CUDA"]) == sorted(TARGETS)
+
+
+def test_every_target_has_its_tests_here():
+    """Each target of targets.h is run by the tests of this file named here, so a target added
+    to the table fails this test until its CUDA handler has tests."""
+    tested = {
+        "jax_ep_dispatch_layout": [test_dispatch_layout, test_invalid_expert_ids_layouts],
+        "jax_ep_send_layout": [test_send_layout, test_spec_send_layout_example],
+        "jax_ep_indices_to_multihot": [test_indices_to_multihot, test_multihot_grad],
+        "jax_ep_permute": [test_permute_cases, test_permute_dtypes_widths],
+        "jax_ep_gather_rows": [test_gather_rows],
+        "jax_ep_unpermute": [test_unpermute, test_unpermute_matches_cpu_handler],
+        "jax_ep_cast_to_fp8": [test_fp8_cast, test_fp8_non_finite_block],
+        "jax_ep_cast_back": [test_fp8_cast_back],
+    }
+    assert sorted(tested) == sorted(TARGETS)
 
 
 # ----------------------------------------------------------------------------- layouts
