@@ -102,7 +102,7 @@ class Buffer:
     """
 
     num_sms: int = 20
-    #: dispatch backend of the normal and low-latency modes (see jax_ep.deepep.BACKENDS).
+    #: dispatch backend of the normal and low-latency modes (see jax_ep.transport.BACKENDS).
     backend: str = "deepep"
 
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
@@ -186,7 +186,7 @@ class Buffer:
         i32[E], is_token_in_rank bool[T,P], event); num_tokens_per_rdma_rank is i32[N] (this
         rank's tokens going to each node, once per node) when `group` is a (node, local)
         pair of N x G ranks, else None."""
-        impl = deepep.check_backend(self.backend)
+        impl = tp.check_backend(self.backend)
         per_rank, in_rank, per_expert = ops.get_dispatch_layout(
             topk_idx, num_experts=num_experts, num_ranks=self.group_size, impl=impl)
         per_node = None

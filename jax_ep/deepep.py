@@ -11,23 +11,21 @@ kernels for the send layout, row packing and the combine reduction; "alltoall" g
 results from XLA ops only. Gradients: dispatch's backward is a combine of the cotangents,
 combine's backward is a dispatch replaying the forward handle.
 
-Over a (node_axis, local_axis) pair the same calls run DeepEP's internode two hops (hop 1:
-this module's flat exchange over the node axis; hop 2: `jax_ep.internode` over the local
-axis) with the flat result; the handle is then an InternodeHandle.
+Over a (node_axis, local_axis) pair the same calls run DeepEP's internode two hops (hop 1 over
+the node axis, hop 2 over the local axis) with the flat result; the handle is then an
+InternodeHandle. The plans and row paths, one hop or two, are `jax_ep.internode`'s (shared
+with the hybridep mode).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 
 from jax_ep import _ffi, internode, ops, transport as tp
 from jax_ep._checks import (
-    check_experts,
     check_float,
     check_fp8_dispatch,
     check_positive,
@@ -36,6 +34,8 @@ from jax_ep._checks import (
     check_shape,
     unroute_invalid_experts,
 )
+from jax_ep.internode import DispatchHandle, InternodeHandle
+from jax_ep.transport import BACKENDS, check_backend
 
 __all__ = [
     "BACKENDS",
@@ -50,56 +50,6 @@ __all__ = [
     "drop_to_expert_capacity",
     "expert_capacity",
 ]
-
-BACKENDS = ("deepep", "alltoall", "uccl_ep")
-_IMPL_OF_BACKEND = {"deepep": "ffi", "uccl_ep": "ffi", "alltoall": "xla"}
-
-
-@partial(jax.tree_util.register_dataclass,
-         data_fields=["plan", "send_token_idx", "send_row_idx", "recv_topk_idx",
-                      "num_recv_tokens", "num_recv_tokens_per_expert", "num_dropped",
-                      "num_invalid"],
-         meta_fields=["num_tokens", "num_recv", "capacity", "num_experts", "axis_name",
-                      "transport", "impl"])
-@dataclasses.dataclass(frozen=True)
-class DispatchHandle:
-    """What combine (and a cached dispatch) needs; a pytree of arrays plus static fields.
-
-    plan: transport.ExchangePlan of this dispatch.
-    send_token_idx i32[T*P]: source token of each compact send row (-1: padding or dropped).
-    send_row_idx i32[T*P]: the compact send row itself (-1: padding or dropped).
-    recv_topk_idx i32[R,K]: local expert ids of the received rows (-1 elsewhere / padding).
-    num_recv_tokens i32[]: received rows (the rest of R is padding).
-    num_recv_tokens_per_expert i32[L]: rows per local expert, aligned up to expert_alignment.
-    num_dropped i32[]: (token, destination) rows this rank dropped to the capacity bound or
-      to a destination's num_worst_tokens budget.
-    num_invalid i32[]: expert ids outside [-1, E) seen; they are routed nowhere, on every
-      platform (the layer-1 CPU kernels would raise, on one rank, mid-exchange).
-    """
-
-    plan: tp.ExchangePlan
-    send_token_idx: jax.Array
-    send_row_idx: jax.Array
-    recv_topk_idx: jax.Array
-    num_recv_tokens: jax.Array
-    num_recv_tokens_per_expert: jax.Array
-    num_dropped: jax.Array
-    num_invalid: jax.Array
-    num_tokens: int
-    num_recv: int
-    capacity: int
-    num_experts: int
-    axis_name: str
-    transport: str
-    impl: str
-
-
-def check_backend(backend: str) -> str:
-    """Returns the kernel implementation ("ffi" / "xla") of a dispatcher backend name."""
-    if backend not in _IMPL_OF_BACKEND:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    return _IMPL_OF_BACKEND[backend]
-
 
 DROP_POLICIES = ("probs", "position")
 
@@ -149,219 +99,18 @@ def drop_to_expert_capacity(routing_map, probs, *, capacity, drop_policy="probs"
     return keep, jnp.where(keep, probs, 0.0).astype(probs.dtype), num_dropped
 
 
-def _sizes(num_tokens, num_ranks, capacity, num_worst_tokens):
-    capacity = num_tokens if capacity is None else check_positive(capacity, "capacity")
-    capacity = min(capacity, num_tokens)
-    if num_worst_tokens is None:
-        return capacity, num_ranks * capacity
-    return capacity, check_positive(num_worst_tokens, "num_worst_tokens")
-
-
-def _routing_plan(topk_idx, num_experts, axis_name, capacity, num_worst_tokens,
-                  expert_alignment, transport, impl, count_matrix=None, send_counts=None):
-    """Send layout + one count exchange (skipped when count_matrix i32[P,P] is given) + the
-    local-id exchange -> DispatchHandle."""
-    rank, num_ranks = tp.axis_rank_and_size(axis_name)
-    num_local = check_experts(num_experts, num_ranks)
-    num_tokens, _ = topk_idx.shape
-    topk_idx, num_invalid = unroute_invalid_experts(topk_idx, num_experts)
-    capacity, num_recv = _sizes(num_tokens, num_ranks, capacity, num_worst_tokens)
-    layout = ops.build_send_layout(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
-                                   num_ranks=num_ranks, num_local_experts=num_local, impl=impl)
-    if count_matrix is None:
-        # A precomputed get_dispatch_layout lets the count exchange start without waiting for
-        # the send layout kernel.
-        counts = layout.send_counts if send_counts is None else send_counts
-        count_matrix = tp.exchange_counts(counts, axis_name)
-    plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
-    # Compact rows past a destination's capacity are dropped (highest token index first).
-    row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)
-    dest = jnp.clip(layout.rank, 0, num_ranks - 1)
-    kept = (layout.rank >= 0) & (row - plan.send_offsets[dest] < plan.send_counts[dest])
-    send_row_idx = jnp.where(kept, row, -1)
-    send_token_idx = jnp.where(kept, layout.token_idx, -1)
-
-    recv_idx = tp.send_rows(layout.local_idx, send_row_idx, plan, num_recv=num_recv,
-                            capacity=capacity, axis_name=axis_name, transport=transport,
-                            impl=impl)
-    num_recv_tokens = plan.recv_counts.sum()
-    valid = jnp.arange(num_recv)[:, None] < num_recv_tokens
-    recv_idx = jnp.where(valid, recv_idx, -1)
-    per_expert = _per_expert_counts(recv_idx, num_local, expert_alignment)
-    handle = DispatchHandle(
-        plan=plan, send_token_idx=send_token_idx, send_row_idx=send_row_idx,
-        recv_topk_idx=recv_idx, num_recv_tokens=num_recv_tokens,
-        num_recv_tokens_per_expert=per_expert,
-        num_dropped=layout.send_counts.sum() - plan.send_counts.sum(),
-        num_invalid=num_invalid,
-        num_tokens=num_tokens, num_recv=num_recv, capacity=capacity, num_experts=num_experts,
-        axis_name=axis_name, transport=transport, impl=impl)
-    return handle
-
-
-def _per_expert_counts(recv_idx, num_local, expert_alignment):
-    """i32[L]: received rows per local expert (recv_idx i32[R,K]), aligned up."""
-    per_expert = jnp.zeros((num_local,), jnp.int32).at[
-        jnp.where(recv_idx >= 0, recv_idx, num_local)].add(1, mode="drop")
-    align = check_positive(expert_alignment, "expert_alignment")
-    return (per_expert + align - 1) // align * align
-
-
-@partial(jax.tree_util.register_dataclass,
-         data_fields=["hop1", "hop2", "recv_topk_idx", "num_recv_tokens",
-                      "num_recv_tokens_per_expert", "num_tokens_per_rdma_rank",
-                      "num_rdma_recv_tokens", "num_dropped", "num_invalid"],
-         meta_fields=["num_tokens", "num_recv", "num_rdma_recv", "capacity", "hop_capacity",
-                      "num_experts", "axis_name", "transport", "impl"])
-@dataclasses.dataclass(frozen=True)
-class InternodeHandle:
-    """The handle of a two-hop dispatch over axis_name=(node_axis, local_axis), N x G ranks.
-
-    hop1: the DispatchHandle of the node hop (one row per (token, destination node), to the
-      rank with this rank's local index; its recv_topk_idx holds node-local expert ids).
-    hop2: internode.LocalHop, the local hop (one row per (token, owning rank) of the node).
-    recv_topk_idx i32[R,K], num_recv_tokens i32[], num_recv_tokens_per_expert i32[L]: as
-      DispatchHandle's (the flat contract over the N*G global ranks).
-    num_tokens_per_rdma_rank i32[N]: this rank's tokens going to each node (once per node).
-    num_rdma_recv_tokens i32[]: rows this rank received on hop 1 (as a forwarder).
-    num_dropped i32[]: hop-1 rows this rank dropped as a source (num_worst_rdma_tokens) plus
-      hop-2 rows it dropped as a forwarder (capacity, num_worst_tokens); summed over the
-      ranks it equals the flat exchange's count when hop 1 drops nothing.
-    num_invalid i32[]: expert ids outside [-1, E) seen (routed nowhere).
-    """
-
-    hop1: DispatchHandle
-    hop2: internode.LocalHop
-    recv_topk_idx: jax.Array
-    num_recv_tokens: jax.Array
-    num_recv_tokens_per_expert: jax.Array
-    num_tokens_per_rdma_rank: jax.Array
-    num_rdma_recv_tokens: jax.Array
-    num_dropped: jax.Array
-    num_invalid: jax.Array
-    num_tokens: int
-    num_recv: int
-    num_rdma_recv: int
-    capacity: int
-    hop_capacity: int
-    num_experts: int
-    axis_name: tuple
-    transport: tuple
-    impl: str
-
-
 HANDLES = (DispatchHandle, InternodeHandle)
 
 
-def two_hop_axes(axis_name, hierarchical=None):
-    """(node_axis, local_axis) when the dispatch over axis_name runs two hops, else None.
-
-    hierarchical=None: two hops whenever axis_name is a pair with N > 1 and G > 1; False:
-    the flat exchange over the (possibly paired) axis; True: two hops (requires a pair)."""
-    if hierarchical not in (None, True, False):
-        raise ValueError(f"hierarchical: expected None, True or False, got {hierarchical!r}")
-    is_pair = isinstance(axis_name, (tuple, list)) and len(axis_name) == 2
-    if hierarchical and not is_pair:
-        raise ValueError(f"hierarchical: True needs axis_name=(node_axis, local_axis), got "
-                         f"{axis_name!r}")
-    if not is_pair or hierarchical is False:
-        return None
-    node_axis, local_axis = axis_name
-    sizes = [tp.axis_rank_and_size(a)[1] for a in (node_axis, local_axis)]
-    if hierarchical is None and min(sizes) == 1:
-        return None
-    return node_axis, local_axis
-
-
-def resolve_transports(transport, two_hop):
-    """transport (one name, or a (node hop, local hop) pair) -> (node, local) resolved names
-    for two hops, or one name for a flat exchange (a pair's node-hop name)."""
-    pair = transport if isinstance(transport, (tuple, list)) else (transport, transport)
-    if len(pair) != 2:
-        raise ValueError(f"transport: expected a name or a (node hop, local hop) pair, got "
-                         f"{transport!r}")
-    resolved = tuple(tp.resolve_transport(t) for t in pair)
-    return resolved if two_hop else resolved[0]
-
-
-def _internode_plan(topk_idx, num_experts, axes, capacity, num_worst_tokens,
-                    num_worst_rdma_tokens, expert_alignment, transports, impl):
-    """Both hops' plans (one count exchange per hop) -> InternodeHandle."""
-    node_axis, local_axis = axes
-    _, num_nodes = tp.axis_rank_and_size(node_axis)
-    _, num_local_ranks = tp.axis_rank_and_size(local_axis)
-    num_local = check_experts(num_experts, num_nodes * num_local_ranks)
-    num_tokens, _ = topk_idx.shape
-    topk_idx, num_invalid = unroute_invalid_experts(topk_idx, num_experts)
-    capacity, num_recv = _sizes(num_tokens, num_nodes * num_local_ranks, capacity,
-                                num_worst_tokens)
-    num_rdma_recv = max(1, num_nodes * num_tokens) if num_worst_rdma_tokens is None else \
-        check_positive(num_worst_rdma_tokens, "num_worst_rdma_tokens")
-    per_node = ops.get_dispatch_layout(topk_idx, num_experts=num_experts, num_ranks=num_nodes,
-                                       impl=impl)[0]
-    hop1 = _routing_plan(topk_idx, num_experts, node_axis, None, num_rdma_recv, 1,
-                         transports[0], impl, send_counts=per_node)
-    source_node = internode.source_of_rows(hop1.plan.recv_counts, hop1.plan.recv_offsets,
-                                           num_rdma_recv)
-    hop_cap = internode.hop_capacity(num_nodes, capacity, num_recv, num_rdma_recv)
-    hop2 = internode.plan_local_hop(
-        hop1.recv_topk_idx, source_node, num_nodes=num_nodes, num_local_experts=num_local,
-        local_axis=local_axis, capacity=capacity, num_recv=num_recv, hop_cap=hop_cap,
-        transport=transports[1], impl=impl)
-    return InternodeHandle(
-        hop1=hop1, hop2=hop2, recv_topk_idx=hop2.recv_topk_idx,
-        num_recv_tokens=hop2.plan.recv_counts.sum(),
-        num_recv_tokens_per_expert=_per_expert_counts(hop2.recv_topk_idx, num_local,
-                                                      expert_alignment),
-        num_tokens_per_rdma_rank=per_node.astype(jnp.int32),
-        num_rdma_recv_tokens=hop1.num_recv_tokens,
-        num_dropped=hop1.num_dropped + hop2.num_dropped, num_invalid=num_invalid,
-        num_tokens=num_tokens, num_recv=num_recv, num_rdma_recv=num_rdma_recv,
-        capacity=capacity, hop_capacity=hop_cap, num_experts=num_experts,
-        axis_name=tuple(axes), transport=tuple(transports), impl=impl)
-
-
-def _send(x, handle):
-    """Rows of x [T,...] to their owning ranks -> [R,...] (the data path of dispatch)."""
-    if isinstance(handle, InternodeHandle):
-        rows = _send(x, handle.hop1)
-        return internode.send_local(rows, handle.hop2, num_recv=handle.num_recv,
-                                    hop_cap=handle.hop_capacity,
-                                    local_axis=handle.axis_name[1],
-                                    transport=handle.transport[1], impl=handle.impl)
-    return tp.send_rows(x, handle.send_token_idx, handle.plan, num_recv=handle.num_recv,
-                        capacity=handle.capacity, axis_name=handle.axis_name,
-                        transport=handle.transport, impl=handle.impl)
-
-
-def _reduce_back(y, handle):
-    """Rows y [R,...] back to their source tokens, summed per token in fp32 -> [T,...].
-    Two hops: the forwarder sums the copies of each (token, node) in fp32 and the partial
-    sums cross the node axis in y.dtype, the source sums them in fp32."""
-    flat = y.reshape(y.shape[0], math.prod(y.shape[1:]))
-    if isinstance(handle, InternodeHandle):
-        partial_sums = internode.return_local(
-            flat, handle.hop2, num_forward=handle.num_rdma_recv, hop_cap=handle.hop_capacity,
-            local_axis=handle.axis_name[1], transport=handle.transport[1], impl=handle.impl)
-        out = _reduce_back(partial_sums, handle.hop1)
-        return out.reshape((handle.num_tokens,) + y.shape[1:])
-    rows, owner, _ = tp.return_rows(flat, handle.send_token_idx, handle.plan,
-                                 num_send=handle.send_token_idx.shape[0],
-                                 capacity=handle.capacity, axis_name=handle.axis_name,
-                                 transport=handle.transport, impl=handle.impl)
-    out = ops.unpermute(rows, owner, num_tokens=handle.num_tokens, impl=handle.impl)
-    return out.reshape((handle.num_tokens,) + y.shape[1:])
-
-
 def _reduce_back_fp32(y, handle):
-    """_reduce_back with the two-hop partial sums crossing the node axis in fp32."""
-    return _reduce_back(y.astype(jnp.float32), handle).astype(y.dtype)
+    """internode.reduce_back with the two-hop partial sums crossing the node axis in fp32."""
+    return internode.reduce_back(y.astype(jnp.float32), handle).astype(y.dtype)
 
 
-_combine_rows = tp.with_transpose(_reduce_back, _send)
-_combine_rows_fp32 = tp.with_transpose(_reduce_back_fp32, _send)
-_sent_rows = tp.with_transpose(_send, _reduce_back)
-_sent_rows_fp8 = tp.with_fp8_wire(_send, _reduce_back)
+_combine_rows = tp.with_transpose(internode.reduce_back, internode.send_tokens)
+_combine_rows_fp32 = tp.with_transpose(_reduce_back_fp32, internode.send_tokens)
+_sent_rows = tp.with_transpose(internode.send_tokens, internode.reduce_back)
+_sent_rows_fp8 = tp.with_fp8_wire(internode.send_tokens, internode.reduce_back)
 
 
 def _dispatch_weights(topk_weights, handle):
@@ -449,8 +198,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         if topk_idx.shape[0] != x.shape[0]:
             raise ValueError(f"topk_idx: expected {x.shape[0]} rows to match x {x.shape}, got "
                              f"shape {topk_idx.shape}")
-        axes = two_hop_axes(axis_name, hierarchical)
-        transports = resolve_transports(transport, axes is not None)
+        axes = internode.two_hop_axes(axis_name, hierarchical)
+        transports = internode.resolve_transports(transport, axes is not None)
         if num_worst_rdma_tokens is not None and axes is None:
             raise ValueError(f"num_worst_rdma_tokens: bounds the node hop of a two-hop "
                              f"dispatch; axis_name {axis_name!r} (hierarchical="
@@ -459,13 +208,16 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         if layout is not None:
             _, num_ranks = tp.axis_rank_and_size(axis_name)
             send_counts = _check_layout(layout, x.shape[0], num_ranks, num_experts)
+        sizes = dict(capacity=capacity, num_worst_tokens=num_worst_tokens,
+                     expert_alignment=expert_alignment)
         if axes is not None:
-            handle = _internode_plan(topk_idx, num_experts, axes, capacity, num_worst_tokens,
-                                     num_worst_rdma_tokens, expert_alignment, transports, impl)
+            handle = internode.two_hop_plan(topk_idx, num_experts, axes, transports=transports,
+                                            impl=impl, **sizes,
+                                            num_worst_rdma_tokens=num_worst_rdma_tokens)
         else:
-            handle = _routing_plan(topk_idx, num_experts, axis_name, capacity,
-                                   num_worst_tokens, expert_alignment, transports, impl,
-                                   send_counts=send_counts)
+            handle = internode.routing_plan(topk_idx, num_experts, axis_name,
+                                            transport=transports, impl=impl, **sizes,
+                                            send_counts=send_counts)
     elif not isinstance(handle, HANDLES):
         raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got "
                          f"{type(handle).__name__}")
@@ -592,8 +344,9 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
         if s == e:
             outputs.append(_ffi.vary_like(jnp.zeros((0,) + x.shape[1:], x.dtype), x))
             continue
-        handle = _routing_plan(topk_idx[s:e], num_experts, axis_name, None, None, 1,
-                               transport, impl, count_matrix=count_matrix[:, i])
+        handle = internode.routing_plan(topk_idx[s:e], num_experts, axis_name,
+                                        transport=transport, impl=impl,
+                                        count_matrix=count_matrix[:, i])
         recv_x, recv_w = _dispatch_rows(x[s:e], topk_weights[s:e], handle)
         y = local_kernel(recv_x, handle.recv_topk_idx, recv_w)
         outputs.append(_combine_rows(y, handle))

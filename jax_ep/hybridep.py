@@ -1,15 +1,17 @@
 """HybridEP mode: dispatch fused with the expert permutation, inside `jax.shard_map`.
 
 hybridep_dispatch sends each token once per owning rank (the DeepEP routing plan of
-`jax_ep.deepep`) together with its routing metadata - the dense [T,E] map and probs sliced to
-the destination's experts, or with compact routing the top-k ids and probs (only the indices
-cross the wire, the receiver rebuilds the map). On the receiving rank the permutation plan is
-computed from the metadata alone and the data rows are gathered straight from the receive
-buffer into expert-major order: grouped by local expert, rows inside a block ordered by
-(source rank, source token), blocks padded with zero rows to pad_multiple. Rows that do not
-fit in num_permuted_tokens are dropped (later experts' last rows first) and counted in the
-handle. hybridep_combine is the mirror: an unweighted fp32 sum written straight into the
-return buffer, then back to the source tokens.
+`jax_ep.internode`: one hop, or over a (node, local) pair two) together with its routing
+metadata - the dense [T,E] map and probs sliced to the destination's experts, or with compact
+routing the top-k ids and probs (only the indices cross the wire, the receiver rebuilds the
+map). On the receiving rank the permutation plan is computed from the metadata alone and the
+data rows are gathered straight from the receive buffer into expert-major order: grouped by
+local expert, rows inside a block ordered by (source rank, source token), blocks padded with
+zero rows to pad_multiple. Rows that do not fit in num_permuted_tokens are dropped (later
+experts' last rows first) and counted in the handle. hybridep_combine is the mirror: an
+unweighted fp32 sum written straight into the return buffer, then back to the source tokens.
+The rows and the probs are two linear maps, each with its transpose as its gradient; with
+use_fp8 the rows cross the wire as FP8 (transport.with_fp8_wire), the probs in fp32.
 
 Token counts are equalised across ranks to a multiple of 4 (HybridEP's alignment): padding
 rows carry no routing and prob 0 and are sliced off after combine.
@@ -24,7 +26,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _ffi, deepep, ops, reference, transport as tp
+from jax_ep import _ffi, internode, ops, reference, transport as tp
 from jax_ep._checks import (
     check_experts,
     check_float,
@@ -72,7 +74,8 @@ def equalized_num_tokens(num_tokens: int, group_max: int | None = None) -> int:
 class HybridEPHandle:
     """State of a HybridEP dispatch, a pytree of arrays plus static fields.
 
-    routing: the DeepEP DispatchHandle of the (token, rank) rows (tokens equalised).
+    routing: the internode.DispatchHandle of the (token, rank) rows (tokens equalised), or
+      over a (node, local) pair with two hops its internode.InternodeHandle.
     recv_map bool[R,L]: which local experts each received row selected.
     sorted_rows i32[N]: received row of each permuted row (-1 on padding).
     row_expert i32[N]: local expert of each permuted row (L past the last block).
@@ -81,7 +84,7 @@ class HybridEPHandle:
     num_tokens: T before equalisation; compact: compact routing was used.
     """
 
-    routing: deepep.DispatchHandle
+    routing: internode.DispatchHandle | internode.InternodeHandle
     recv_map: jax.Array
     sorted_rows: jax.Array
     row_expert: jax.Array
@@ -94,6 +97,12 @@ class HybridEPHandle:
     def num_invalid(self):
         """i32[]: expert ids outside [-1, E) seen, routed nowhere (as DispatchHandle's)."""
         return self.routing.num_invalid
+
+    @property
+    def impl(self):
+        """The kernels ("ffi" / "xla") of the dispatch's backend (transport.with_fp8_wire
+        casts with them)."""
+        return self.routing.impl
 
 
 def _pad_rows(a, rows, fill):
@@ -110,9 +119,9 @@ def _dense_layout_idx(routing_map, num_ranks):
 
 
 def _two_hop(h):
-    """The dispatch runs DeepEP's two hops over a (node, local) pair (deepep.InternodeHandle):
-    rows then move through deepep's row paths and are permuted after arrival."""
-    return isinstance(h.routing, deepep.InternodeHandle)
+    """The dispatch runs DeepEP's two hops over a (node, local) pair (internode.InternodeHandle):
+    rows then move through internode's row paths and are permuted after arrival."""
+    return isinstance(h.routing, internode.InternodeHandle)
 
 
 def _own_columns(rows, num_local, axis_name):
@@ -125,7 +134,7 @@ def _send_permuted(x, h):
     """x [T,...] rows -> [N,...] permuted rows, gathered straight from the receive buffer."""
     r = h.routing
     if _two_hop(h):
-        return ops.gather_rows(deepep._send(x, r), h.sorted_rows, impl=r.impl)
+        return ops.gather_rows(internode.send_tokens(x, r), h.sorted_rows, impl=r.impl)
     buffer, slot = tp.receive_buffer(x, r.send_token_idx, r.plan, num_recv=r.num_recv,
                                      capacity=r.capacity, axis_name=r.axis_name,
                                      transport=r.transport, impl=r.impl)
@@ -140,7 +149,7 @@ def _return_unpermuted(y, h):
     flat = y.reshape(y.shape[0], math.prod(y.shape[1:]))
     if _two_hop(h):
         packed = ops.unpermute(flat, h.sorted_rows, num_tokens=r.num_recv, impl=r.impl)
-        return deepep._reduce_back(packed, r).reshape((r.num_tokens,) + y.shape[1:])
+        return internode.reduce_back(packed, r).reshape((r.num_tokens,) + y.shape[1:])
     ret_slot = tp.return_slots(r.plan, num_recv=r.num_recv, capacity=r.capacity,
                                axis_name=r.axis_name, transport=r.transport)
     target = jnp.where(h.sorted_rows >= 0, jnp.take(ret_slot, jnp.clip(h.sorted_rows, 0)), -1)
@@ -160,10 +169,10 @@ def _recv_probs(probs, h):
     r = h.routing
     num_local = h.recv_map.shape[1]
     if h.compact:
-        recv_w = deepep._send(probs, r)
+        recv_w = internode.send_tokens(probs, r)
         return reference.indices_to_multihot(r.recv_topk_idx, recv_w, num_experts=num_local)[1]
     if _two_hop(h):
-        return _own_columns(deepep._send(probs, r), num_local, r.axis_name)
+        return _own_columns(internode.send_tokens(probs, r), num_local, r.axis_name)
     kwargs = dict(num_recv=r.num_recv, capacity=r.capacity, axis_name=r.axis_name,
                   transport=r.transport, impl=r.impl)
     num_ranks = r.plan.send_counts.shape[0]
@@ -182,21 +191,18 @@ def _send_ranks(r):
                     num_ranks - 1).astype(jnp.int32)
 
 
-@jax.custom_vjp
-def _hybrid_rows(x, probs, h):
+def _permute_probs(probs, h):
+    """Routing probs f32[T',E] (dense) or f32[T',K] (compact) -> f32[N]: the prob of each
+    permuted row's (token, local expert) pair, 0 on padding rows."""
     recv_probs = _recv_probs(probs, h)
     permuted_probs = recv_probs.at[h.sorted_rows, h.row_expert].get(mode="fill", fill_value=0.0)
-    return _send_permuted(x, h), jnp.where(h.sorted_rows >= 0, permuted_probs, 0.0)
+    return jnp.where(h.sorted_rows >= 0, permuted_probs, 0.0)
 
 
-def _hybrid_rows_fwd(x, probs, h):
-    return _hybrid_rows(x, probs, h), h
-
-
-def _hybrid_rows_bwd(h, cotangents):
-    d_permuted, d_permuted_probs = cotangents
+def _unpermute_probs(d_permuted_probs, h):
+    """The transpose of _permute_probs: f32[N] -> f32[T',E] or f32[T',K], each permuted row's
+    value back on its source token's (expert) column, summed in fp32."""
     r = h.routing
-    d_x = _return_unpermuted(d_permuted, h).astype(d_permuted.dtype)
     num_recv, num_local = h.recv_map.shape
     rows = jnp.where(h.sorted_rows >= 0, h.sorted_rows, num_recv)
     d_recv = jnp.zeros((num_recv, num_local), jnp.float32).at[rows, h.row_expert].add(
@@ -204,13 +210,12 @@ def _hybrid_rows_bwd(h, cotangents):
     if h.compact:
         ids = r.recv_topk_idx
         picked = jnp.take_along_axis(d_recv, jnp.clip(ids, 0, num_local - 1), axis=1)
-        d_recv_w = jnp.where(ids >= 0, picked, 0.0)
-        return d_x, deepep._reduce_back(d_recv_w, r), None
+        return internode.reduce_back(jnp.where(ids >= 0, picked, 0.0), r)
     if _two_hop(h):  # each rank's columns of the [T,E] probs come back from their owner
         rank, num_ranks = tp.axis_rank_and_size(r.axis_name)
         d_full = jnp.zeros((num_recv, num_ranks * num_local), jnp.float32)
         d_full = jax.lax.dynamic_update_slice_in_dim(d_full, d_recv, rank * num_local, axis=1)
-        return d_x, deepep._reduce_back(d_full, r), None
+        return internode.reduce_back(d_full, r)
     back, owner, src_rank = tp.return_rows(d_recv, r.send_token_idx, r.plan,
                                            num_send=r.send_token_idx.shape[0],
                                            capacity=r.capacity, axis_name=r.axis_name,
@@ -219,47 +224,19 @@ def _hybrid_rows_bwd(h, cotangents):
     owner = jnp.where(owner >= 0, owner, r.num_tokens)
     d_probs = jnp.zeros((r.num_tokens, num_ranks, num_local), jnp.float32).at[
         owner, src_rank].add(back, mode="drop")
-    return d_x, d_probs.reshape(r.num_tokens, num_ranks * num_local), None
+    return d_probs.reshape(r.num_tokens, num_ranks * num_local)
 
 
-_hybrid_rows.defvjp(_hybrid_rows_fwd, _hybrid_rows_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _hybrid_rows_fp8(x, probs, h, round_scale, use_ue8m0, cast_back):
-    """_hybrid_rows with x moved as FP8 codes plus scales (tp.with_fp8_wire's rule): the
-    permuted pair, or with cast_back rows in x.dtype. Backward: _hybrid_rows' own, in x's
-    dtype (the cast counts as the identity); the pair raises."""
-    codes, scales = ops.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                                              impl=h.routing.impl)
-    permuted_codes, permuted_probs = _hybrid_rows(codes, probs, h)
-    permuted_scales = _send_permuted(scales, h)
-    if not cast_back:
-        return (permuted_codes, permuted_scales), permuted_probs
-    return (tp.fp8_cast_back(permuted_codes, permuted_scales, use_ue8m0, x.dtype,
-                             h.routing.impl), permuted_probs)
-
-
-def _hybrid_rows_fp8_fwd(x, probs, h, round_scale, use_ue8m0, cast_back):
-    return _hybrid_rows_fp8(x, probs, h, round_scale, use_ue8m0, cast_back), h
-
-
-def _hybrid_rows_fp8_bwd(round_scale, use_ue8m0, cast_back, h, cotangents):
-    if not cast_back:
-        raise ValueError(tp.FP8_PAIR_NO_GRAD)
-    return _hybrid_rows_bwd(h, cotangents)
-
-
-_hybrid_rows_fp8.defvjp(_hybrid_rows_fp8_fwd, _hybrid_rows_fp8_bwd)
-
-
-_hybrid_combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted)
+_dispatch_rows = tp.with_transpose(_send_permuted, _return_unpermuted)
+_dispatch_rows_fp8 = tp.with_fp8_wire(_send_permuted, _return_unpermuted)
+_dispatch_probs = tp.with_transpose(_permute_probs, _unpermute_probs)
+_combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted)
 
 
 def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts, axis_name,
                       num_permuted_tokens=None, pad_multiple=None, transport="auto",
                       backend="deepep", use_fp8=False, fp8_output="pair", round_scale=False,
-                      use_ue8m0=False):
+                      use_ue8m0=False, hierarchical=None):
     """Dispatch fused with the expert permutation (HybridEP). Call inside jax.shard_map.
 
       x: [T,H] tokens of this rank.
@@ -274,10 +251,13 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         static shapes always take the bound. A smaller N drops rows (counted in the handle).
       pad_multiple: pad every local expert block to a multiple of it.
       backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
-      axis_name: the expert axis, or a (node_axis, local_axis) pair: with N > 1 and G > 1
-        the rows then move by DeepEP's two hops (deepep.dispatch's internode mode;
-        `transport` may be a (node hop, local hop) pair) and are permuted on arrival; the
-        result equals the flat exchange's.
+      axis_name: the expert axis, or a (node_axis, local_axis) pair of N x G ranks: the rows
+        then move by DeepEP's two hops (jax_ep.dispatch's internode mode; `transport` may be
+        a (node hop, local hop) pair) and are permuted on arrival; the result equals the flat
+        exchange's.
+      hierarchical: as jax_ep.dispatch's. None: two hops whenever axis_name is a pair with
+        N > 1 and G > 1; False: the flat exchange over the pair; True: two hops, also on a
+        degenerate pair (with one axis a ValueError naming hierarchical).
       use_fp8 / round_scale / use_ue8m0 / fp8_output: as jax_ep.dispatch's - x (f32/bf16/f16,
         H % 128 == 0) crosses the wire as FP8 codes plus per-128-channel scales; permuted_x
         is then the pair (float8_e4m3fn[N,H], scales f32[N,H/128] or i32[N,H/512]) or, with
@@ -297,7 +277,9 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
     if num_permuted_tokens is not None:
         num_permuted_tokens = check_positive(num_permuted_tokens, "num_permuted_tokens",
                                              allow_zero=True)
-    impl = deepep.check_backend(backend)
+    impl = tp.check_backend(backend)
+    axes = internode.two_hop_axes(axis_name, hierarchical)
+    transports = internode.resolve_transports(transport, axes is not None)
     num_tokens = x.shape[0]
     # At least one aligned group of (unrouted) rows, even at T = 0: every buffer below then
     # has rows, and JAX cannot gather from an empty one.
@@ -332,19 +314,18 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         layout_idx = _dense_layout_idx(routing_map, num_ranks)
     x = _pad_rows(x, padded, 0)
     probs = _pad_rows(probs.astype(jnp.float32), padded, 0.0)
-    axes = deepep.two_hop_axes(axis_name)
     if axes is not None:  # DeepEP's two hops over a (node, local) pair
-        routing = deepep._internode_plan(layout_idx, num_experts, axes, None, None, None, 1,
-                                         deepep.resolve_transports(transport, True), impl)
+        routing = internode.two_hop_plan(layout_idx, num_experts, axes, transports=transports,
+                                         impl=impl)
     else:
-        routing = deepep._routing_plan(layout_idx, num_experts, axis_name, None, None, 1,
-                                       tp.resolve_transport(transport), impl)
+        routing = internode.routing_plan(layout_idx, num_experts, axis_name,
+                                         transport=transports, impl=impl)
     if compact:
         recv_map, _ = reference.indices_to_multihot(
             routing.recv_topk_idx, jnp.zeros(routing.recv_topk_idx.shape, jnp.float32),
             num_experts=num_local)
     elif axes is not None:
-        recv_map = _own_columns(deepep._send(routing_map.astype(jnp.int8), routing),
+        recv_map = _own_columns(internode.send_tokens(routing_map.astype(jnp.int8), routing),
                                 num_local, axis_name).astype(bool)
     else:
         kwargs = dict(num_recv=routing.num_recv, capacity=routing.capacity,
@@ -368,11 +349,12 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
                        row_expert=row_expert.astype(jnp.int32),
                        tokens_per_expert=tokens_per_expert, num_dropped=num_dropped,
                        num_tokens=num_tokens, compact=compact)
+    permuted_probs = _dispatch_probs(probs, h)  # first: the programs' collective order
     if use_fp8:
-        permuted_x, permuted_probs = _hybrid_rows_fp8(x, probs, h, bool(round_scale),
-                                                      bool(use_ue8m0), fp8_output == "cast_back")
+        permuted_x = _dispatch_rows_fp8(x, h, bool(round_scale), bool(use_ue8m0),
+                                        fp8_output == "cast_back")
     else:
-        permuted_x, permuted_probs = _hybrid_rows(x, probs, h)
+        permuted_x = _dispatch_rows(x, h)
     return permuted_x, permuted_probs, tokens_per_expert, h
 
 
@@ -384,4 +366,4 @@ def hybridep_combine(y, handle):
     check_rank(y, 2, "y")
     check_shape(y, (handle.sorted_rows.shape[0], y.shape[1]), "y")
     check_float(y, "y")
-    return _hybrid_combine_rows(y, handle)[:handle.num_tokens]
+    return _combine_rows(y, handle)[:handle.num_tokens]

@@ -1,10 +1,16 @@
-"""The local hop of DeepEP's internode (two-hop) dispatch over a (node, local) expert axis.
+"""The DeepEP token exchange that the deepep and hybridep modes share: its plans and its row
+paths, over one expert axis or as DeepEP's internode two hops over a (node, local) axis pair.
 
-Global rank r = n*G + g (N nodes of G ranks). Hop 1 (the flat exchange of `jax_ep.deepep`
-over the node axis) brings every token once to each node owning one of its experts, to the
-rank with the sender's local index g: forwarder (n_d, g) holds the tokens of the sources
-(n_s, g) for every n_s, grouped by n_s, token ascending. Hop 2 (this module, over the local
-axis) sends each of those rows once to every rank of the node owning one of its experts.
+One hop (`routing_plan` -> DispatchHandle): the send layout of the top-k ids, one count
+exchange, then every token goes once to each rank owning one of its experts; a receiver holds
+its rows grouped by source rank ascending, source token ascending inside.
+
+Two hops (`two_hop_plan` -> InternodeHandle), global rank r = n*G + g (N nodes of G ranks).
+Hop 1 (the one-hop plan over the node axis) brings every token once to each node owning one
+of its experts, to the rank with the sender's local index g: forwarder (n_d, g) holds the
+tokens of the sources (n_s, g) for every n_s, grouped by n_s, token ascending. Hop 2
+(`plan_local_hop`, over the local axis) sends each of those rows once to every rank of the
+node owning one of its experts.
 
 Receiver (n_d, g_d) gets from forwarder g the sub-blocks of sources (n_s, g) for every n_s,
 so its hop-2 arrival order is (g, n_s, t); the flat contract wants (n_s*G + g, t). The one
@@ -13,18 +19,144 @@ the local axis, which gives every rank of the node the flat count matrix of its 
 destinations: the capacity / receive-budget drops of the flat exchange (first rows of each
 (source, destination) block kept, each destination filled source by source in global rank
 order) and the permutation arrival order -> flat order both follow from it, on device.
+
+`send_tokens` moves rows along either plan, `reduce_back` returns and sums them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jax_ep import ops, transport as tp
+from jax_ep._checks import check_experts, check_positive, unroute_invalid_experts
 
-__all__ = ["LocalHop", "plan_local_hop", "send_local", "return_local", "source_of_rows"]
+__all__ = [
+    "DispatchHandle",
+    "InternodeHandle",
+    "LocalHop",
+    "plan_local_hop",
+    "reduce_back",
+    "resolve_transports",
+    "return_local",
+    "routing_plan",
+    "send_local",
+    "send_tokens",
+    "source_of_rows",
+    "two_hop_axes",
+    "two_hop_plan",
+]
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["plan", "send_token_idx", "send_row_idx", "recv_topk_idx",
+                      "num_recv_tokens", "num_recv_tokens_per_expert", "num_dropped",
+                      "num_invalid"],
+         meta_fields=["num_tokens", "num_recv", "capacity", "num_experts", "axis_name",
+                      "transport", "impl"])
+@dataclasses.dataclass(frozen=True)
+class DispatchHandle:
+    """What combine (and a cached dispatch) needs; a pytree of arrays plus static fields.
+
+    plan: transport.ExchangePlan of this dispatch.
+    send_token_idx i32[T*P]: source token of each compact send row (-1: padding or dropped).
+    send_row_idx i32[T*P]: the compact send row itself (-1: padding or dropped).
+    recv_topk_idx i32[R,K]: local expert ids of the received rows (-1 elsewhere / padding).
+    num_recv_tokens i32[]: received rows (the rest of R is padding).
+    num_recv_tokens_per_expert i32[L]: rows per local expert, aligned up to expert_alignment.
+    num_dropped i32[]: (token, destination) rows this rank dropped to the capacity bound or
+      to a destination's num_worst_tokens budget.
+    num_invalid i32[]: expert ids outside [-1, E) seen; they are routed nowhere, on every
+      platform (the layer-1 CPU kernels would raise, on one rank, mid-exchange).
+    """
+
+    plan: tp.ExchangePlan
+    send_token_idx: jax.Array
+    send_row_idx: jax.Array
+    recv_topk_idx: jax.Array
+    num_recv_tokens: jax.Array
+    num_recv_tokens_per_expert: jax.Array
+    num_dropped: jax.Array
+    num_invalid: jax.Array
+    num_tokens: int
+    num_recv: int
+    capacity: int
+    num_experts: int
+    axis_name: str
+    transport: str
+    impl: str
+
+
+def _sizes(num_tokens, num_ranks, capacity, num_worst_tokens):
+    """(C, R): rows per destination (None: T; never above T) and receive rows (None: P*C)."""
+    capacity = num_tokens if capacity is None else check_positive(capacity, "capacity")
+    capacity = min(capacity, num_tokens)
+    if num_worst_tokens is None:
+        return capacity, num_ranks * capacity
+    return capacity, check_positive(num_worst_tokens, "num_worst_tokens")
+
+
+def _per_expert_counts(recv_idx, num_local, expert_alignment):
+    """i32[L]: received rows per local expert (recv_idx i32[R,K]), aligned up."""
+    per_expert = jnp.zeros((num_local,), jnp.int32).at[
+        jnp.where(recv_idx >= 0, recv_idx, num_local)].add(1, mode="drop")
+    align = check_positive(expert_alignment, "expert_alignment")
+    return (per_expert + align - 1) // align * align
+
+
+def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=None,
+                 num_worst_tokens=None, expert_alignment=1, count_matrix=None,
+                 send_counts=None):
+    """Plans the one-hop exchange of this rank's tokens -> DispatchHandle.
+
+    topk_idx i32[T,K]: global expert ids, -1 unrouted (ids outside [-1, E) are routed
+      nowhere and counted in num_invalid); num_experts: E, a multiple of the axis size P.
+    axis_name: the mesh axis (or tuple of axes) of the exchange; transport: a resolved
+      name ("all_to_all" / "ragged"); impl: "ffi" or "xla" kernels.
+    capacity: C, rows per destination (None: T); num_worst_tokens: R, receive rows (None:
+      P*C); expert_alignment: num_recv_tokens_per_expert is rounded up to a multiple of it.
+    count_matrix i32[P_src,P_dst]: the exchanged counts, given to skip the count exchange;
+      send_counts i32[P]: this rank's tokens per destination (get_dispatch_layout's), so the
+      count exchange need not wait for the send layout kernel.
+    Runs one count all_gather (none with count_matrix) and sends the local ids (i32[R,K]).
+    """
+    rank, num_ranks = tp.axis_rank_and_size(axis_name)
+    num_local = check_experts(num_experts, num_ranks)
+    num_tokens, _ = topk_idx.shape
+    topk_idx, num_invalid = unroute_invalid_experts(topk_idx, num_experts)
+    capacity, num_recv = _sizes(num_tokens, num_ranks, capacity, num_worst_tokens)
+    layout = ops.build_send_layout(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
+                                   num_ranks=num_ranks, num_local_experts=num_local, impl=impl)
+    if count_matrix is None:
+        counts = layout.send_counts if send_counts is None else send_counts
+        count_matrix = tp.exchange_counts(counts, axis_name)
+    plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
+    # Compact rows past a destination's capacity are dropped (highest token index first).
+    row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)
+    dest = jnp.clip(layout.rank, 0, num_ranks - 1)
+    kept = (layout.rank >= 0) & (row - plan.send_offsets[dest] < plan.send_counts[dest])
+    send_row_idx = jnp.where(kept, row, -1)
+    send_token_idx = jnp.where(kept, layout.token_idx, -1)
+
+    recv_idx = tp.send_rows(layout.local_idx, send_row_idx, plan, num_recv=num_recv,
+                            capacity=capacity, axis_name=axis_name, transport=transport,
+                            impl=impl)
+    num_recv_tokens = plan.recv_counts.sum()
+    valid = jnp.arange(num_recv)[:, None] < num_recv_tokens
+    recv_idx = jnp.where(valid, recv_idx, -1)
+    return DispatchHandle(
+        plan=plan, send_token_idx=send_token_idx, send_row_idx=send_row_idx,
+        recv_topk_idx=recv_idx, num_recv_tokens=num_recv_tokens,
+        num_recv_tokens_per_expert=_per_expert_counts(recv_idx, num_local, expert_alignment),
+        num_dropped=layout.send_counts.sum() - plan.send_counts.sum(),
+        num_invalid=num_invalid,
+        num_tokens=num_tokens, num_recv=num_recv, capacity=capacity, num_experts=num_experts,
+        axis_name=axis_name, transport=transport, impl=impl)
 
 
 class LocalHop(NamedTuple):
@@ -45,7 +177,6 @@ class LocalHop(NamedTuple):
     arrival_row: jax.Array
     recv_topk_idx: jax.Array
     num_dropped: jax.Array
-
 
 
 def source_of_rows(recv_counts, recv_offsets, num_rows):
@@ -149,3 +280,158 @@ def return_local(y, hop, *, num_forward, hop_cap, local_axis, transport, impl):
                                     num_send=hop.send_row_idx.shape[0], capacity=hop_cap,
                                     axis_name=local_axis, transport=transport, impl=impl)
     return ops.unpermute(rows, owner, num_tokens=num_forward, impl=impl)
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["hop1", "hop2", "recv_topk_idx", "num_recv_tokens",
+                      "num_recv_tokens_per_expert", "num_tokens_per_rdma_rank",
+                      "num_rdma_recv_tokens", "num_dropped", "num_invalid"],
+         meta_fields=["num_tokens", "num_recv", "num_rdma_recv", "capacity", "hop_capacity",
+                      "num_experts", "axis_name", "transport", "impl"])
+@dataclasses.dataclass(frozen=True)
+class InternodeHandle:
+    """The handle of a two-hop dispatch over axis_name=(node_axis, local_axis), N x G ranks.
+
+    hop1: the DispatchHandle of the node hop (one row per (token, destination node), to the
+      rank with this rank's local index; its recv_topk_idx holds node-local expert ids).
+    hop2: LocalHop, the local hop (one row per (token, owning rank) of the node).
+    recv_topk_idx i32[R,K], num_recv_tokens i32[], num_recv_tokens_per_expert i32[L]: as
+      DispatchHandle's (the flat contract over the N*G global ranks).
+    num_tokens_per_rdma_rank i32[N]: this rank's tokens going to each node (once per node).
+    num_rdma_recv_tokens i32[]: rows this rank received on hop 1 (as a forwarder).
+    num_dropped i32[]: hop-1 rows this rank dropped as a source (num_worst_rdma_tokens) plus
+      hop-2 rows it dropped as a forwarder (capacity, num_worst_tokens); summed over the
+      ranks it equals the flat exchange's count when hop 1 drops nothing.
+    num_invalid i32[]: expert ids outside [-1, E) seen (routed nowhere).
+    """
+
+    hop1: DispatchHandle
+    hop2: LocalHop
+    recv_topk_idx: jax.Array
+    num_recv_tokens: jax.Array
+    num_recv_tokens_per_expert: jax.Array
+    num_tokens_per_rdma_rank: jax.Array
+    num_rdma_recv_tokens: jax.Array
+    num_dropped: jax.Array
+    num_invalid: jax.Array
+    num_tokens: int
+    num_recv: int
+    num_rdma_recv: int
+    capacity: int
+    hop_capacity: int
+    num_experts: int
+    axis_name: tuple
+    transport: tuple
+    impl: str
+
+
+def two_hop_axes(axis_name, hierarchical=None):
+    """(node_axis, local_axis) when the dispatch over axis_name runs two hops, else None.
+
+    hierarchical=None: two hops whenever axis_name is a pair with N > 1 and G > 1; False:
+    the flat exchange over the (possibly paired) axis; True: two hops (requires a pair).
+    Any other value, or True with one axis, is a ValueError naming hierarchical."""
+    if hierarchical not in (None, True, False):
+        raise ValueError(f"hierarchical: expected None, True or False, got {hierarchical!r}")
+    is_pair = isinstance(axis_name, (tuple, list)) and len(axis_name) == 2
+    if hierarchical and not is_pair:
+        raise ValueError(f"hierarchical: True needs axis_name=(node_axis, local_axis), got "
+                         f"{axis_name!r}")
+    if not is_pair or hierarchical is False:
+        return None
+    node_axis, local_axis = axis_name
+    sizes = [tp.axis_rank_and_size(a)[1] for a in (node_axis, local_axis)]
+    if hierarchical is None and min(sizes) == 1:
+        return None
+    return node_axis, local_axis
+
+
+def resolve_transports(transport, two_hop):
+    """transport (one name, or a (node hop, local hop) pair) -> (node, local) resolved names
+    for two hops, or one name for a flat exchange (a pair's node-hop name)."""
+    pair = transport if isinstance(transport, (tuple, list)) else (transport, transport)
+    if len(pair) != 2:
+        raise ValueError(f"transport: expected a name or a (node hop, local hop) pair, got "
+                         f"{transport!r}")
+    resolved = tuple(tp.resolve_transport(t) for t in pair)
+    return resolved if two_hop else resolved[0]
+
+
+def two_hop_plan(topk_idx, num_experts, axes, *, transports, impl, capacity=None,
+                 num_worst_tokens=None, num_worst_rdma_tokens=None, expert_alignment=1):
+    """Plans both hops of this rank's tokens over axes=(node_axis, local_axis) ->
+    InternodeHandle; one count all_gather per hop.
+
+    topk_idx i32[T,K]: global expert ids over the N*G ranks, -1 unrouted (ids outside
+      [-1, E) are routed nowhere and counted); transports: the (node hop, local hop)
+      resolved names; impl: "ffi" or "xla" kernels.
+    capacity, num_worst_tokens, expert_alignment: as routing_plan's, for the flat exchange
+      over the N*G ranks whose result the two hops give; num_worst_rdma_tokens: R1, the
+      hop-1 receive rows of each forwarder (None: N*T, no drop).
+    """
+    node_axis, local_axis = axes
+    _, num_nodes = tp.axis_rank_and_size(node_axis)
+    _, num_local_ranks = tp.axis_rank_and_size(local_axis)
+    num_local = check_experts(num_experts, num_nodes * num_local_ranks)
+    num_tokens, _ = topk_idx.shape
+    topk_idx, num_invalid = unroute_invalid_experts(topk_idx, num_experts)
+    capacity, num_recv = _sizes(num_tokens, num_nodes * num_local_ranks, capacity,
+                                num_worst_tokens)
+    num_rdma_recv = max(1, num_nodes * num_tokens) if num_worst_rdma_tokens is None else \
+        check_positive(num_worst_rdma_tokens, "num_worst_rdma_tokens")
+    per_node = ops.get_dispatch_layout(topk_idx, num_experts=num_experts, num_ranks=num_nodes,
+                                       impl=impl)[0]
+    hop1 = routing_plan(topk_idx, num_experts, node_axis, transport=transports[0], impl=impl,
+                        num_worst_tokens=num_rdma_recv, send_counts=per_node)
+    source_node = source_of_rows(hop1.plan.recv_counts, hop1.plan.recv_offsets, num_rdma_recv)
+    hop_cap = hop_capacity(num_nodes, capacity, num_recv, num_rdma_recv)
+    hop2 = plan_local_hop(
+        hop1.recv_topk_idx, source_node, num_nodes=num_nodes, num_local_experts=num_local,
+        local_axis=local_axis, capacity=capacity, num_recv=num_recv, hop_cap=hop_cap,
+        transport=transports[1], impl=impl)
+    return InternodeHandle(
+        hop1=hop1, hop2=hop2, recv_topk_idx=hop2.recv_topk_idx,
+        num_recv_tokens=hop2.plan.recv_counts.sum(),
+        num_recv_tokens_per_expert=_per_expert_counts(hop2.recv_topk_idx, num_local,
+                                                      expert_alignment),
+        num_tokens_per_rdma_rank=per_node.astype(jnp.int32),
+        num_rdma_recv_tokens=hop1.num_recv_tokens,
+        num_dropped=hop1.num_dropped + hop2.num_dropped, num_invalid=num_invalid,
+        num_tokens=num_tokens, num_recv=num_recv, num_rdma_recv=num_rdma_recv,
+        capacity=capacity, hop_capacity=hop_cap, num_experts=num_experts,
+        axis_name=tuple(axes), transport=tuple(transports), impl=impl)
+
+
+def send_tokens(x, handle):
+    """x [T,...] rows (any dtype) -> [R,...] in x.dtype: each token's row on every rank that
+    owns one of its experts, in the receive order of handle (a DispatchHandle, or an
+    InternodeHandle: both hops); zero rows past the received ones. Linear in x, the
+    transpose of reduce_back."""
+    if isinstance(handle, InternodeHandle):
+        rows = send_tokens(x, handle.hop1)
+        return send_local(rows, handle.hop2, num_recv=handle.num_recv,
+                          hop_cap=handle.hop_capacity, local_axis=handle.axis_name[1],
+                          transport=handle.transport[1], impl=handle.impl)
+    return tp.send_rows(x, handle.send_token_idx, handle.plan, num_recv=handle.num_recv,
+                        capacity=handle.capacity, axis_name=handle.axis_name,
+                        transport=handle.transport, impl=handle.impl)
+
+
+def reduce_back(y, handle):
+    """y [R,...] float rows in handle's receive order -> [T,...] in y.dtype: every row summed
+    onto its source token in fp32 (padding rows add nothing, unrouted tokens get 0). Two
+    hops: each forwarder sums the copies of a (token, node) in fp32, the partial sums cross
+    the node axis in y.dtype and the source sums them in fp32. The transpose of send_tokens."""
+    flat = y.reshape(y.shape[0], math.prod(y.shape[1:]))
+    if isinstance(handle, InternodeHandle):
+        partial_sums = return_local(
+            flat, handle.hop2, num_forward=handle.num_rdma_recv, hop_cap=handle.hop_capacity,
+            local_axis=handle.axis_name[1], transport=handle.transport[1], impl=handle.impl)
+        out = reduce_back(partial_sums, handle.hop1)
+        return out.reshape((handle.num_tokens,) + y.shape[1:])
+    rows, owner, _ = tp.return_rows(flat, handle.send_token_idx, handle.plan,
+                                    num_send=handle.send_token_idx.shape[0],
+                                    capacity=handle.capacity, axis_name=handle.axis_name,
+                                    transport=handle.transport, impl=handle.impl)
+    out = ops.unpermute(rows, owner, num_tokens=handle.num_tokens, impl=handle.impl)
+    return out.reshape((handle.num_tokens,) + y.shape[1:])

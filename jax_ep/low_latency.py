@@ -21,7 +21,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _ffi, deepep, ops, reference, transport as tp
+from jax_ep import _ffi, ops, reference, transport as tp
 from jax_ep._checks import (
     check_experts,
     check_float,
@@ -236,7 +236,7 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
                          f"({tmax}); got shape {x.shape}")
     topk_idx, _ = check_routing(topk_idx, None, num_experts)
     check_shape(topk_idx, (x.shape[0], topk_idx.shape[1]), "topk_idx")
-    impl = deepep.check_backend(backend)
+    impl = tp.check_backend(backend)
     h = dataclasses.replace(_plan(topk_idx, num_experts, tmax, axis_name,
                                   tp.resolve_transport(transport), impl), hidden=x.shape[1])
     recv_count = h.layout_range[..., 1].sum(axis=1, dtype=jnp.int32)  # i32 under x64 too

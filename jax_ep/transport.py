@@ -14,6 +14,9 @@ Transports:
   "auto"       - ragged on GPU/TPU, all_to_all on CPU.
 Both give identical results. The collectives are tagged with `checkpoint_name` ("ep_counts",
 "ep_dispatch", "ep_combine") so remat policies can save or recompute them by name.
+
+Backends (`check_backend`): "deepep" and its alias "uccl_ep" run the FFI kernels for the
+layouts, packing and reductions around the wire, "alltoall" the XLA reference ops.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_ep import _ffi, ops
 
 __all__ = [
+    "BACKENDS",
     "TRANSPORTS",
+    "check_backend",
     "with_transpose",
     "with_fp8_wire",
     "fp8_cast_back",
@@ -50,6 +55,8 @@ __all__ = [
 ]
 
 TRANSPORTS = ("auto", "all_to_all", "ragged")
+BACKENDS = ("deepep", "alltoall", "uccl_ep")
+_IMPL_OF_BACKEND = {"deepep": "ffi", "uccl_ep": "ffi", "alltoall": "xla"}
 COUNTS_NAME = "ep_counts"
 DISPATCH_NAME = "ep_dispatch"
 COMBINE_NAME = "ep_combine"
@@ -67,6 +74,13 @@ def resolve_transport(transport: str) -> str:
         raise ValueError("transport: 'ragged' (ragged_all_to_all) is not supported by XLA:CPU; "
                          "use 'all_to_all' or 'auto'")
     return transport
+
+
+def check_backend(backend: str) -> str:
+    """Returns the kernel implementation ("ffi" / "xla") of a dispatcher backend name."""
+    if backend not in _IMPL_OF_BACKEND:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    return _IMPL_OF_BACKEND[backend]
 
 
 def axis_rank_and_size(axis_name):

@@ -368,6 +368,8 @@ def test_buffer_over_a_pair_runs_two_hops(cls):
 
 @pytest.mark.parametrize("compact", [False, True])
 def test_hybridep_over_a_pair_equals_the_flat_exchange(compact):
+    """hierarchical=None (two hops) and False (the flat exchange over the pair): the same bits,
+    outputs and gradients (K = 2: every sum has at most two terms, so its order is moot)."""
     N, G, T, H, K, E, NP = 2, 4, 4, 8, 2, 16, 40
     x, idx, w = _case(23, N * G, T, H, K, E)
     routing = dict(topk_idx=idx, probs=w) if compact else dict(
@@ -377,31 +379,39 @@ def test_hybridep_over_a_pair_equals_the_flat_exchange(compact):
         routing["routing_map"][rows, np.clip(idx, 0, None)] = idx >= 0
         routing["probs"][rows, np.clip(idx, 0, None)] = np.where(idx >= 0, w, 0)
     names = list(routing)
+    kinds = []
 
-    def run(mesh, axis, spec):
+    def run(hierarchical):
         def body(x, a, b):
             def loss(x, b):
                 px, pp, tpe, h = jax_ep.hybridep_dispatch(
-                    x, **{names[0]: a, names[1]: b}, num_experts=E, axis_name=axis,
-                    num_permuted_tokens=NP, pad_multiple=2)
+                    x, **{names[0]: a, names[1]: b}, num_experts=E, axis_name=AXES,
+                    num_permuted_tokens=NP, pad_multiple=2, hierarchical=hierarchical)
+                kinds.append(type(h.routing))
                 out = jax_ep.hybridep_combine(px * (1.0 + pp[:, None]), h)
                 return jnp.sum(out ** 2), (px, pp, tpe, out)
             (_, outs), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, b)
             return outs + grads
-        args = [jax.device_put(a, NamedSharding(mesh, spec))
-                for a in (x, routing[names[0]], routing[names[1]])]
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-        return [np.asarray(a) for a in jax.jit(mapped)(*args)]
+        return run_pair(body, pair_mesh(N, G), x, routing[names[0]], routing[names[1]])
 
-    two = run(pair_mesh(N, G), AXES, SPEC)
-    flat_mesh = jax.make_mesh((N * G,), ("ep",), devices=jax.devices()[:N * G])
-    flat = run(flat_mesh, "ep", P("ep"))
-    for i, (a, b) in enumerate(zip(two, flat)):
-        if i < 3:
-            np.testing.assert_array_equal(a, b, err_msg=str(i))  # px, pp, tokens_per_expert
-        else:
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(i))
-    assert two[0].any()
+    two, flat = run(None), run(False)
+    assert kinds == [jax_ep.InternodeHandle, jax_ep.DispatchHandle]
+    for i, (a, b) in enumerate(zip(two, flat)):  # px, pp, tokens_per_expert, out, d_x, d_probs
+        np.testing.assert_array_equal(a, b, err_msg=str(i))
+    assert two[0].any() and two[4].any() and two[5].any()
+
+
+@pytest.mark.parametrize("kwargs", [dict(axis_name="node", hierarchical=True),
+                                    dict(hierarchical="yes")])
+def test_hybridep_bad_hierarchical_raises(kwargs):
+    mesh = pair_mesh(2, 4)
+    x, idx, w = _case(0, 8, 2, 8, 2, 16)
+    call = dict(num_experts=16, axis_name=AXES) | kwargs
+
+    def body(x, idx, w):
+        return jax_ep.hybridep_dispatch(x, topk_idx=idx, probs=w, **call)[0]
+    with pytest.raises(ValueError, match="hierarchical"):
+        run_pair(body, mesh, x, idx, w)
 
 
 @pytest.mark.parametrize("backend", ["deepep"])
