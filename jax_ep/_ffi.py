@@ -17,7 +17,8 @@ import jax
 
 from jax_ep import _jax_ep
 
-__all__ = ["EMULATED_CUDA_SUFFIX", "WITH_CUDA", "WITH_CUDA_EMU", "call", "handlers",
+__all__ = ["EMULATED_CUDA_SUFFIX", "WITH_CUDA", "WITH_CUDA_EMU", "call",
+           "emulated_cuda_launch_counts", "handlers",
            "make_varying", "trace_platform", "use_handlers", "vary_like", "varying_axes"]
 
 WITH_CUDA: bool = bool(_jax_ep.with_cuda)
@@ -44,6 +45,16 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+def emulated_cuda_launch_counts(reset: bool = False) -> dict[str, int]:
+    """{kernel instance: launches} the CUDA emulator ran in this process (since the start or the
+    last reset), e.g. {"jax_ep::GatherRowsKernel<uint4>": 2}; `reset` zeroes the counts
+    after reading them. Needs the JAX_EP_CUDA_EMU build."""
+    if not WITH_CUDA_EMU:
+        raise ValueError("this jax_ep build has no emulated CUDA handlers "
+                         "(reinstall with JAX_EP_CUDA_EMU=ON)")
+    return dict(_jax_ep_cuda_emu.launch_counts(reset))
 
 
 def _handlers_from_env() -> str:

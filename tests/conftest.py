@@ -13,6 +13,8 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
 
+import json  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -35,6 +37,26 @@ settings.register_profile("jax_ep_emulated", parent=settings.get_profile("jax_ep
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "jax_ep"))
 
 NUM_DEVICES = 8
+
+# With JAX_EP_EMU_LAUNCH_LOG=PREFIX (and the emulated CUDA handlers built), each test's emulated
+# kernel launches, by kernel instance, go to PREFIX.<xdist worker> as one JSON line per test
+# (.ci/emu_launches.py sums them up): the coverage measure of the emulated-CUDA stage.
+_LAUNCH_LOG = os.environ.get("JAX_EP_EMU_LAUNCH_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    from jax_ep import _ffi
+
+    counting = _LAUNCH_LOG and _ffi.WITH_CUDA_EMU
+    if counting:
+        _ffi.emulated_cuda_launch_counts(reset=True)
+    yield
+    if counting:
+        launches = _ffi.emulated_cuda_launch_counts(reset=True)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_LAUNCH_LOG}.{worker}", "a") as log:
+            log.write(json.dumps({"test": item.nodeid, "launches": launches}) + "\n")
 
 
 @pytest.fixture

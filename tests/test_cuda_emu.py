@@ -93,6 +93,18 @@ def test_use_handlers_routes_ffi_calls_to_the_emulated_cuda_handlers():
     assert float(got.sum()) == 2 * 4 * 128
 
 
+@pytest.mark.skipif(not _ffi.WITH_CUDA_EMU, reason="built without JAX_EP_CUDA_EMU")
+def test_emulated_launch_counts_name_the_kernel_instances_that_ran():
+    x, idx = jnp.ones((4, 128), jnp.float32), jnp.array([3, 0, 1, 1], jnp.int32)
+    _ffi.emulated_cuda_launch_counts(reset=True)
+    with _ffi.use_handlers("cuda_emu"):
+        jax.block_until_ready(jax.jit(ops.gather_rows)(x, idx))
+        jax.block_until_ready(jax.jit(ops.gather_rows)(x, idx))
+    counts = _ffi.emulated_cuda_launch_counts(reset=True)
+    assert counts == {"jax_ep::GatherRowsKernel<uint4>": 2}  # 512-byte rows: 16-byte vectors
+    assert _ffi.emulated_cuda_launch_counts() == {}
+
+
 @pytest.mark.skipif(_ffi.WITH_CUDA_EMU, reason="this build has the emulated handlers")
 def test_emulation_requested_without_the_emulated_build_is_a_clear_error():
     with pytest.raises(ValueError, match="JAX_EP_CUDA_EMU=ON"):

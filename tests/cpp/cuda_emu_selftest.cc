@@ -422,6 +422,21 @@ void CheckRuntime() {
   (void)cudaGetLastError();
 }
 
+// The launch counts name each template instance; a refused launch is not counted.
+void CheckLaunchCounts() {
+  cuda_emu::LaunchCounts(/*reset=*/true);
+  std::vector<int> out(128);
+  LAUNCH(1, 128, 0, nullptr, ScanReuseKernel<128>)(out.data(), true);
+  LAUNCH(1, 128, 0, nullptr, ScanReuseKernel<128>)(out.data(), true);
+  LAUNCH(1, 2048, 0, nullptr, ScanReuseKernel<128>)(out.data(), true);  // too many threads
+  (void)cudaGetLastError();
+  const auto counts = cuda_emu::LaunchCounts(/*reset=*/true);
+  Check(counts.size() == 1 && counts[0].first == "ScanReuseKernel<128>" && counts[0].second == 2,
+        "launch counts by kernel instance: " +
+            (counts.empty() ? std::string("none") : counts[0].first));
+  Check(cuda_emu::LaunchCounts().empty(), "launch counts reset");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -450,6 +465,7 @@ int main(int argc, char** argv) {
   CheckReportedErrors();
   CheckCub();
   CheckRuntime();
+  CheckLaunchCounts();
   std::printf("checks %d failed %d\n", g_checks, g_failed);
   return g_failed ? 1 : 0;
 }

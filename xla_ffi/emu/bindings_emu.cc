@@ -17,14 +17,12 @@
 #include <string>
 
 #include "cuda_runtime.h"  // the emulator's
-#include "targets.h"
+#include "registrations.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
-#define JAX_EP_DECLARE_CUDA(name, symbol) \
-  extern "C" XLA_FFI_Error* symbol##Cuda(XLA_FFI_CallFrame*);
-JAX_EP_TARGETS(JAX_EP_DECLARE_CUDA)
+JAX_EP_DECLARE_HANDLERS(Cuda)
 
 namespace {
 
@@ -109,16 +107,20 @@ XLA_FFI_Error* OnHost(XLA_FFI_CallFrame* frame) {
   return Handler(host_frame);
 }
 
-template <typename Fn>
-nb::capsule Capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
+// The wrapper of JAX_EP_HANDLER_ROWS that runs the CUDA handler on the host call frame.
+#define JAX_EP_ON_HOST(handler) OnHost<handler>
 
 nb::dict Registrations() {
-  nb::dict cpu, out;
-#define JAX_EP_ADD_EMU(name, symbol) cpu[name "_cuda_emu"] = Capsule(OnHost<symbol##Cuda>);
-  JAX_EP_TARGETS(JAX_EP_ADD_EMU)
-  out["cpu"] = cpu;
+  nb::dict out;
+  out["cpu"] = jax_ep::TargetDict(JAX_EP_HANDLER_ROWS(Cuda, JAX_EP_ON_HOST), "_cuda_emu");
+  return out;
+}
+
+nb::dict LaunchCounts(bool reset) {
+  nb::dict out;
+  for (const auto& [instance, launches] : cuda_emu::LaunchCounts(reset)) {
+    out[instance.c_str()] = launches;
+  }
   return out;
 }
 
@@ -128,6 +130,9 @@ NB_MODULE(_jax_ep_cuda_emu, m) {
   m.doc() = "jax_ep's CUDA handlers compiled for the CUDA emulator, on the CPU platform";
   m.def("registrations", &Registrations,
         "{'cpu': {'<CUDA target>_cuda_emu': FFI handler capsule}} for jax.ffi.register_ffi_target");
+  m.def("launch_counts", &LaunchCounts, nb::arg("reset") = false,
+        "{kernel instance: launches} the emulator ran since the start or the last reset; "
+        "reset=True zeroes them after reading");
 #if defined(__SANITIZE_ADDRESS__)
   m.attr("sanitized") = true;
 #else

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <xmmintrin.h>
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -186,6 +187,7 @@ struct BlockRun {
 };
 
 std::mutex g_launch_mutex;
+std::unordered_map<std::string, uint64_t> g_launch_counts;  // under g_launch_mutex
 BlockRun g_run;
 StackPool g_stacks;
 void* g_dynamic_shared = nullptr;
@@ -501,6 +503,29 @@ uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int arg, int w
 
 void* DynamicSharedMemory() { return g_dynamic_shared; }
 
+std::vector<std::pair<std::string, uint64_t>> LaunchCounts(bool reset) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  std::vector<std::pair<std::string, uint64_t>> counts(g_launch_counts.begin(),
+                                                       g_launch_counts.end());
+  if (reset) g_launch_counts.clear();
+  std::sort(counts.begin(), counts.end());
+  return counts;
+}
+
+std::string KernelFromPrettyFunction(const char* pretty_function) {
+  std::string s = pretty_function;
+  const size_t with = s.find("Kernel = ");
+  if (with != std::string::npos) s = s.substr(with + 9);
+  if (!s.empty() && s.back() == ']') s.pop_back();
+  for (const char* drop : {"{anonymous}::", "(anonymous namespace)::"}) {
+    for (size_t at; (at = s.find(drop)) != std::string::npos;) s.erase(at, std::strlen(drop));
+  }
+  if (s.size() > 3 && s.compare(0, 2, "(&") == 0 && s.back() == ')') s = s.substr(2, s.size() - 3);
+  while (!s.empty() && (s.front() == '&' || s.front() == ' ')) s.erase(0, 1);
+  return s;
+}
+
+
 bool IsValidStream(cudaStream_t stream) {
   if (stream == nullptr) return true;
   std::lock_guard<std::mutex> lock(g_streams_mutex);
@@ -527,6 +552,7 @@ void Launch(const LaunchConfig& config, void (*thread_main)(void*), void* contex
   }
   static const Schedule schedule = ScheduleFromEnv();
   std::lock_guard<std::mutex> lock(g_launch_mutex);
+  ++g_launch_counts[config.instance];
   BlockRun& r = g_run;
   r.thread_main = thread_main;
   r.context = context;

@@ -24,7 +24,8 @@
 // Streams are in-order queues that run each operation when it is issued. Float intrinsics are
 // plain IEEE operations (the build uses -ffp-contract=off, so nothing fuses), with the host's
 // flush-to-zero / denormals-are-zero modes off while a kernel runs (CUDA keeps denormals unless
-// built with -ftz=true).
+// built with -ftz=true). Each launch is counted by kernel template instance (LaunchCounts): the
+// coverage measure of CI's emulated stage.
 //
 // Not modelled: concurrency between blocks or streams, the memory model (no reordering, no
 // caches), timing, warp-synchronous code without __syncwarp (lanes do not run in lockstep), and
@@ -49,9 +50,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #define CUDA_EMU 1
 
@@ -80,6 +83,7 @@ namespace cuda_emu {
 
 struct LaunchConfig {
   const char* kernel_name;
+  const char* instance;  // the kernel's template instance, as the compiler names it
   dim3 grid;
   dim3 block;
   size_t dynamic_shared_bytes;
@@ -89,6 +93,23 @@ struct LaunchConfig {
 // Runs `thread_main(context)` as every thread of the grid (see the header comment); on a bad
 // configuration or an error while running, the sticky launch error is set instead.
 void Launch(const LaunchConfig& config, void (*thread_main)(void*), void* context);
+
+// How many launches of each kernel instance ran (a refused configuration does not count) since
+// the process started or the last reset, sorted by instance name; `reset` zeroes the counts
+// in the same step.
+std::vector<std::pair<std::string, uint64_t>> LaunchCounts(bool reset = false);
+
+// The kernel named in a __PRETTY_FUNCTION__ of KernelInstanceName, without anonymous
+// namespaces: "... [with auto Kernel = (& {anonymous}::K<int, 4>)]" -> "K<int, 4>".
+std::string KernelFromPrettyFunction(const char* pretty_function);
+
+// The instance name of `Kernel` (e.g. "jax_ep::GatherRowsKernel<uint4>"): the compiler's
+// own spelling of the template arguments.
+template <auto Kernel>
+const char* KernelInstanceName() {
+  static const std::string name = KernelFromPrettyFunction(__PRETTY_FUNCTION__);
+  return name.c_str();
+}
 
 // The launch's dynamic shared memory (extern __shared__).
 void* DynamicSharedMemory();
@@ -130,11 +151,11 @@ class KernelLaunch {
 };
 
 template <typename... Params>
-KernelLaunch<Params...> MakeLaunch(void (*kernel)(Params...), const char* name, dim3 grid,
-                                   dim3 block, size_t dynamic_shared_bytes,
-                                   cudaStream_t stream) {
-  return KernelLaunch<Params...>(kernel, LaunchConfig{name, grid, block, dynamic_shared_bytes,
-                                                      stream});
+KernelLaunch<Params...> MakeLaunch(void (*kernel)(Params...), const char* name,
+                                   const char* instance, dim3 grid, dim3 block,
+                                   size_t dynamic_shared_bytes, cudaStream_t stream) {
+  return KernelLaunch<Params...>(
+      kernel, LaunchConfig{name, instance, grid, block, dynamic_shared_bytes, stream});
 }
 
 // ----------------------------------------------------------------------------- synchronisation
@@ -178,7 +199,9 @@ T FromBits(uint64_t bits) {
 
 // The source form of a launch `kernel<<<grid, block, shared_bytes, stream>>>(args...)`.
 #define CUDA_EMU_LAUNCH(grid, block, shared_bytes, stream, ...) \
-  ::cuda_emu::MakeLaunch(&__VA_ARGS__, #__VA_ARGS__, grid, block, shared_bytes, stream)
+  ::cuda_emu::MakeLaunch(&__VA_ARGS__, #__VA_ARGS__,                           \
+                         ::cuda_emu::KernelInstanceName<&__VA_ARGS__>(), grid, block, \
+                         shared_bytes, stream)
 
 // `extern __shared__ T name[]`: the launch's dynamic shared memory as an array of T.
 #define CUDA_EMU_EXTERN_SHARED(T, name) \
