@@ -10,7 +10,7 @@
 
 Per set-up: the wall time of each step (from the call to the loss on the host; step 1
 includes tracing and compiling) and the number of executables the jitted step compiled
-(common.compilations).
+(jax_ep.flax.compilations).
 The ratio column divides each step by the same step of shard_state.
 """
 
@@ -34,7 +34,7 @@ def run(setup, steps, train_moe, jax):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_ep.flax import shard_params, shard_state
+    from jax_ep.flax import compilations, shard_params, shard_state
 
     args = train_moe.parse_args([])
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -58,7 +58,7 @@ def run(setup, steps, train_moe, jax):
 
     rng = np.random.default_rng(0)
     seconds = []
-    with jax.set_mesh(mesh), common.compilations("step") as compiled:
+    with jax.set_mesh(mesh), compilations("step") as compiled:
         for _ in range(steps):
             host = rng.integers(0, 256, (args.batch, args.seq + 1)).astype(np.int32)
             batch = jax.device_put(host, NamedSharding(mesh, P(("data", "expert"))))

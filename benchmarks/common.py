@@ -8,7 +8,6 @@ fall back to plain text and plots are skipped with a message.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import datetime
 import json
@@ -18,7 +17,7 @@ import statistics
 import time
 
 __all__ = ["keep_host_heap", "force_cpu_devices", "cpu_mesh", "add_ep_args", "make_routing",
-           "compilations", "time_fn", "time_round_robin", "print_table",
+           "time_fn", "time_round_robin", "print_table",
            "write_json", "env_info", "bar_plot", "line_plot", "fmt_bytes"]
 
 
@@ -117,28 +116,6 @@ def make_routing(rng, num_tokens, top_k, num_experts, kind, zipf=1.0):
 
 
 # What jax.monitoring reports once per executable a jit builds (fun_name="jit(<name>)").
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def compilations(fun_name: str):
-    """Collects the XLA compilations of jitted functions named fun_name inside the block:
-    yields a list that gets each one's duration in seconds (the public jax.monitoring
-    listeners; tests/test_training.py counts the same way)."""
-    import jax
-    seen = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT and kwargs.get("fun_name") == f"jit({fun_name})":
-            seen.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def time_fn(fn, *args, warmup: int = 2, iters: int = 10, jit: bool = True,
             keep_output: bool = False):
     """Median wall time of fn(*args) in seconds (jitted unless jit=False), after `warmup`

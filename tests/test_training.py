@@ -3,7 +3,6 @@ Explicit mesh axes, for a small model with an embedding, an MoE layer and non-tr
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -16,30 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.flax import MoELayer, shard_state
+from jax_ep.flax import MoELayer, compilations, shard_state
 
 TOKENS = ("data", "expert")
-# What jax.monitoring reports once per executable a jit builds (fun_name="jit(<name>)").
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def compilations(fun_name):
-    """Collects the XLA compilations of jitted functions named fun_name inside the block:
-    yields a list that gets each one's duration in seconds. Counted through the public
-    jax.monitoring listeners, so every executable jit builds for fun_name is seen, whether
-    XLA compiles it or the persistent compilation cache hands it back."""
-    seen = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT and kwargs.get("fun_name") == f"jit({fun_name})":
-            seen.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 class TinyLM(nnx.Module):

@@ -11,7 +11,7 @@ from jax_ep.flax.moe import (
     swiglu_experts,
 )
 from jax_ep.flax.moe_config import MoEConfig
-from jax_ep.flax.training import shard_state
+from jax_ep.flax.training import compilations, shard_state
 
 __all__ = [
     "DispatchState",
@@ -19,6 +19,7 @@ __all__ = [
     "MoEConfig",
     "MoEFlexTokenDispatcher",
     "MoELayer",
+    "compilations",
     "dense_forward",
     "expert_tile_rows",
     "shard_params",

@@ -5,10 +5,12 @@ A jitted train step returns every nnx.Variable it updates laid out by its shardi
 the mesh where it has none. State made outside jit sits elsewhere: `nnx.Optimizer`'s step
 counter and optax's `count` start on one device, so step 1 compiles for those inputs and
 step 2, getting the mesh-wide outputs of step 1 back, compiles again. `shard_state` puts
-everything there before step 1, so every step runs the first step's executable.
+everything there before step 1, so every step runs the first step's executable; `compilations` counts them to show it.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import numpy as np
@@ -16,7 +18,35 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["shard_state"]
+__all__ = ["compilations", "shard_state"]
+
+# What jax.monitoring reports once per executable a jit builds (fun_name="jit(<name>)").
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compilations(fun_name: str):
+    """Collects the executables jit builds for functions named `fun_name` inside the block:
+    yields a list that gets each one's build time in seconds (len = how many). Counted through
+    the public jax.monitoring listeners, so every executable is seen, whether XLA compiles it
+    or the persistent compilation cache hands it back.
+
+        with compilations("train_step") as built:
+            for batch in batches:
+                train_step(model, optimizer, batch)
+        assert len(built) == 1
+    """
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE_EVENT and kwargs.get("fun_name") == f"jit({fun_name})":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _on_host(value):
