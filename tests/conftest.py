@@ -39,8 +39,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "jax_ep"))
 NUM_DEVICES = 8
 
 # With JAX_EP_EMU_LAUNCH_LOG=PREFIX (and the emulated CUDA handlers built), each test's emulated
-# kernel launches, by kernel instance, go to PREFIX.<xdist worker> as one JSON line per test
-# (.ci/emu_launches.py sums them up): the coverage measure of the emulated-CUDA stage.
+# kernel launches, by kernel instance, go to PREFIX.<xdist worker> as one JSON line per test;
+# `.ci/emu_coverage.py launches PREFIX` sums them up (a coverage measure of the emulated stage).
 _LAUNCH_LOG = os.environ.get("JAX_EP_EMU_LAUNCH_LOG")
 
 
