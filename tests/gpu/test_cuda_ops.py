@@ -395,7 +395,7 @@ def _unpermute_inputs(rng, N, T, H, dtype, invalid=True, hot=True):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("H", [128, 7, 12, 4096])
+@pytest.mark.parametrize("H", [128, 7, 6, 12, 4096])  # 6: 2-element vectors in bf16/fp16
 @pytest.mark.parametrize("weighted", [False, True])
 def test_unpermute(dtype, H, weighted):
     rng = np.random.default_rng(H * 3 + weighted)
