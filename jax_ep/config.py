@@ -74,7 +74,8 @@ class TokenDispatcherConfig:
       expert_axis_name: the mesh axis experts are sharded over, or a (node_axis, local_axis)
         pair (the dispatch then runs DeepEP's two hops, see jax_ep.deepep.dispatch).
       transport: "auto", "all_to_all" or "ragged" (see jax_ep.transport).
-      num_worst_tokens: receive rows per rank for deepep modes (None: the no-drop worst case).
+      num_worst_tokens: receive rows per rank for deepep modes (None: the no-drop worst case);
+        not with moe_deepep_async_dispatch.
       num_permuted_tokens: permuted rows per rank for hybridep. None (default): the no-drop
         worst case P*T'*min(K, L) + L*(pad - 1) (T' the local token count equalised to a
         multiple of 4, L local experts, pad = moe_router_expert_pad_multiple or 1), or
@@ -151,6 +152,9 @@ class TokenDispatcherConfig:
                  "ragged_buffer_factor", "None with moe_deepep_async_dispatch=True (the "
                  "chunked overlap sizes its buffers per chunk for no drop)",
                  self.ragged_buffer_factor)
+        _require(self.num_worst_tokens is None or not self.moe_deepep_async_dispatch,
+                 "num_worst_tokens", "None with moe_deepep_async_dispatch=True (the chunked "
+                 "overlap sizes its buffers per chunk for no drop)", self.num_worst_tokens)
         _require(not self.moe_fp8_dispatch or not self.moe_deepep_async_dispatch,
                  "moe_fp8_dispatch", "False with moe_deepep_async_dispatch=True (the chunked "
                  "overlap moves rows in their own dtype)", self.moe_fp8_dispatch)

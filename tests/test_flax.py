@@ -58,9 +58,13 @@ def test_config_rejects_bad_values_naming_the_field(field, value):
         jax_ep.TokenDispatcherConfig(**{field: value})
 
 
-def test_ragged_buffer_factor_refuses_the_chunked_overlap():
-    with pytest.raises(ValueError, match="ragged_buffer_factor"):
-        jax_ep.TokenDispatcherConfig(ragged_buffer_factor=1.5, moe_deepep_async_dispatch=True)
+@pytest.mark.parametrize("field, value", [("ragged_buffer_factor", 1.5),
+                                          ("num_worst_tokens", 64)])
+def test_buffer_bounds_refuse_the_chunked_overlap(field, value):
+    """The chunked overlap sizes its own buffers: a bound it would not apply is an error."""
+    with pytest.raises(ValueError, match=field):
+        jax_ep.TokenDispatcherConfig(**{field: value, "moe_deepep_async_dispatch": True})
+    jax_ep.TokenDispatcherConfig(**{field: value})  # alone it is fine
 
 
 def test_config_takes_numpy_scalars_as_python_numbers():
