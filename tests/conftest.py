@@ -46,17 +46,17 @@ _LAUNCH_LOG = os.environ.get("JAX_EP_EMU_LAUNCH_LOG")
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    if not _LAUNCH_LOG:
+        yield
+        return
     from jax_ep import _ffi
 
-    counting = _LAUNCH_LOG and _ffi.WITH_CUDA_EMU
-    if counting:
-        _ffi.emulated_cuda_launch_counts(reset=True)
+    _ffi.emulated_cuda_launch_counts(reset=True)
     yield
-    if counting:
-        launches = _ffi.emulated_cuda_launch_counts(reset=True)
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        with open(f"{_LAUNCH_LOG}.{worker}", "a") as log:
-            log.write(json.dumps({"test": item.nodeid, "launches": launches}) + "\n")
+    launches = _ffi.emulated_cuda_launch_counts(reset=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(f"{_LAUNCH_LOG}.{worker}", "a") as log:
+        log.write(json.dumps({"test": item.nodeid, "launches": launches}) + "\n")
 
 
 @pytest.fixture
