@@ -53,12 +53,12 @@ def _rows(x, input_splits, axis_name, num_recv, capacity):
     """x [S, ...] -> [num_recv, ...]: blocks of input_splits rows to each rank, no block
     longer than `capacity`."""
     rank, _ = tp.axis_rank_and_size(axis_name)
-    count_matrix = tp.exchange_counts(input_splits, axis_name)
+    transport = tp.resolve_transport("auto")
+    count_matrix = tp.exchange_counts(input_splits, axis_name, transport)
     plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
     row_map = jnp.arange(x.shape[0], dtype=jnp.int32)
     return tp.send_rows(x, row_map, plan, num_recv=num_recv, capacity=capacity,
-                        axis_name=axis_name, transport=tp.resolve_transport("auto"),
-                        impl="ffi")
+                        axis_name=axis_name, transport=transport, impl="ffi")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

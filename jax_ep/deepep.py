@@ -337,8 +337,8 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
     counts = jnp.stack([
         ops.get_dispatch_layout(topk_idx[s:e], num_experts=num_experts, num_ranks=num_ranks,
                                 impl=impl)[0] for s, e in bounds])
-    count_matrix = tp.exchange_counts(counts, axis_name)  # [P_src, chunks, P_dst]
     transport = tp.resolve_transport(transport)
+    count_matrix = tp.exchange_counts(counts, axis_name, transport)  # [P_src, chunks, P_dst]
     outputs = []
     for i, (s, e) in enumerate(bounds):
         if s == e:

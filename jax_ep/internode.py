@@ -134,7 +134,7 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
                                    num_ranks=num_ranks, num_local_experts=num_local, impl=impl)
     if count_matrix is None:
         counts = layout.send_counts if send_counts is None else send_counts
-        count_matrix = tp.exchange_counts(counts, axis_name)
+        count_matrix = tp.exchange_counts(counts, axis_name, transport)
     plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
     # Compact rows past a destination's capacity are dropped (highest token index first).
     row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)
@@ -213,7 +213,7 @@ def plan_local_hop(recv_idx, source_node, *, num_nodes, num_local_experts, local
     sub = jnp.where(valid & (node < num_nodes), node * num_local + dest, num_nodes * num_local)
     counts = jnp.zeros((num_nodes * num_local,), jnp.int32).at[sub].add(1, mode="drop")
     counts = counts.reshape(num_nodes, num_local)  # [N_src, G_dst] of this forwarder
-    gathered = tp.exchange_counts(counts, local_axis)  # [G_fwd, N_src, G_dst]
+    gathered = tp.exchange_counts(counts, local_axis, transport)  # [G_fwd, N_src, G_dst]
     # The flat count matrix of this node's destinations, sources in global rank order.
     flat = jnp.swapaxes(gathered, 0, 1).reshape(num_nodes * num_local, num_local)
     kept = jnp.minimum(flat, capacity)
@@ -348,13 +348,24 @@ def two_hop_axes(axis_name, hierarchical=None):
 
 def resolve_transports(transport, two_hop):
     """transport (one name, or a (node hop, local hop) pair) -> (node, local) resolved names
-    for two hops, or one name for a flat exchange (a pair's node-hop name)."""
-    pair = transport if isinstance(transport, (tuple, list)) else (transport, transport)
+    for two hops, or one name for a flat exchange (a pair's node-hop name).
+
+    The node hop of two hops stays on XLA collectives: one name "peer" (or "auto") serves the
+    local hop with "peer" and the node hop with "auto"'s XLA choice; a pair naming "peer" for
+    the node hop is refused."""
+    is_pair = isinstance(transport, (tuple, list))
+    pair = transport if is_pair else (transport, transport)
     if len(pair) != 2:
         raise ValueError(f"transport: expected a name or a (node hop, local hop) pair, got "
                          f"{transport!r}")
-    resolved = tuple(tp.resolve_transport(t) for t in pair)
-    return resolved if two_hop else resolved[0]
+    if not two_hop:
+        return tp.resolve_transport(pair[0])
+    if is_pair and pair[0] == "peer":
+        raise ValueError("transport: the node hop of a two-hop exchange stays on XLA "
+                         "collectives ('all_to_all', 'ragged' or 'auto'); 'peer' may serve the "
+                         "local hop, e.g. transport=('auto', 'peer')")
+    node = tp.resolve_transport("auto" if pair[0] == "peer" else pair[0], peer_ok=False)
+    return node, tp.resolve_transport(pair[1])
 
 
 def two_hop_plan(topk_idx, num_experts, axes, *, transports, impl, capacity=None,

@@ -170,10 +170,7 @@ def _plan(topk_idx, num_experts, tmax, axis_name, transport, impl):
     send_expert = jnp.where(local >= 0, dest * num_local + local, -1).reshape(-1)
     slot = jnp.where(send_expert >= 0, send_expert * tmax + j.reshape(-1), -1)
     send_token = jnp.where(slot >= 0, jnp.take(slot_token, jnp.clip(slot, 0)), -1)
-    counts = send_counts
-    if num_ranks > 1:
-        counts = jax.ad_checkpoint.checkpoint_name(
-            jax.lax.all_to_all(counts, axis_name, 0, 0), tp.COUNTS_NAME)  # [P_src, L]
+    counts = tp.exchange_rows(send_counts, axis_name, transport, tp.COUNTS_NAME)  # [P_src, L]
     send_sizes, recv_sizes = send_counts.sum(axis=1), counts.sum(axis=1)
     src_token = tp.exchange_blocks(send_token, send_sizes, recv_sizes, capacity=capacity,
                                    axis_name=axis_name, transport=transport, name="ep_src_info")

@@ -11,8 +11,14 @@ Transports:
   "all_to_all" - `jax.lax.all_to_all` of a [P, C, ...] padded buffer, C rows per destination
                  (every backend, XLA:CPU included);
   "ragged"     - `jax.lax.ragged_all_to_all` of exactly the used rows (GPU/TPU only);
-  "auto"       - ragged on GPU/TPU, all_to_all on CPU.
-Both give identical results. The collectives are tagged with `checkpoint_name` ("ep_counts",
+  "peer"       - jax_ep's own exchange among the devices of this process (the FFI target
+                 jax_ep_peer_exchange, xla_ffi/peer.cc): each receiver copies exactly its rows
+                 straight out of the senders' buffers (the send packing fused into the copy),
+                 counts and small tables included, so a dispatch runs no XLA collective. Every
+                 mesh axis must be manual in the enclosing shard_map and every device in this
+                 process;
+  "auto"       - peer on CPU in a single process, else ragged on GPU/TPU, all_to_all on CPU.
+All give identical results (ragged and peer also leave the rows nobody sends zero). The collectives are tagged with `checkpoint_name` ("ep_counts",
 "ep_dispatch", "ep_combine") so remat policies can save or recompute them by name.
 
 Backends (`check_backend`): "deepep" and its alias "uccl_ep" run the FFI kernels for the
@@ -21,6 +27,9 @@ layouts, packing and reductions around the wire, "alltoall" the XLA reference op
 
 from __future__ import annotations
 
+import itertools
+import math
+import os
 from functools import partial
 from typing import NamedTuple
 
@@ -42,6 +51,9 @@ __all__ = [
     "from_bits",
     "ExchangePlan",
     "exclusive_cumsum",
+    "exchange_rows",
+    "PEER_TIMEOUT_ENV",
+    "peer_unavailable",
     "axis_rank_and_size",
     "exchange_blocks",
     "exchange_counts",
@@ -54,7 +66,7 @@ __all__ = [
     "send_rows",
 ]
 
-TRANSPORTS = ("auto", "all_to_all", "ragged")
+TRANSPORTS = ("auto", "all_to_all", "ragged", "peer")
 BACKENDS = ("deepep", "alltoall", "uccl_ep")
 _IMPL_OF_BACKEND = {"deepep": "ffi", "uccl_ep": "ffi", "alltoall": "xla"}
 COUNTS_NAME = "ep_counts"
@@ -62,17 +74,55 @@ DISPATCH_NAME = "ep_dispatch"
 COMBINE_NAME = "ep_combine"
 
 
-def resolve_transport(transport: str) -> str:
-    """"auto" -> "ragged" on GPU/TPU, "all_to_all" on CPU (the platform of the mesh's devices,
-    so a CPU mesh on a GPU host gets "all_to_all"); checks the name."""
+PEER_TIMEOUT_ENV = "JAX_EP_PEER_TIMEOUT_S"
+DEFAULT_PEER_TIMEOUT_S = 60.0
+_peer_op_ids = itertools.count(1)
+# Platforms with a peer handler: XLA:CPU always, CUDA GPUs when the CUDA handlers were built.
+_PEER_PLATFORMS = ("cpu", "gpu", "cuda") if _ffi.WITH_CUDA else ("cpu",)
+
+
+def peer_unavailable() -> str | None:
+    """Why the "peer" transport cannot run in the program being traced, or None when it can:
+    it needs every device of the mesh in this process and every mesh axis manual (inside
+    `jax.shard_map` over all of them), since the devices find their peers by mesh position."""
+    if jax.process_count() > 1:
+        return (f"this is one of {jax.process_count()} processes (jax.distributed): the peer "
+                "transport reads peers' buffers inside one process only; across processes use "
+                "'all_to_all' or 'ragged' (docs/peer_transport.md)")
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.manual_axes:
+        return "it runs inside jax.shard_map only (the mesh names the peers), not under vmap"
+    auto = [a for a, n in zip(mesh.axis_names, mesh.axis_sizes)
+            if n > 1 and a not in mesh.manual_axes]
+    if auto:
+        return (f"mesh axes {auto} are not manual in the enclosing jax.shard_map: the peer "
+                "transport needs every axis manual (the devices find their peers by mesh "
+                "position)")
+    return None
+
+
+def resolve_transport(transport: str, peer_ok: bool = True) -> str:
+    """"auto" -> "peer" where it can run (CPU, or CUDA with the CUDA handlers built; one process,
+    every mesh axis manual), else "ragged" on GPU/TPU and "all_to_all" on CPU (the platform of
+    the mesh's devices, so a CPU mesh on a GPU host gets a CPU transport). Checks the name, and
+    that "peer" / "ragged" can run here. peer_ok=False: "auto" never picks "peer" and "peer"
+    is refused (the node hop of two hops)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     platform = _ffi.trace_platform()
     if transport == "auto":
+        if peer_ok and platform in _PEER_PLATFORMS and not peer_unavailable():
+            return "peer"
         return "all_to_all" if platform == "cpu" else "ragged"
+    if transport == "peer" and not peer_ok:
+        raise ValueError("transport: 'peer' cannot serve this exchange (the node hop of a "
+                         "two-hop exchange stays on XLA collectives)")
     if transport == "ragged" and platform == "cpu":
         raise ValueError("transport: 'ragged' (ragged_all_to_all) is not supported by XLA:CPU; "
-                         "use 'all_to_all' or 'auto'")
+                         "use 'all_to_all', 'peer' or 'auto'")
+    if transport == "peer" and (why := peer_unavailable() or (
+            None if platform in _PEER_PLATFORMS else f"no peer handler for {platform!r}")):
+        raise ValueError(f"transport: 'peer' cannot run here: {why}")
     return transport
 
 
@@ -94,13 +144,33 @@ def axis_rank_and_size(axis_name):
     return rank, size
 
 
-def exchange_counts(send_counts, axis_name):
+def exchange_counts(send_counts, axis_name, transport="all_to_all"):
     """send_counts i32[..., P] on every rank -> the count matrix i32[P_src, ..., P_dst] of the
-    whole axis, one all_gather (the only count exchange of a dispatch)."""
-    _, size = axis_rank_and_size(axis_name)
+    whole axis: one all_gather (the only count exchange of a dispatch), or one peer call."""
+    rank, size = axis_rank_and_size(axis_name)
     if size == 1:
         return send_counts[None]
-    return checkpoint_name(jax.lax.all_gather(send_counts, axis_name), COUNTS_NAME)
+    if transport != "peer":
+        return checkpoint_name(jax.lax.all_gather(send_counts, axis_name), COUNTS_NAME)
+    ids = jnp.arange(size, dtype=jnp.int32)
+    out, _ = _peer(send_counts.reshape(1, -1), jnp.zeros((size,), jnp.int32), ids,
+                   jnp.ones((size,), jnp.int32), jnp.full((size,), rank, jnp.int32),
+                   out_rows=size, axis_name=axis_name, name=COUNTS_NAME)
+    return out.reshape((size,) + send_counts.shape)
+
+
+def exchange_rows(x, axis_name, transport, name):
+    """x [P, ...]: row p goes to rank p -> [P, ...], row q from rank q (`jax.lax.all_to_all`
+    over the leading axis, or one peer call)."""
+    rank, size = axis_rank_and_size(axis_name)
+    if size == 1:
+        return x
+    if transport != "peer":
+        return checkpoint_name(jax.lax.all_to_all(x, axis_name, 0, 0), name)
+    ids = jnp.arange(size, dtype=jnp.int32)
+    out, _ = _peer(x, ids, ids, jnp.ones((size,), jnp.int32), jnp.full((size,), rank, jnp.int32),
+                   out_rows=size, axis_name=axis_name, name=name)
+    return out
 
 
 def with_transpose(forward, transpose):
@@ -253,21 +323,55 @@ def _ragged(rows, out_rows, in_offsets, in_sizes, out_offsets, out_sizes, axis_n
     return checkpoint_name(from_bits(out, rows.dtype), name)
 
 
+def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, axis_name, name):
+    """One peer exchange (xla_ffi/peer.cc): this rank's rows for rank q are src[row_map[j]]
+    for j in send_offsets[q] + [0, send_counts[q]) (a zero row where row_map[j] is outside
+    src), landing at rows dest_offsets[q] onward of q's output [out_rows, ...] (src's dtype
+    and row shape; rows nobody writes are zero). Returns (output, recv_counts i32[P])."""
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    others = tuple(a for a in mesh.axis_names if a not in axes and sizes[a] > 1)
+    rank = jax.lax.axis_index(axes if len(axes) > 1 else axes[0])
+    group = jax.lax.axis_index(others) if others else jnp.zeros((), jnp.int32)
+    num_ranks = math.prod(sizes[a] for a in axes)
+    timeout_s = float(os.environ.get(PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S))
+    i32 = jnp.int32
+    out, recv_counts = _ffi.call(
+        "jax_ep_peer_exchange",
+        (jax.ShapeDtypeStruct((out_rows,) + src.shape[1:], src.dtype),
+         jax.ShapeDtypeStruct((num_ranks,), i32)),
+        src, row_map.astype(i32), send_offsets.astype(i32), send_counts.astype(i32),
+        dest_offsets.astype(i32), jnp.stack([rank, group]).astype(i32),
+        op_id=next(_peer_op_ids), num_ranks=num_ranks, num_devices=mesh.size,
+        timeout_ms=max(1, round(timeout_s * 1000)), axis=str(axis_name))
+    return checkpoint_name(out, name), recv_counts
+
+
+def _compact(transport, size):
+    """Whether the exchange moves only the used rows into a compact layout (ragged, peer)."""
+    return size > 1 and transport in ("ragged", "peer")
+
+
 def exchange_blocks(buf, send_sizes, recv_sizes, *, capacity, axis_name, transport, name):
-    """Fixed blocks of C rows to every rank, moving only the used rows on "ragged".
+    """Fixed blocks of C rows to every rank, moving only the used rows on "ragged" / "peer".
 
     buf [P*C, ...]: block p (rows p*C ...) goes to rank p and holds send_sizes[p] used rows
     first, zero rows after them. Returns [P*C, ...], block q what rank q sent here
-    (recv_sizes[q] used rows first). "all_to_all" moves the whole blocks; "ragged" only the
-    used rows, into the same slots, the rest staying zero: both give the same buffer.
+    (recv_sizes[q] used rows first). "all_to_all" moves the whole blocks; "ragged" and "peer"
+    only the used rows, into the same slots, the rest staying zero: all give the same buffer.
     """
     rank, size = axis_rank_and_size(axis_name)
     if size == 1:
         return buf
-    if transport != "ragged":
+    if not _compact(transport, size):
         return _all_to_all(buf, axis_name, size, capacity, name)
     starts = jnp.arange(size, dtype=jnp.int32) * capacity
     here = jnp.full((size,), rank * capacity, jnp.int32)
+    if transport == "peer":
+        rows = jnp.arange(buf.shape[0], dtype=jnp.int32)
+        return _peer(buf, rows, starts, send_sizes, here, out_rows=buf.shape[0],
+                     axis_name=axis_name, name=name)[0]
     return _ragged(buf, buf.shape[0], starts, send_sizes.astype(jnp.int32), here,
                    recv_sizes.astype(jnp.int32), axis_name, name)
 
@@ -281,10 +385,15 @@ def receive_buffer(src, row_map, plan, *, num_recv, capacity, axis_name, transpo
     permute reads the buffer directly); `send_rows` compacts it.
     """
     _, size = axis_rank_and_size(axis_name)
-    if size > 1 and transport == "ragged":
-        rows = ops.gather_rows(src, row_map, impl=impl)
-        buffer = _ragged(rows, num_recv, plan.send_offsets, plan.send_counts,
-                         plan.remote_recv_offsets, plan.recv_counts, axis_name, DISPATCH_NAME)
+    if _compact(transport, size):
+        if transport == "peer":  # the receivers read src through row_map: no send packing
+            buffer, _ = _peer(src, row_map, plan.send_offsets, plan.send_counts,
+                              plan.remote_recv_offsets, out_rows=num_recv, axis_name=axis_name,
+                              name=DISPATCH_NAME)
+        else:
+            buffer = _ragged(ops.gather_rows(src, row_map, impl=impl), num_recv,
+                             plan.send_offsets, plan.send_counts, plan.remote_recv_offsets,
+                             plan.recv_counts, axis_name, DISPATCH_NAME)
         r = jnp.arange(num_recv, dtype=jnp.int32)
         return buffer, jnp.where(r < plan.recv_counts.sum(), r, -1)
     slot_rows = _block_slots(plan.send_counts, plan.send_offsets, capacity)
@@ -300,21 +409,21 @@ def send_rows(src, row_map, plan, *, num_recv, capacity, axis_name, transport, i
     (grouped by source rank ascending, zero rows past the received ones)."""
     buffer, slot = receive_buffer(src, row_map, plan, num_recv=num_recv, capacity=capacity,
                                   axis_name=axis_name, transport=transport, impl=impl)
-    if axis_rank_and_size(axis_name)[1] > 1 and transport == "ragged":
+    if _compact(transport, axis_rank_and_size(axis_name)[1]):
         return buffer  # already compact
     return ops.gather_rows(buffer, slot, impl=impl)
 
 
 def return_buffer_size(num_send, capacity, num_ranks, transport):
     """Rows of the buffer `return_rows` sends from: P*C padded, or the compact send size."""
-    return num_send if (num_ranks > 1 and transport == "ragged") else num_ranks * capacity
+    return num_send if _compact(transport, num_ranks) else num_ranks * capacity
 
 
 def return_slots(plan, *, num_recv, capacity, axis_name, transport):
     """i32[num_recv]: where each compact receive row goes in the buffer `return_rows` sends
     (-1: nowhere), so a producer can write that buffer directly."""
     _, size = axis_rank_and_size(axis_name)
-    if size > 1 and transport == "ragged":
+    if _compact(transport, size):
         r = jnp.arange(num_recv, dtype=jnp.int32)
         return jnp.where(r < plan.recv_counts.sum(), r, -1)
     return _compact_slots(plan.recv_counts, plan.recv_offsets, capacity, num_recv)
@@ -331,9 +440,14 @@ def return_rows(y, send_map, plan, *, num_send, capacity, axis_name, transport, 
     Reducing rows by owner (`ops.unpermute`) finishes a combine.
     """
     _, size = axis_rank_and_size(axis_name)
-    if size > 1 and transport == "ragged":
-        rows = _ragged(y, num_send, plan.recv_offsets, plan.recv_counts,
-                       plan.remote_send_offsets, plan.send_counts, axis_name, COMBINE_NAME)
+    if _compact(transport, size):
+        if transport == "peer":
+            rows, _ = _peer(y, jnp.arange(y.shape[0], dtype=jnp.int32), plan.recv_offsets,
+                            plan.recv_counts, plan.remote_send_offsets, out_rows=num_send,
+                            axis_name=axis_name, name=COMBINE_NAME)
+        else:
+            rows = _ragged(y, num_send, plan.recv_offsets, plan.recv_counts,
+                           plan.remote_send_offsets, plan.send_counts, axis_name, COMBINE_NAME)
         j = jnp.arange(num_send, dtype=jnp.int32)
         p = jnp.clip(jnp.searchsorted(plan.send_offsets, j, side="right") - 1, 0, size - 1)
         sent = (j - plan.send_offsets[p]) < plan.send_counts[p]

@@ -108,8 +108,9 @@ def test_ragged_is_refused_on_cpu():
 
 def test_auto_follows_the_mesh_devices_not_the_default_backend(monkeypatch):
     # On a GPU host (default backend patched to "gpu"), "auto" inside shard_map over CPU
-    # devices must still pick all_to_all (XLA:CPU has no ragged_all_to_all); where no mesh
-    # says (vmap, outside shard_map) it follows the default backend.
+    # devices must still pick a CPU transport (peer: every device is in this process; never
+    # ragged, which XLA:CPU lacks); where no mesh says (vmap, outside shard_map) it follows
+    # the default backend.
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     seen = {}
 
@@ -126,7 +127,7 @@ def test_auto_follows_the_mesh_devices_not_the_default_backend(monkeypatch):
         return x
 
     jax.vmap(g, axis_name=AXIS)(jnp.zeros((4, 2)))
-    assert seen == {"shard_map": "all_to_all", "vmap": "ragged"}
+    assert seen == {"shard_map": "peer", "vmap": "ragged"}
 
 
 @pytest.mark.parametrize("num_ranks,T,tmax,K,E,fp8", [(4, 5, 6, 3, 16, False),

@@ -1,0 +1,181 @@
+// The host-side meeting of the peer exchange (peer.cc, peer.cu): the devices of one process
+// that run one SPMD program meet at each exchange, publish a pointer to what they share, and
+// meet again once every receiver has read its peers.
+//
+// XLA's FFI gives a handler the run id (one per execution, the same on every device) and the
+// device ordinal, but nothing that names the instruction: the op id is a static attribute
+// from Python, and a call that runs several times in one execution (a loop, scan over layers,
+// a remat replay) runs once per occurrence on every device, in the same order. So a meeting is
+// keyed by (run id, op id), and each device joins the oldest meeting of that key it has not
+// joined yet: the n-th occurrence on one device meets the n-th on the others.
+//
+// Nothing waits forever: a meeting that does not fill within its bound fails, every waiting
+// device returns an error naming who did not arrive, and a device that arrives later fails
+// at once (the failed meeting is kept for kFailedMeetingLifetime).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace jax_ep::peer {
+
+using Clock = std::chrono::steady_clock;
+
+// How long a failed meeting stays to fail its late arrivals at once.
+constexpr std::chrono::seconds kFailedMeetingLifetime{120};
+
+// One exchange: `size` devices, each publishing one pointer.
+struct Meeting {
+  explicit Meeting(int size) : size(size) {}
+
+  const int size;
+  std::vector<int32_t> devices;       // device ordinals, in arrival order
+  std::vector<const void*> published;  // what each of them published
+  int done = 0;                        // devices that finished reading their peers
+  int left = 0;                        // devices that passed the second meeting
+  bool failed = false;
+  std::string failure;
+  Clock::time_point failed_at;
+
+  bool Has(int32_t device) const {
+    return std::find(devices.begin(), devices.end(), device) != devices.end();
+  }
+};
+
+// The process-wide table of open meetings.
+class Rendezvous {
+ public:
+  using Key = std::pair<int64_t, int64_t>;  // (run id, op id)
+
+  static Rendezvous& Global() {
+    static Rendezvous* rendezvous = new Rendezvous();  // never destroyed: handlers may run late
+    return *rendezvous;
+  }
+
+  // Joins this device's next meeting of `key`, publishes `mine` and waits until `size`
+  // devices have arrived. Returns the meeting, or null with *error set (timed out: the
+  // arrived devices are listed by `describe_missing`, given them; or the meeting had failed).
+  template <typename DescribeMissing>
+  std::shared_ptr<Meeting> Arrive(Key key, int32_t device, int size, const void* mine,
+                                  Clock::duration bound, DescribeMissing describe_missing,
+                                  std::string* error) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    std::shared_ptr<Meeting> meeting = NextMeeting(key, device, size);
+    if (meeting->failed) {
+      *error = "an earlier device gave up on this exchange: " + meeting->failure;
+      return nullptr;
+    }
+    if (meeting->size != size) {
+      *error = "this device expects " + std::to_string(size) + " devices, another " +
+               std::to_string(meeting->size) + " (the same program on every device?)";
+      return nullptr;
+    }
+    meeting->devices.push_back(device);
+    meeting->published.push_back(mine);
+    if (int(meeting->devices.size()) == size) changed_.notify_all();
+    const Clock::time_point deadline = Clock::now() + bound;
+    const bool full = changed_.wait_until(lock, deadline, [&] {
+      return meeting->failed || int(meeting->devices.size()) == size;
+    });
+    if (meeting->failed) {
+      *error = meeting->failure;
+      return nullptr;
+    }
+    if (!full) {
+      Fail(*meeting, "timed out after " + Seconds(bound) + " s: " +
+                         std::to_string(meeting->devices.size()) + "/" + std::to_string(size) +
+                         " devices arrived; " + describe_missing(*meeting));
+      *error = meeting->failure;
+      return nullptr;
+    }
+    return meeting;
+  }
+
+  // The second meeting: this device has read its peers; waits until every device has, so
+  // that no buffer is released while a peer still reads it. False with *error on a timeout.
+  bool Depart(Key key, const std::shared_ptr<Meeting>& meeting, Clock::duration bound,
+              std::string* error) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (++meeting->done == meeting->size) changed_.notify_all();
+    const bool all = changed_.wait_until(lock, Clock::now() + bound, [&] {
+      return meeting->failed || meeting->done == meeting->size;
+    });
+    if (!all && !meeting->failed) {
+      Fail(*meeting, "timed out after " + Seconds(bound) + " s waiting for " +
+                         std::to_string(meeting->size - meeting->done) +
+                         " device(s) to finish reading");
+    }
+    if (meeting->failed) {
+      *error = meeting->failure;
+      return false;
+    }
+    if (++meeting->left == meeting->size) Remove(key, meeting);
+    return true;
+  }
+
+ private:
+  Rendezvous() = default;
+
+  static std::string Seconds(Clock::duration d) {
+    const double s = std::chrono::duration<double>(d).count();
+    std::string text = std::to_string(s);
+    return text.substr(0, text.find('.') + 2);
+  }
+
+  void Fail(Meeting& meeting, std::string why) {
+    meeting.failed = true;
+    meeting.failure = std::move(why);
+    meeting.failed_at = Clock::now();
+    changed_.notify_all();
+  }
+
+  // The oldest meeting of `key` that `device` has not joined; a new one if there is none.
+  std::shared_ptr<Meeting> NextMeeting(Key key, int32_t device, int size) {
+    auto found = open_.find(key);
+    if (found != open_.end()) {
+      for (const auto& meeting : found->second) {
+        if (!meeting->Has(device)) return meeting;
+      }
+    }
+    DropExpiredFailures();
+    auto& queue = open_[key];
+    queue.push_back(std::make_shared<Meeting>(size));
+    return queue.back();
+  }
+
+  void Remove(Key key, const std::shared_ptr<Meeting>& meeting) {
+    auto it = open_.find(key);
+    if (it == open_.end()) return;
+    auto& queue = it->second;
+    queue.erase(std::remove(queue.begin(), queue.end(), meeting), queue.end());
+    if (queue.empty()) open_.erase(it);
+  }
+
+  void DropExpiredFailures() {
+    const Clock::time_point now = Clock::now();
+    for (auto it = open_.begin(); it != open_.end();) {
+      auto& queue = it->second;
+      queue.erase(std::remove_if(queue.begin(), queue.end(),
+                                 [&](const std::shared_ptr<Meeting>& m) {
+                                   return m->failed && now - m->failed_at > kFailedMeetingLifetime;
+                                 }),
+                  queue.end());
+      it = queue.empty() ? open_.erase(it) : std::next(it);
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::map<Key, std::deque<std::shared_ptr<Meeting>>> open_;
+};
+
+}  // namespace jax_ep::peer
