@@ -30,6 +30,8 @@ DeepSeek-V3-like routing scaled down (E=256, K=8, smaller H and T), for a unifor
 5. A probe of the emulated wire itself: one jax.lax.all_to_all of the deepep-sized padded
    buffer [P, C=T, H] per rank, in bf16, as the same bits in uint16, and in float32 (XLA:CPU
    widens 16-bit float collectives to f32, which the uint16 row avoids).
+With --transport peer it runs only the transport comparison of benchmarks/bench_transport.py
+(the padded all_to_all vs the peer transport, with a memcpy roof).
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--fp8-modes", default="deepep,alltoall,hybridep",
                    help="comma list of the modes timed bf16 vs use_fp8=True (forward and "
                         "forward+backward, the first routing); '' skips")
+    p.add_argument("--transport", choices=["peer", "all_to_all"], default=None,
+                   help="run only the transport comparison (benchmarks/bench_transport.py): "
+                        "deepep dispatch + combine on all_to_all and peer, with a memcpy roof")
+    p.add_argument("--hiddens", default="7168,2048",
+                   help="comma list of hidden sizes of the --transport comparison")
     p.add_argument("--modes", default="all",
                    help="comma list of mode name prefixes (sort_a2a, gshard, deepep, "
                         "alltoall, hybridep) or 'all'")
@@ -344,6 +351,9 @@ def _timed(fn, args, a, want=None):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.transport:
+        from benchmarks import bench_transport
+        return bench_transport.run(a)
     if a.hidden % 128:
         sys.exit("--hidden must be a multiple of 128 (the FP8 low-latency mode needs it)")
     if a.experts % a.ranks:

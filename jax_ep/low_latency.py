@@ -80,17 +80,18 @@ class LowLatencyHandle:
     cumulative_local_expert_recv_stats: jax.Array | None = None
 
 
-def _exchange(buf, h, name, forward=True):
-    """[P*C, ...] wire blocks to every peer (forward: dispatch direction; else the return)."""
+def _exchange(src, row_map, h, name, forward=True):
+    """src[row_map] as [P*C, ...] wire blocks to every peer (forward: the dispatch direction;
+    else the return), the gather fused into the copy on the peer transport."""
     sizes = (h.send_sizes, h.recv_sizes) if forward else (h.recv_sizes, h.send_sizes)
-    return tp.exchange_blocks(buf, *sizes, capacity=h.capacity, axis_name=h.axis_name,
-                              transport=h.transport, name=name)
+    return tp.exchange_blocks(src, *sizes, capacity=h.capacity, axis_name=h.axis_name,
+                              transport=h.transport, name=name, row_map=row_map, impl=h.impl)
 
 
 def _send(rows, h):
     """rows [T,...] -> [L, P*Tmax, ...]: one copy per slot, compacted per local expert."""
     num_local = h.src_info.shape[0]
-    received = _exchange(ops.gather_rows(rows, h.send_token, impl=h.impl), h, tp.DISPATCH_NAME)
+    received = _exchange(rows, h.send_token, h, tp.DISPATCH_NAME)
     out = ops.gather_rows(received, h.recv_slot, impl=h.impl)
     return out.reshape((num_local, -1) + rows.shape[1:])
 
@@ -98,8 +99,7 @@ def _send(rows, h):
 def _return(y, h):
     """y [L, P*Tmax, ...] -> [P*C, ...] back in this rank's wire rows."""
     flat = y.reshape((-1,) + y.shape[2:])
-    return _exchange(ops.gather_rows(flat, h.return_slot, impl=h.impl), h, tp.COMBINE_NAME,
-                     forward=False)
+    return _exchange(flat, h.return_slot, h, tp.COMBINE_NAME, forward=False)
 
 
 def _sum_back(y, h):
@@ -130,7 +130,7 @@ def _ll_combine_rows_bwd(residuals, d_out):
     d_rows = ops.gather_rows(d_out, h.send_token, impl=h.impl).astype(jnp.float32)
     d_slot_weights = (d_rows * back.astype(jnp.float32)).sum(axis=-1)
     scaled = (d_rows * slot_weights[:, None]).astype(d_out.dtype)
-    received = _exchange(scaled, h, tp.DISPATCH_NAME)
+    received = _exchange(scaled, None, h, tp.DISPATCH_NAME)
     num_local = h.src_info.shape[0]
     d_y = ops.gather_rows(received, h.recv_slot, impl=h.impl)
     return d_y.reshape((num_local, -1) + d_out.shape[1:]), d_slot_weights, None

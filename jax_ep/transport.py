@@ -330,11 +330,15 @@ def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, ax
     and row shape; rows nobody writes are zero). Returns (output, recv_counts i32[P])."""
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     mesh = jax.sharding.get_abstract_mesh()
+    num_ranks = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
+    if row_map.shape[0] == 0:  # static and alike on every rank: nobody sends, so no meeting
+        zeros = jnp.zeros((out_rows,) + src.shape[1:], src.dtype)
+        return (checkpoint_name(_ffi.vary_like(zeros, src, row_map), name),
+                _ffi.vary_like(jnp.zeros((num_ranks,), jnp.int32), src, row_map))
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     others = tuple(a for a in mesh.axis_names if a not in axes and sizes[a] > 1)
     rank = jax.lax.axis_index(axes if len(axes) > 1 else axes[0])
     group = jax.lax.axis_index(others) if others else jnp.zeros((), jnp.int32)
-    num_ranks = math.prod(sizes[a] for a in axes)
     timeout_s = float(os.environ.get(PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S))
     i32 = jnp.int32
     out, recv_counts = _ffi.call(
@@ -353,25 +357,31 @@ def _compact(transport, size):
     return size > 1 and transport in ("ragged", "peer")
 
 
-def exchange_blocks(buf, send_sizes, recv_sizes, *, capacity, axis_name, transport, name):
+def exchange_blocks(src, send_sizes, recv_sizes, *, capacity, axis_name, transport, name,
+                    row_map=None, impl="ffi"):
     """Fixed blocks of C rows to every rank, moving only the used rows on "ragged" / "peer".
 
-    buf [P*C, ...]: block p (rows p*C ...) goes to rank p and holds send_sizes[p] used rows
-    first, zero rows after them. Returns [P*C, ...], block q what rank q sent here
-    (recv_sizes[q] used rows first). "all_to_all" moves the whole blocks; "ragged" and "peer"
-    only the used rows, into the same slots, the rest staying zero: all give the same buffer.
+    The send buffer buf [P*C, ...] is src itself, or src[row_map] (row_map i32[P*C], -1: a
+    zero row; ops.gather_rows with `impl`, fused into the copy on "peer"): block p (rows
+    p*C ...) goes to rank p and holds send_sizes[p] used rows first, zero rows after them.
+    Returns [P*C, ...], block q what rank q sent here (recv_sizes[q] used rows first).
+    "all_to_all" moves the whole blocks; "ragged" and "peer" only the used rows, into the same
+    slots, the rest staying zero: all give the same buffer.
     """
     rank, size = axis_rank_and_size(axis_name)
+    if transport == "peer" and size > 1:
+        rows = jnp.arange(size * capacity, dtype=jnp.int32) if row_map is None else row_map
+        starts = jnp.arange(size, dtype=jnp.int32) * capacity
+        here = jnp.full((size,), rank * capacity, jnp.int32)
+        return _peer(src, rows, starts, send_sizes, here, out_rows=size * capacity,
+                     axis_name=axis_name, name=name)[0]
+    buf = src if row_map is None else ops.gather_rows(src, row_map, impl=impl)
     if size == 1:
         return buf
     if not _compact(transport, size):
         return _all_to_all(buf, axis_name, size, capacity, name)
     starts = jnp.arange(size, dtype=jnp.int32) * capacity
     here = jnp.full((size,), rank * capacity, jnp.int32)
-    if transport == "peer":
-        rows = jnp.arange(buf.shape[0], dtype=jnp.int32)
-        return _peer(buf, rows, starts, send_sizes, here, out_rows=buf.shape[0],
-                     axis_name=axis_name, name=name)[0]
     return _ragged(buf, buf.shape[0], starts, send_sizes.astype(jnp.int32), here,
                    recv_sizes.astype(jnp.int32), axis_name, name)
 

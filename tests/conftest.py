@@ -38,6 +38,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "jax_ep"))
 
 NUM_DEVICES = 8
 
+
+@pytest.fixture
+def padded_auto(monkeypatch):
+    """transport="auto" resolves to the padded all_to_all instead of peer: for the tests whose
+    subject is the program of XLA collectives (shapes, dtypes, groups, bytes on that wire)."""
+    from jax_ep import transport
+
+    real = transport.resolve_transport
+    monkeypatch.setattr(transport, "resolve_transport",
+                        lambda t, peer_ok=True: real(t, peer_ok and t != "auto"))
+
 # With JAX_EP_EMU_LAUNCH_LOG=PREFIX (and the emulated CUDA handlers built), each test's emulated
 # kernel launches, by kernel instance, go to PREFIX.<xdist worker> as one JSON line per test;
 # `.ci/emu_coverage.py launches PREFIX` sums them up (a coverage measure of the emulated stage).

@@ -311,7 +311,7 @@ def _all_to_all_bytes(jaxpr):
 
 
 @pytest.mark.parametrize("T", [4, 3])
-def test_low_latency_rdma_size_hint_is_the_exchanged_bytes(T):
+def test_low_latency_rdma_size_hint_is_the_exchanged_bytes(T, padded_auto):
     # The hint is DeepEP's (no K): blocks of L*Tmax rows. The wire moves blocks of
     # min(L*Tmax, T*min(K, L)) rows: the hint exactly at T = Tmax, K >= L; less below.
     num_ranks, tmax, H, K, E = 4, 4, 256, 2, 8

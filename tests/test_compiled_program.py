@@ -16,6 +16,8 @@ import jax_ep
 from jax_ep import hybridep
 
 NUM_RANKS, T, H, K, E = 4, 6, 16, 2, 8
+# The programs of the padded all_to_all transport ("peer" has its own in test_peer_transport).
+pytestmark = pytest.mark.usefixtures("padded_auto")
 
 
 def _collectives(fn, *arrays):

@@ -104,7 +104,7 @@ def _all_to_alls(text):
             for m in [re.search(r":\s*\((tensor<[^>]*>)", line)] if m]
 
 
-def test_wire_carries_fp8_forward_and_bf16_backward():
+def test_wire_carries_fp8_forward_and_bf16_backward(padded_auto):
     num_ranks = 4
     x, idx, w, w_in, w_out, cot = _inputs(num_ranks)
     mesh = ep_mesh(num_ranks)
@@ -266,7 +266,7 @@ def test_hybridep_gradients_equal_the_non_fp8_path_at_the_round_trip(num_ranks, 
     assert np.abs(np.asarray(d_x, np.float32)).sum() > 0 and np.abs(d_w).sum() > 0
 
 
-def test_hybridep_wire_carries_fp8_forward_and_bf16_backward():
+def test_hybridep_wire_carries_fp8_forward_and_bf16_backward(padded_auto):
     num_ranks = 4
     x, idx, w, w_in, w_out, cot = _inputs(num_ranks)
     mesh = ep_mesh(num_ranks)

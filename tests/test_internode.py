@@ -165,7 +165,7 @@ def _group_size(line, mesh):
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
-def test_compiled_collectives_run_over_node_or_local_groups(shape):
+def test_compiled_collectives_run_over_node_or_local_groups(shape, padded_auto):
     N, G = shape
     P_, T, H, K, E = N * G, 4, 8, 2, 16
     x, idx, w = _case(5, P_, T, H, K, E)

@@ -108,7 +108,7 @@ def test_fp8_dispatch(round_scale, use_ue8m0):
     assert calc_diff(out.astype(np.float32), want) < 9e-4
 
 
-def test_fp8_halves_the_wire_bytes():
+def test_fp8_halves_the_wire_bytes(padded_auto):
     num_ranks, T, tmax, K, E, H = 2, 4, 4, 2, 4, 256
     mesh = ep_mesh(num_ranks)
     rng = np.random.default_rng(4)

@@ -13,19 +13,33 @@
 //   num_devices (every device running the program), axis (its name, for messages),
 //   timeout_ms (the bound of each wait).
 //
-// Each device's call runs on its own thread of XLA:CPU's pool. The devices meet
-// (peer_meeting.h) and publish their arguments; each receiver copies exactly its rows
-// straight from the senders' src into its out, on its own thread; they meet again before any
-// returns, so no src is released while a peer reads it. Every check runs before the copy: a
-// bad argument on any device fails the call on every device with the same message.
+// Never blocking: XLA:CPU runs the thunks of every device's program on one thread pool shared
+// by all devices (as many threads as cores), so a handler that waited for its peers could hold
+// every pool thread while the peers' calls sit in the pool's queue (seen: 2 of 8 devices
+// arrived, on 2 cores, in a training step). So each device publishes its arguments and
+// returns an ffi::Future at once; the device that completes the meeting checks every side,
+// copies every receiver's rows straight from the senders' src into the receiver's out (one
+// task per receiver on XLA's pool, the caller taking part), and only then completes every
+// device's future: no src is released, and no out read, while a peer still copies. A watchdog
+// thread fails a meeting that has not filled within timeout_ms: every device that arrived gets
+// an error naming who did not, and a device that arrives later fails at once. A bad argument
+// on any device fails the call on every device with the same message, before any copy.
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "common.h"
 #include "cpu_util.h"
-#include "peer_meeting.h"
 
 namespace jax_ep {
 namespace {
@@ -43,7 +57,13 @@ struct CpuSide {
   const int32_t* send_offsets = nullptr;
   const int32_t* send_counts = nullptr;
   const int32_t* dest_offsets = nullptr;
+  uint8_t* out = nullptr;
+  int64_t out_rows = 0;
+  int64_t num_ranks = 0;
+  int32_t* recv_counts = nullptr;
+  std::string where;  // "peer transport (axis ..., rank ...): ", the prefix of its errors
   std::string error;  // a check that failed on this device
+  ffi::Promise done;  // completes this device's call
 };
 
 struct Attrs {
@@ -107,24 +127,25 @@ std::string CheckSide(const Attrs& a, Any src, I32 row_map, I32 send_offsets, I3
   return "";
 }
 
-// Rank p of `group` among the meeting's sides, null if none; *duplicate if several.
-const CpuSide* FindPeer(const peer::Meeting& meeting, int32_t group, int32_t p, bool* duplicate) {
+using Sides = std::vector<std::unique_ptr<CpuSide>>;
+
+// Rank p of `group` among the sides, null if none; *duplicate if several.
+const CpuSide* FindPeer(const Sides& sides, int32_t group, int32_t p, bool* duplicate) {
   const CpuSide* found = nullptr;
-  for (const void* published : meeting.published) {
-    const auto* side = static_cast<const CpuSide*>(published);
+  for (const auto& side : sides) {
     if (side->group != group || side->rank != p) continue;
     if (found) *duplicate = true;
-    found = side;
+    found = side.get();
   }
   return found;
 }
 
 // Who of `me`'s group did not arrive at a meeting that timed out.
-std::string DescribeMissing(const peer::Meeting& meeting, const CpuSide& me, int64_t P) {
+std::string DescribeMissing(const Sides& sides, const CpuSide& me, int64_t P) {
   std::string missing;
   for (int32_t p = 0; p < P; ++p) {
     bool duplicate = false;
-    if (!FindPeer(meeting, me.group, p, &duplicate)) {
+    if (!FindPeer(sides, me.group, p, &duplicate)) {
       missing += (missing.empty() ? "" : ",") + std::to_string(p);
     }
   }
@@ -134,24 +155,33 @@ std::string DescribeMissing(const peer::Meeting& meeting, const CpuSide& me, int
                                std::to_string(me.group);
 }
 
-// The senders of `me`, by rank, once every side's checks held; "" or what is wrong.
-std::string Senders(const peer::Meeting& meeting, const CpuSide& me, int64_t P, int64_t out_rows,
-                    std::vector<const CpuSide*>* senders) {
-  for (const void* published : meeting.published) {
-    const auto* side = static_cast<const CpuSide*>(published);
+// The first check that failed on any side, as "rank r of group g (device d): why"; "" if none.
+std::string FirstSideError(const Sides& sides) {
+  for (const auto& side : sides) {
     if (!side->error.empty()) {
       return "rank " + std::to_string(side->rank) + " of group " + std::to_string(side->group) +
              " (device " + std::to_string(side->device) + "): " + side->error;
     }
   }
+  return "";
+}
+
+// The senders of `me`, by rank; "" or what is wrong with them.
+std::string Senders(const Sides& sides, const CpuSide& me, int64_t P,
+                    std::vector<const CpuSide*>* senders) {
+  const int64_t out_rows = me.out_rows;
   std::vector<std::pair<int64_t, int64_t>> blocks;  // [begin, end) of each sender's rows in out
   for (int32_t p = 0; p < P; ++p) {
     bool duplicate = false;
-    const CpuSide* side = FindPeer(meeting, me.group, p, &duplicate);
+    const CpuSide* side = FindPeer(sides, me.group, p, &duplicate);
     if (!side || duplicate) {
       return "rank " + std::to_string(p) + " of group " + std::to_string(me.group) +
              (duplicate ? " is claimed by several devices" : " is not among the devices") +
              ": every mesh axis must be manual in the enclosing shard_map";
+    }
+    if (side->num_ranks != P) {
+      return "rank " + std::to_string(p) + " runs the exchange over " +
+             std::to_string(side->num_ranks) + " ranks, this rank over " + std::to_string(P);
     }
     if (side->dtype != me.dtype || side->row_bytes != me.row_bytes) {
       return "rank " + std::to_string(p) + " sends rows of another dtype or width";
@@ -174,10 +204,11 @@ std::string Senders(const peer::Meeting& meeting, const CpuSide& me, int64_t P, 
   return "";
 }
 
-// out = every sender's rows for `me` at their destination rows, zero elsewhere.
-void CopyFromSenders(const std::vector<const CpuSide*>& senders, const CpuSide& me,
-                     int64_t out_rows, uint8_t* out, int32_t* recv_counts) {
-  const int64_t row_bytes = me.row_bytes;
+// me.out = every sender's rows for `me` at their destination rows, zero elsewhere.
+void CopyFromSenders(const std::vector<const CpuSide*>& senders, const CpuSide& me) {
+  const int64_t row_bytes = me.row_bytes, out_rows = me.out_rows;
+  uint8_t* out = me.out;
+  int32_t* recv_counts = me.recv_counts;
   AdviseHugePages(out, out_rows * row_bytes);
   const bool streaming = out_rows * row_bytes >= kStreamingStoreBytes;
   auto write = [&](int64_t r, const uint8_t* row) {
@@ -205,55 +236,275 @@ void CopyFromSenders(const std::vector<const CpuSide*>& senders, const CpuSide& 
   if (streaming) StreamingFence();
 }
 
-ffi::Error PeerExchangeCpu(ffi::RunId run_id, int32_t device, Any src, I32 row_map,
-                           I32 send_offsets, I32 send_counts, I32 dest_offsets, I32 coords,
-                           int64_t op_id, int64_t num_ranks, int64_t num_devices,
-                           int64_t timeout_ms, std::string_view axis, AnyOut out,
-                           I32Out recv_counts) {
-  const Attrs a{op_id, num_ranks, num_devices, timeout_ms, axis};
-  CpuSide me;
-  me.device = device;
-  me.error = CheckSide(a, src, row_map, send_offsets, send_counts, dest_offsets, coords, out,
-                       recv_counts);
-  if (coords.element_count() == 2) {
-    me.rank = coords.typed_data()[0];
-    me.group = coords.typed_data()[1];
+// ----------------------------------------------------------------------------- meetings
+
+using Clock = std::chrono::steady_clock;
+
+// How long a failed meeting stays to fail its late arrivals at once.
+constexpr std::chrono::seconds kFailedMeetingLifetime{120};
+
+// The devices of one exchange.
+struct Meeting {
+  Meeting(int size, Clock::duration bound)
+      : size(size), bound(bound), deadline(Clock::now() + bound) {}
+
+  const int size;
+  const Clock::duration bound;
+  const Clock::time_point deadline;
+  Sides sides;
+  bool failed = false;
+  std::string failure;
+  Clock::time_point failed_at;
+
+  bool Has(int32_t device) const {
+    return std::any_of(sides.begin(), sides.end(), [&](const auto& s) { return s->device == device; });
   }
-  int64_t out_rows = 0, width = 0;
-  RowsAndWidth(*out, &out_rows, &width);
-  RowsAndWidth(src, &me.src_rows, &width);
-  me.src = static_cast<const uint8_t*>(src.untyped_data());
-  me.row_bytes = width * int64_t(ffi::ByteWidth(src.element_type()));
-  me.dtype = src.element_type();
-  me.row_map = row_map.typed_data();
-  me.send_offsets = send_offsets.typed_data();
-  me.send_counts = send_counts.typed_data();
-  me.dest_offsets = dest_offsets.typed_data();
-  if (num_devices < 1 || timeout_ms <= 0) {  // no meeting can be held
-    return ffi::Error::InvalidArgument(Where(a, me) + me.error);
+};
+
+// Threads that complete the devices' futures. Completing a future runs that device's next
+// thunks on the completing thread, up to its next asynchronous step, and those may block (an
+// XLA:CPU all-reduce waits for every device's thread): so every device's future completes on
+// a thread of its own, never on XLA's pool nor on the thread completing another's. The pool
+// grows by a thread whenever a task finds no idle one, so no task ever waits for a thread.
+class CompletionThreads {
+ public:
+  static CompletionThreads& Global() {
+    static CompletionThreads* threads = new CompletionThreads();  // never destroyed
+    return *threads;
   }
 
-  const auto bound = std::chrono::milliseconds(timeout_ms);
-  const peer::Rendezvous::Key key{run_id.run_id, op_id};
-  auto& rendezvous = peer::Rendezvous::Global();
+  void Run(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(std::move(task));
+    if (idle_ == 0) {
+      std::thread([this] { Work(); }).detach();
+    } else {
+      --idle_;  // claimed: a later task will not count on this thread
+      ready_.notify_one();
+    }
+  }
+
+ private:
+  void Work() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      ready_.wait(lock, [&] { return !tasks_.empty(); });
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+      ++idle_;
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> tasks_;
+  int idle_ = 0;  // threads waiting for a task, less those already claimed
+};
+
+// A device's future to complete with `error` (success when empty); never under the table's
+// lock (completing it runs the device's next thunks, which may call this handler again).
+struct Completion {
+  ffi::Promise promise;
   std::string error;
-  auto meeting = rendezvous.Arrive(
-      key, device, int(num_devices), &me, bound,
-      [&](const peer::Meeting& m) { return DescribeMissing(m, me, num_ranks); }, &error);
-  if (!meeting) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, Where(a, me) + error);
+  ffi::ErrorCode code = ffi::ErrorCode::kInvalidArgument;
 
-  std::vector<const CpuSide*> senders;
-  std::string wrong = Senders(*meeting, me, num_ranks, out_rows, &senders);
-  if (wrong.empty()) {
-    CopyFromSenders(senders, me, out_rows, static_cast<uint8_t*>(out->untyped_data()),
-                    recv_counts->typed_data());
+  void Run() {
+    if (error.empty()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(ffi::Error(code, error));
+    }
   }
-  // The second meeting also follows a failed check: every device leaves the meeting together.
-  if (!rendezvous.Depart(key, meeting, 10 * bound, &error)) {
-    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, Where(a, me) + error);
+
+  // Runs on a thread of CompletionThreads.
+  void RunOnItsOwnThread() const {
+    CompletionThreads::Global().Run([c = *this]() mutable { c.Run(); });
   }
-  if (!wrong.empty()) return ffi::Error::InvalidArgument(Where(a, me) + wrong);
-  return ffi::Error::Success();
+};
+
+// The open meetings of the process, keyed by (run id, op id). A call that runs several times
+// in one execution (a loop, scan over layers, a remat replay) runs once per occurrence on every
+// device, in the same order, so each device joins the oldest meeting of its key it has not
+// joined yet: the n-th occurrence on one device meets the n-th on the others.
+class Rendezvous {
+ public:
+  using Key = std::pair<int64_t, int64_t>;
+
+  static Rendezvous& Global() {
+    static Rendezvous* rendezvous = new Rendezvous();  // never destroyed: calls may run late
+    return *rendezvous;
+  }
+
+  // Adds `side` to its device's next meeting of `key` (`size` devices, filled within
+  // `bound`). Returns the meeting if this side filled it: the caller runs the exchange. Else
+  // null, the side's future completing later (by the exchange or the watchdog), or at once
+  // with an error (a failed meeting, a size mismatch) through *late.
+  std::shared_ptr<Meeting> Join(Key key, std::unique_ptr<CpuSide> side, int size,
+                                Clock::duration bound, Completion* late) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::shared_ptr<Meeting> meeting = NextMeeting(key, side->device, size, bound);
+    if (meeting->failed || meeting->size != size) {
+      late->promise = side->done;
+      late->code = ffi::ErrorCode::kDeadlineExceeded;
+      late->error = side->where + (meeting->failed
+          ? "an earlier device gave up on this exchange: " + meeting->failure
+          : "this device expects " + std::to_string(size) + " devices, another " +
+                std::to_string(meeting->size) + " (the same program on every device?)");
+      return nullptr;
+    }
+    meeting->sides.push_back(std::move(side));
+    if (int(meeting->sides.size()) < size) return nullptr;
+    Remove(key, meeting);  // full: no device looks for it again
+    return meeting;
+  }
+
+ private:
+  Rendezvous() : watchdog_([this] { Watch(); }) { watchdog_.detach(); }
+
+  std::shared_ptr<Meeting> NextMeeting(Key key, int32_t device, int size, Clock::duration bound) {
+    auto found = open_.find(key);
+    if (found != open_.end()) {
+      for (const auto& meeting : found->second) {
+        if (!meeting->Has(device)) return meeting;
+      }
+    }
+    auto& queue = open_[key];
+    queue.push_back(std::make_shared<Meeting>(size, bound));
+    deadlines_changed_.notify_one();
+    return queue.back();
+  }
+
+  void Remove(Key key, const std::shared_ptr<Meeting>& meeting) {
+    auto it = open_.find(key);
+    if (it == open_.end()) return;
+    auto& queue = it->second;
+    queue.erase(std::remove(queue.begin(), queue.end(), meeting), queue.end());
+    if (queue.empty()) open_.erase(it);
+  }
+
+  // The watchdog: fails every meeting past its deadline, and forgets failed meetings after
+  // kFailedMeetingLifetime.
+  void Watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      Clock::time_point next = Clock::time_point::max();
+      std::vector<Completion> expired;
+      const Clock::time_point now = Clock::now();
+      for (auto it = open_.begin(); it != open_.end();) {
+        auto& queue = it->second;
+        for (const auto& meeting : queue) {
+          if (!meeting->failed && now >= meeting->deadline) Fail(*meeting, now, &expired);
+          next = std::min(next, meeting->failed ? meeting->failed_at + kFailedMeetingLifetime
+                                                : meeting->deadline);
+        }
+        queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const auto& m) {
+                      return m->failed && now - m->failed_at > kFailedMeetingLifetime;
+                    }),
+                    queue.end());
+        it = queue.empty() ? open_.erase(it) : std::next(it);
+      }
+      for (const Completion& c : expired) c.RunOnItsOwnThread();
+      if (next == Clock::time_point::max()) {
+        deadlines_changed_.wait(lock);
+      } else {
+        deadlines_changed_.wait_until(lock, next);
+      }
+    }
+  }
+
+  static void Fail(Meeting& meeting, Clock::time_point now, std::vector<Completion>* expired) {
+    meeting.failed = true;
+    meeting.failed_at = now;
+    const std::string ms = std::to_string(
+        std::chrono::duration_cast<std::chrono::milliseconds>(meeting.bound).count());
+    meeting.failure = "the meeting timed out after " + ms + " ms with " +
+                      std::to_string(meeting.sides.size()) + "/" +
+                      std::to_string(meeting.size) + " devices arrived";
+    for (const auto& side : meeting.sides) {
+      expired->push_back({side->done,
+                          side->where + meeting.failure + "; " +
+                              DescribeMissing(meeting.sides, *side, side->num_ranks),
+                          ffi::ErrorCode::kDeadlineExceeded});
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable deadlines_changed_;
+  std::map<Key, std::deque<std::shared_ptr<Meeting>>> open_;
+  std::thread watchdog_;
+};
+
+// Checks every side and copies every receiver's rows (a task per receiver on XLA's pool, this
+// thread taking part); then completes every device's future: the calling device's here, the
+// others' each on its own thread.
+void RunExchange(ffi::ThreadPool& pool, Meeting& meeting, int64_t P, int32_t caller) {
+  const Sides& sides = meeting.sides;
+  std::vector<Completion> done(sides.size());
+  const std::string first_error = FirstSideError(sides);
+  ParallelFor(pool, int64_t(sides.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const CpuSide& me = *sides[i];
+      done[i].promise = me.done;
+      std::vector<const CpuSide*> senders;
+      std::string wrong = first_error.empty() ? Senders(sides, me, P, &senders) : first_error;
+      if (wrong.empty()) {
+        CopyFromSenders(senders, me);
+      } else {
+        done[i].error = me.where + wrong;
+      }
+    }
+  });
+  for (size_t i = 0; i < sides.size(); ++i) {
+    if (sides[i]->device != caller) done[i].RunOnItsOwnThread();
+  }
+  for (size_t i = 0; i < sides.size(); ++i) {
+    if (sides[i]->device == caller) done[i].Run();
+  }
+}
+
+ffi::Future PeerExchangeCpu(ffi::ThreadPool pool, ffi::RunId run_id, int32_t device, Any src,
+                            I32 row_map, I32 send_offsets, I32 send_counts, I32 dest_offsets,
+                            I32 coords, int64_t op_id, int64_t num_ranks, int64_t num_devices,
+                            int64_t timeout_ms, std::string_view axis, AnyOut out,
+                            I32Out recv_counts) {
+  const Attrs a{op_id, num_ranks, num_devices, timeout_ms, axis};
+  auto me = std::make_unique<CpuSide>();
+  me->device = device;
+  me->error = CheckSide(a, src, row_map, send_offsets, send_counts, dest_offsets, coords, out,
+                        recv_counts);
+  if (coords.element_count() == 2) {
+    me->rank = coords.typed_data()[0];
+    me->group = coords.typed_data()[1];
+  }
+  int64_t width = 0;
+  RowsAndWidth(*out, &me->out_rows, &width);
+  RowsAndWidth(src, &me->src_rows, &width);
+  me->src = static_cast<const uint8_t*>(src.untyped_data());
+  me->row_bytes = width * int64_t(ffi::ByteWidth(src.element_type()));
+  me->dtype = src.element_type();
+  me->row_map = row_map.typed_data();
+  me->send_offsets = send_offsets.typed_data();
+  me->send_counts = send_counts.typed_data();
+  me->dest_offsets = dest_offsets.typed_data();
+  me->out = static_cast<uint8_t*>(out->untyped_data());
+  me->recv_counts = recv_counts->typed_data();
+  me->num_ranks = num_ranks;
+  me->where = Where(a, *me);
+  ffi::Future future(me->done);
+  if (num_devices < 1 || timeout_ms <= 0) {  // no meeting can be held
+    Completion{me->done, me->where + me->error}.Run();
+    return future;
+  }
+  Completion late;
+  auto meeting = Rendezvous::Global().Join({run_id.run_id, op_id}, std::move(me),
+                                           int(num_devices), std::chrono::milliseconds(timeout_ms),
+                                           &late);
+  if (!late.error.empty()) late.Run();
+  if (meeting) RunExchange(pool, *meeting, num_ranks, device);
+  return future;
 }
 
 }  // namespace
@@ -261,6 +512,7 @@ ffi::Error PeerExchangeCpu(ffi::RunId run_id, int32_t device, Any src, I32 row_m
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeCpu, jax_ep::PeerExchangeCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
                                   .Ctx<xla::ffi::RunId>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::Any>()        // src [M, ...]

@@ -1,0 +1,448 @@
+"""The "peer" transport (xla_ffi/peer.cc) on 8 CPU devices: the op against a numpy model, every
+EP mode bitwise equal to the padded all_to_all transport (outputs and gradients), loops and
+remat (occurrences of one op), two groups on a (data, ep) mesh, the programs it compiles to
+(no XLA collective), where "auto" picks it, and the errors: a bad argument on one rank, an
+axis whose ranks cannot all meet (a bounded wait, never a hang), what it refuses."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ep_utils import AXIS, ep_mesh, random_routing, run_ep, shard
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import _ffi, hybridep, transport
+from jax_ep.transport import _peer
+
+NUM_RANKS = 8
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        u, v = np.asarray(u), np.asarray(v)
+        assert u.dtype == v.dtype and u.shape == v.shape
+        np.testing.assert_array_equal(u.view(np.uint8) if u.dtype.itemsize == 1 else u, v.view(
+            np.uint8) if v.dtype.itemsize == 1 else v)
+
+
+# ----------------------------------------------------------------------------- the op itself
+
+def _random_blocks(rng, P, S, R):
+    """Per rank: send_offsets/counts over S compact rows, and dest_offsets that tile every
+    receiver's R rows with gaps (source-major, as the transport lays them out)."""
+    counts = rng.integers(0, 4, size=(P, P)).astype(np.int32)  # [src, dst]
+    counts = np.minimum(counts, S // P)
+    send_offsets = np.cumsum(counts, axis=1) - counts  # compact, destination-major
+    gaps = rng.integers(0, 2, size=(P, P))  # a gap row before some blocks
+    dest = np.cumsum(counts + gaps, axis=0) - counts  # [src, dst]: start in dst's output
+    assert (dest + counts).max() <= R
+    return counts, send_offsets.astype(np.int32), dest.astype(np.int32)
+
+
+def _numpy_peer(src, row_map, counts, send_offsets, dest, R):
+    P = counts.shape[0]
+    out = np.zeros((P, R) + src.shape[2:], src.dtype)
+    recv = np.zeros((P, P), np.int32)
+    for q in range(P):
+        for p in range(P):
+            for j in range(counts[p, q]):
+                s = row_map[p, send_offsets[p, q] + j]
+                if 0 <= s < src.shape[1]:
+                    out[q, dest[p, q] + j] = src[p, s]
+            recv[q, p] = counts[p, q]
+    return out, recv
+
+
+@pytest.mark.parametrize("dtype,row_shape", [(np.float32, (5,)), (jnp.bfloat16, (3, 4)),
+                                             (np.int8, (7,)), (np.bool_, (2,))])
+def test_peer_exchange_matches_numpy_model(dtype, row_shape):
+    P, M, S, R = NUM_RANKS, 6, 24, 40
+    rng = np.random.default_rng(3)
+    src = rng.standard_normal((P, M) + row_shape) * 4
+    src = (src > 0) if dtype == np.bool_ else src.astype(dtype)
+    row_map = rng.integers(-2, M + 2, size=(P, S)).astype(np.int32)  # -1, -2, M, M+1: zero rows
+    counts, send_offsets, dest = _random_blocks(rng, P, S, R)
+
+    def f(src, row_map, send_offsets, counts, dest):
+        out, recv = _peer(src[0], row_map[0], send_offsets[0], counts[0], dest[0], out_rows=R,
+                          axis_name=AXIS, name="t")
+        return out[None], recv[None]
+
+    out, recv = run_ep(f, ep_mesh(P), src, row_map, send_offsets, counts, dest)
+    want_out, want_recv = _numpy_peer(np.asarray(src), row_map, counts, send_offsets, dest, R)
+    _assert_same((out, recv), (want_out, want_recv))
+
+
+def test_peer_exchange_moves_nothing_when_nothing_is_sent():
+    # S = 0 compact rows, R = 3 receive rows: zeros and zero counts everywhere; and R = 0.
+    P = NUM_RANKS
+    zeros = np.zeros((P, P), np.int32)
+
+    def f(src, z):
+        out, recv = _peer(src[0], jnp.zeros((0,), jnp.int32), z[0], z[0], z[0], out_rows=3,
+                          axis_name=AXIS, name="t")
+        empty, _ = _peer(src[0], jnp.zeros((0,), jnp.int32), z[0], z[0], z[0], out_rows=0,
+                         axis_name=AXIS, name="t")
+        return out[None], recv[None], empty[None]
+
+    out, recv, empty = run_ep(f, ep_mesh(P), np.ones((P, 1, 2, 4), np.float32), zeros)
+    assert np.asarray(out).shape == (P, 3, 2, 4) and not np.asarray(out).any()
+    assert not np.asarray(recv).any() and np.asarray(empty).shape == (P, 0, 2, 4)
+
+
+# ----------------------------------------------------------------------------- every mode
+
+def _routing(P, T, K, E, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((P * T, 16)).astype(np.float32)
+    idx, w = random_routing(rng, P * T, K, E)
+    return x, idx, w
+
+
+@pytest.mark.parametrize("capacity,num_worst", [(None, None), (3, None), (None, 9)])
+def test_deepep_peer_equals_all_to_all(capacity, num_worst):
+    T, K, E = 6, 3, 16
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 1)
+
+    def body(t):
+        def f(x, i, w):
+            def loss(x, w):
+                rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                                transport=t, capacity=capacity,
+                                                num_worst_tokens=num_worst)
+                y, cw = jax_ep.combine(jnp.tanh(rx) * 2, h, topk_weights=rw)
+                return jnp.sum(y ** 2) + jnp.sum(cw), (rx, ri, rw, y, cw, h.num_dropped[None],
+                                                       h.num_recv_tokens_per_expert)
+            (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+            return aux + grads
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    a = run_ep(body("peer"), mesh, x, idx, w)
+    _assert_same(a, run_ep(body("all_to_all"), mesh, x, idx, w))
+    if capacity or num_worst:  # the bounded cases really drop rows
+        assert np.asarray(a[5]).sum() > 0
+
+
+def test_deepep_chunked_overlap_peer_equals_all_to_all():
+    T, K, E = 8, 2, 16
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 2)
+
+    def body(t):
+        def f(x, i, w):
+            return jax_ep.deepep.dispatch_chunked_forward(
+                x, i, w, lambda rx, ri, rw: rx * (ri.max(axis=1) + 2)[:, None],
+                num_local_experts=E // NUM_RANKS, axis_name=AXIS, chunks=3, backend="deepep",
+                transport=t)
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    _assert_same([run_ep(body("peer"), mesh, x, idx, w)],
+                 [run_ep(body("all_to_all"), mesh, x, idx, w)])
+
+
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_hybridep_peer_equals_all_to_all(compact, use_fp8):
+    T, K, E, N = 5, 2, 16, 24
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((NUM_RANKS * T, 128)), jnp.bfloat16)
+    idx, w = random_routing(rng, NUM_RANKS * T, K, E)
+    if not compact:
+        dense = np.zeros((NUM_RANKS * T, E), np.float32)
+        np.put_along_axis(dense, np.where(idx >= 0, idx, 0), np.where(idx >= 0, w, 0), axis=1)
+        idx, w = dense > 0, dense
+    fp8 = dict(use_fp8=True, fp8_output="cast_back") if use_fp8 else {}
+
+    def body(t):
+        def f(x, i, w):
+            routing = dict(topk_idx=i) if compact else dict(routing_map=i)
+
+            def loss(x, w):
+                px, pp, tpe, h = hybridep.hybridep_dispatch(
+                    x, probs=w, num_experts=E, axis_name=AXIS, num_permuted_tokens=N,
+                    transport=t, **routing, **fp8)
+                y = hybridep.hybridep_combine(px * 3, h)
+                return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(pp), (px, pp, tpe, y)
+            (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+            return aux + grads
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    _assert_same(run_ep(body("peer"), mesh, x, idx, w),
+                 run_ep(body("all_to_all"), mesh, x, idx, w))
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_low_latency_peer_equals_all_to_all(use_fp8):
+    T, tmax, K, E, H = 5, 6, 3, 16, 128
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((NUM_RANKS * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, NUM_RANKS * T, K, E)
+    kw = dict(use_fp8=True, fp8_output="cast_back") if use_fp8 else {}
+
+    def body(t):
+        def f(x, i, w):
+            def loss(x, w):
+                recv, count, h = jax_ep.low_latency_dispatch(
+                    x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E,
+                    axis_name=AXIS, transport=t, **kw)
+                out = jax_ep.low_latency_combine(jnp.tanh(recv) * 2, i, w, h)
+                return jnp.sum(out.astype(jnp.float32) ** 2), (recv, count, h.src_info,
+                                                               h.layout_range, out)
+            (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+            return aux + grads
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    _assert_same(run_ep(body("peer"), mesh, x, idx, w),
+                 run_ep(body("all_to_all"), mesh, x, idx, w))
+
+
+@pytest.mark.parametrize("mode", ["deepep", "hybridep"])
+def test_two_hop_local_hop_on_peer(mode):
+    # (node, local) = (2, 4): transport="peer" serves the local hop, the node hop stays on
+    # all_to_all; the result and the gradient equal the all-XLA two-hop bitwise.
+    T, K, E = 6, 3, 16
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 4)
+    mesh = jax.make_mesh((2, 4), ("node", "local"))
+    axes = ("node", "local")
+
+    def body(t):
+        def f(x, i, w):
+            def loss(x):
+                if mode == "deepep":
+                    rx, _, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=axes,
+                                                   transport=t)
+                    y = jax_ep.combine(rx * 2, h)[0]
+                    return jnp.sum(y ** 2), (rx, rw, y)
+                px, pp, tpe, h = hybridep.hybridep_dispatch(
+                    x, probs=w, topk_idx=i, num_experts=E, axis_name=axes,
+                    num_permuted_tokens=4 * T * K, transport=t)
+                y = hybridep.hybridep_combine(px * 2, h)
+                return jnp.sum(y ** 2), (px, pp, tpe, y)
+            (_, aux), g = jax.value_and_grad(loss, has_aux=True)(x)
+            return aux + (g,)
+        return f
+
+    spec = P(axes)
+    sharding = NamedSharding(mesh, spec)
+    args = [jax.device_put(a, sharding) for a in (x, idx, w)]
+
+    def run(t):
+        mapped = jax.shard_map(body(t), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return jax.jit(mapped)(*args)
+
+    _assert_same(run("peer"), run("all_to_all"))
+    _assert_same(run(("all_to_all", "peer")), run("all_to_all"))
+    with pytest.raises(ValueError, match="node hop"):
+        run(("peer", "all_to_all"))
+
+
+def test_all_to_all_single_runs_on_peer():
+    # all_to_all_single takes "auto", which is "peer" on CPU: against a numpy model, and its
+    # gradient is the exchange back.
+    P_, S = NUM_RANKS, 5
+    rng = np.random.default_rng(6)
+    splits = rng.multinomial(S, np.ones(P_) / P_, size=P_).astype(np.int32)  # [src, dst]
+    x = rng.standard_normal((P_ * S, 3)).astype(np.float32)
+
+    def f(x, splits, out_splits):
+        y = jax_ep.all_to_all_single(x, out_splits[0], splits[0], axis_name=AXIS)
+        g = jax.grad(lambda x: jnp.sum(jax_ep.all_to_all_single(
+            x, out_splits[0], splits[0], axis_name=AXIS) * jnp.arange(P_ * S)[:, None]))(x)
+        return y, g
+
+    y, g = run_ep(f, ep_mesh(P_), x, splits, np.ascontiguousarray(splits.T))
+    y, xs = np.asarray(y).reshape(P_, P_ * S, 3), x.reshape(P_, S, 3)
+    for q in range(P_):
+        got = [xs[p][splits[p, :q].sum():splits[p, :q + 1].sum()] for p in range(P_)]
+        want = np.concatenate(got)
+        np.testing.assert_array_equal(y[q][:len(want)], want)
+        assert not y[q][len(want):].any()
+    assert np.asarray(g).shape == x.shape
+
+
+# ----------------------------------------------------------------------------- occurrences
+
+def test_scan_and_remat_meet_by_occurrence():
+    # One traced exchange runs 3 times per step under lax.scan, and again in the backward
+    # under jax.checkpoint: every occurrence meets its own peers (a mixed-up meeting would
+    # swap layers' rows). Compared bitwise with all_to_all.
+    T, K, E = 4, 2, 16
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 7)
+    scales = jnp.asarray([1.0, -2.0, 0.5], jnp.float32)
+
+    def body(t):
+        def f(x, i, w):
+            @jax.checkpoint
+            def layer(h, s):
+                rx, _, rw, handle = jax_ep.dispatch(h, i, w, num_experts=E, axis_name=AXIS,
+                                                    transport=t)
+                return jax_ep.combine(jnp.sin(rx * s), handle)[0] + h
+
+            def loss(x):
+                out, _ = jax.lax.scan(lambda h, s: (layer(h, s), None), x, scales)
+                return jnp.sum(out ** 2), out
+            (_, out), g = jax.value_and_grad(loss, has_aux=True)(x)
+            return out, g
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    _assert_same(run_ep(body("peer"), mesh, x, idx, w),
+                 run_ep(body("all_to_all"), mesh, x, idx, w))
+
+
+def test_two_groups_on_a_data_ep_mesh():
+    # A (data, ep) = (2, 4) mesh: each data group exchanges among its own 4 ranks.
+    T, K, E = 5, 2, 8
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 8)
+    mesh = jax.make_mesh((2, 4), ("data", AXIS))
+    spec = P(("data", AXIS))
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, idx, w)]
+
+    def run(t):
+        def f(x, i, w):
+            rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                            transport=t)
+            return rx, ri, jax_ep.combine(rx * 3, h)[0]
+        mapped = jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return jax.jit(mapped)(*args)
+
+    _assert_same(run("peer"), run("all_to_all"))
+
+
+# ----------------------------------------------------------------------------- programs
+
+def _hlo(fn, mesh, *arrays):
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * len(arrays), out_specs=P(AXIS))
+    return jax.jit(mapped).lower(*shard(mesh, *arrays)).compile().as_text()
+
+
+def test_peer_programs_hold_the_custom_call_and_no_collective():
+    T, K, E = 6, 2, 16
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 9)
+
+    def f(x, i, w):
+        def loss(x):
+            rx, _, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                           transport="peer")
+            return jnp.sum(jax_ep.combine(rx, h)[0] ** 2)
+        return jax.grad(loss)(x)
+
+    text = _hlo(f, ep_mesh(NUM_RANKS), x, idx, w)
+    calls = re.findall(r'custom_call_target="jax_ep_peer_exchange"', text)
+    # counts; ids, rows, weights; combine rows - and the backward's combine and dispatch.
+    assert len(calls) >= 5, len(calls)
+    for collective in ("all-to-all", "all-gather", "all-reduce", "collective-permute",
+                       "ragged-all-to-all", "reduce-scatter"):
+        assert collective not in text, collective
+
+
+def test_auto_is_peer_in_one_process_and_all_to_all_where_peer_cannot_run(monkeypatch):
+    seen = []
+
+    def f(x):
+        seen.append(transport.resolve_transport("auto"))
+        return x
+
+    run_ep(f, ep_mesh(4), np.zeros((8, 2), np.float32))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    run_ep(f, ep_mesh(4), np.ones((8, 2), np.float32))
+    assert seen == ["peer", "all_to_all"]
+
+    def g(x):
+        transport.resolve_transport("peer")
+        return x
+
+    with pytest.raises(ValueError, match="processes"):
+        run_ep(g, ep_mesh(4), np.ones((8, 2), np.float32))
+
+
+def test_peer_refuses_a_mesh_axis_that_is_not_manual():
+    mesh = jax.make_mesh((2, 4), ("data", AXIS))
+    x = jax.device_put(np.zeros((2, 8), np.float32), NamedSharding(mesh, P(None, AXIS)))
+    seen = []
+
+    def f(x):
+        seen.append(transport.resolve_transport("auto"))
+        transport.resolve_transport("peer")
+        return x
+
+    with pytest.raises(ValueError, match="not manual"):
+        jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(None, AXIS), out_specs=P(None, AXIS),
+                              axis_names={AXIS}))(x)
+    assert seen == ["all_to_all"]
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_a_bad_argument_on_one_rank_fails_every_rank_without_writing_out_of_bounds():
+    # Every rank sends one row to every rank, landing at row (sender's rank) of the receivers'
+    # 8 rows; rank 5 claims row 8 instead: every device fails with one message naming the
+    # transport, the axis and the rank (no device copies anything).
+    P_ = NUM_RANKS
+    dest = np.repeat(np.arange(P_, dtype=np.int32), P_).reshape(P_, P_)
+    dest[5] = P_
+
+    def f(src, dest):
+        out, _ = _peer(src[0], jnp.zeros((P_,), jnp.int32), jnp.arange(P_),
+                       jnp.ones((P_,), jnp.int32), dest[0], out_rows=P_, axis_name=AXIS,
+                       name="t")
+        return out[None]
+
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"peer transport \(axis 'ep'.*rank 5 sends rows 8 \+ 1"):
+        jax.block_until_ready(run_ep(f, ep_mesh(P_), np.ones((P_, 1, 1, 2), np.float32), dest))
+
+
+def test_ranks_that_cannot_all_meet_fail_within_the_bound(monkeypatch):
+    # Only ranks 0-3 take the branch with the exchange: they wait for ranks 4-7, which never
+    # come, and fail after the bound (1 s) with the missing ranks named. No hang; the process
+    # keeps working.
+    monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1")
+    T, K, E = 4, 2, 16
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 10)
+
+    def f(x, i, w):
+        def exchange(x):
+            rx, _, _, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                          transport="peer")
+            return jax_ep.combine(rx, h)[0]
+        return jax.lax.cond(jax.lax.axis_index(AXIS) < 4, exchange, lambda x: x, x)
+
+    start = time.monotonic()
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"peer transport \(axis 'ep'.*(missing rank\(s\) 4,5,6,7|gave up)"):
+        jax.block_until_ready(run_ep(f, ep_mesh(NUM_RANKS), x, idx, w))
+    assert time.monotonic() - start < 30
+    # Still usable: the same exchange on every rank.
+    run_ep(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                           transport="peer")[0],
+           ep_mesh(NUM_RANKS), x, idx, w).block_until_ready()
+
+
+def test_a_program_that_expects_more_devices_fails_with_who_arrived(monkeypatch):
+    # The op called with num_devices=8 on a 4-device mesh: 4/8 arrive, the bound expires.
+    monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1")
+
+    def f(src):
+        z = jnp.zeros((4,), jnp.int32)
+        coords = jnp.stack([jax.lax.axis_index(AXIS), 0]).astype(jnp.int32)
+        out, _ = _ffi.call("jax_ep_peer_exchange",
+                           (jax.ShapeDtypeStruct((2, 2), jnp.float32),
+                            jax.ShapeDtypeStruct((4,), jnp.int32)),
+                           src, z, z, z, z, coords, op_id=987654, num_ranks=4, num_devices=8,
+                           timeout_ms=1000, axis="ep")
+        return out
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"4/8 devices arrived"):
+        jax.block_until_ready(run_ep(f, ep_mesh(4), np.zeros((8, 2), np.float32)))
