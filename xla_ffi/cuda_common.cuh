@@ -1,8 +1,9 @@
 // Shared by the CUDA (.cu) handlers: device-side float I/O for float32 / bfloat16 / float16
 // storage (bit-exact with the CPU handlers' Fp32Io), the dtype dispatch that picks it, 16-byte
-// vector helpers for row movement, the launch / CUDA-call error checks, and the two source forms
+// vector helpers for row movement, the launch / CUDA-call error checks, and the source forms
 // that differ between nvcc and the CUDA emulator (xla_ffi/emu, the JAX_EP_CUDA_EMU build, which
-// compiles these files as host C++): kernel launches and dynamic shared memory.
+// compiles these files as host C++): kernel launches, dynamic shared memory and the check of a
+// read of a peer GPU's memory (FromPeer).
 //
 // Include this header before any CUB header: it wraps CUB in a private namespace so that the
 // extension's CUB instantiations never collide with another library's (jaxlib's) in the process.
@@ -74,6 +75,20 @@ inline unsigned GridFor(int64_t n, int threads, int64_t max_blocks = 65535) {
   if (blocks < 1) blocks = 1;
   if (blocks > max_blocks) blocks = max_blocks;
   return static_cast<unsigned>(blocks);
+}
+
+// ----------------------------------------------------------------------------- peer reads
+
+// A kernel's read of `count` elements at p that may be another GPU's memory (peer access over
+// NVLink / PCIe): p itself. Under the emulator the read is checked first: a kernel whose device
+// never enabled peer access to the device that owns the memory fails its launch
+// (cuda_emu::CheckPeerRead). Every read of a peer's memory goes through it.
+template <typename T>
+__device__ __forceinline__ const T* FromPeer(const T* p, int64_t count) {
+#if defined(CUDA_EMU)
+  cuda_emu::CheckPeerRead(p, size_t(count) * sizeof(T));
+#endif
+  return p;
 }
 
 // ----------------------------------------------------------------------------- float I/O

@@ -40,6 +40,7 @@
 
 #include "common.h"
 #include "cpu_util.h"
+#include "peer_checks.h"
 
 namespace jax_ep {
 namespace {
@@ -66,10 +67,7 @@ struct CpuSide {
   ffi::Promise done;  // completes this device's call
 };
 
-struct Attrs {
-  int64_t op_id, num_ranks, num_devices, timeout_ms;
-  std::string_view axis;
-};
+using Attrs = PeerAttrs;
 
 std::string Where(const Attrs& a, const CpuSide& side) {
   return "peer transport (axis '" + std::string(a.axis) + "', op " + std::to_string(a.op_id) +
@@ -77,43 +75,19 @@ std::string Where(const Attrs& a, const CpuSide& side) {
          " on device " + std::to_string(side.device) + "): ";
 }
 
-// The checks of one device's own arguments; "" when they hold.
+// The checks of one device's own arguments: shapes and attributes (peer_checks.h), then the
+// values of coords and the send blocks; "" when they hold.
 std::string CheckSide(const Attrs& a, Any src, I32 row_map, I32 send_offsets, I32 send_counts,
                       I32 dest_offsets, I32 coords, AnyOut& out, I32Out& recv_counts) {
+  std::string shape_error = PeerShapeError(a, src, row_map, send_offsets, send_counts,
+                                           dest_offsets, coords, out, recv_counts);
+  if (!shape_error.empty()) return shape_error;
   const int64_t P = a.num_ranks;
-  if (P < 1 || a.num_devices < P || a.num_devices % P != 0) {
-    return "num_ranks " + std::to_string(P) + " must divide num_devices " +
-           std::to_string(a.num_devices);
-  }
-  if (a.timeout_ms <= 0) return "timeout_ms must be positive";
-  for (auto [buf, name] : {std::pair{&send_offsets, "send_offsets"},
-                           std::pair{&send_counts, "send_counts"},
-                           std::pair{&dest_offsets, "dest_offsets"}}) {
-    if (buf->dimensions().size() != 1 || buf->dimensions()[0] != P) {
-      return std::string(name) + ": expected shape [" + std::to_string(P) + "], got " +
-             ShapeString(buf->dimensions());
-    }
-  }
-  if (recv_counts->element_count() != size_t(P)) return "recv_counts: expected P elements";
-  if (row_map.dimensions().size() != 1) {
-    return "row_map: expected rank 1, got shape " + ShapeString(row_map.dimensions());
-  }
-  if (coords.element_count() != 2) {
-    return "coords: expected shape [2], got " + ShapeString(coords.dimensions());
-  }
   const int64_t groups = a.num_devices / P;
   const int32_t rank = coords.typed_data()[0], group = coords.typed_data()[1];
   if (rank < 0 || rank >= P || group < 0 || group >= groups) {
     return "coords: (rank " + std::to_string(rank) + ", group " + std::to_string(group) +
            ") outside [0, " + std::to_string(P) + ") x [0, " + std::to_string(groups) + ")";
-  }
-  int64_t src_rows, src_width, out_rows, out_width;
-  RowsAndWidth(src, &src_rows, &src_width);
-  RowsAndWidth(*out, &out_rows, &out_width);
-  if (src.dimensions().size() == 0 || out->element_type() != src.element_type() ||
-      out_width != src_width) {
-    return "out: expected rows shaped and typed like src " + ShapeString(src.dimensions()) +
-           ", got " + ShapeString(out->dimensions());
   }
   const int64_t S = row_map.dimensions()[0];
   for (int64_t q = 0; q < P; ++q) {

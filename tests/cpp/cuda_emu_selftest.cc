@@ -8,8 +8,9 @@
 //
 // Toy kernels use the same launch macro as jax_ep's .cu files and check the execution model
 // (barriers with exited threads, warp collectives, shared memory, atomics, launch limits, the
-// errors the emulator reports, a missing barrier showing in the results) and the CUB stand-ins
-// against plain C++ references.
+// errors the emulator reports, a missing barrier showing in the results), the CUB stand-ins
+// against plain C++ references, and the runtime's devices, events and peer access (a read of
+// another device's memory refused until the reader enables peer access).
 #include <cuda_runtime.h>
 #include <xmmintrin.h>
 
@@ -19,6 +20,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <cub/block/block_reduce.cuh>
@@ -151,6 +153,15 @@ __global__ void ScanWrongBlockKernel() {
   __shared__ typename Scan::TempStorage tmp;
   int a, total;
   Scan(tmp).ExclusiveSum(1, a, total);
+}
+
+// *out = the sum of from[0 .. n), read as a peer's memory (jax_ep's FromPeer).
+__global__ void PeerSumKernel(const int* from, int n, int* out) {
+  if (threadIdx.x != 0) return;
+  cuda_emu::CheckPeerRead(from, size_t(n) * sizeof(int));
+  int sum = 0;
+  for (int i = 0; i < n; ++i) sum += from[i];
+  *out = sum;
 }
 
 // The deliberate bugs of the sanitizer modes.
@@ -422,6 +433,108 @@ void CheckRuntime() {
   (void)cudaGetLastError();
 }
 
+// Devices: the count, the current device per host thread, peer access and who may read what.
+void CheckDevicesAndPeerAccess() {
+  int count = 0, device = -1, other = -1, can = -1;
+  Check(cudaGetDeviceCount(&count) == cudaSuccess && count == 8, "8 devices by default");
+  Check(cudaGetDevice(&device) == cudaSuccess && device == 0, "device 0 current at first");
+  Check(cudaSetDevice(count) == cudaErrorInvalidDevice && Contains(LastError(), "invalid device"),
+        "cudaSetDevice past the last device refused");
+  std::thread([&] {
+    cudaSetDevice(3);
+    cudaGetDevice(&other);
+  }).join();
+  cudaGetDevice(&device);
+  Check(other == 3 && device == 0, "the current device is per host thread");
+  Check(cudaDeviceCanAccessPeer(&can, 0, 1) == cudaSuccess && can == 1, "0 can access 1");
+  Check(cudaDeviceCanAccessPeer(&can, 1, 1) == cudaSuccess && can == 0, "not its own peer");
+  Check(cudaDeviceCanAccessPeer(&can, 0, count) == cudaErrorInvalidDevice, "no such peer");
+  (void)cudaGetLastError();
+
+  int* on0 = nullptr;  // device 0's memory
+  cudaMalloc(&on0, 4 * sizeof(int));
+  for (int i = 0; i < 4; ++i) on0[i] = i + 1;
+  cudaSetDevice(1);
+  int* on1 = nullptr;
+  cudaMalloc(&on1, sizeof(int));
+  LAUNCH(1, 32, 0, nullptr, PeerSumKernel)(on1, 1, on1);
+  Check(LastError().empty(), "a kernel reads its own device's memory");
+  LAUNCH(1, 32, 0, nullptr, PeerSumKernel)(on0, 4, on1);
+  const std::string refused = LastError();
+  Check(Contains(refused, "unspecified launch failure") &&
+            Contains(refused, "on device 1 reads 16 bytes") &&
+            Contains(refused, "never called cudaDeviceEnablePeerAccess(0)"),
+        "device 1 reading device 0's memory without peer access refused: " + refused);
+  Check(cudaDeviceEnablePeerAccess(0, 0) == cudaSuccess, "peer access 1 -> 0 enabled");
+  *on1 = 0;
+  LAUNCH(1, 32, 0, nullptr, PeerSumKernel)(on0, 4, on1);
+  Check(LastError().empty() && *on1 == 10, "device 1 reads device 0's memory once enabled");
+  Check(cudaDeviceEnablePeerAccess(0, 0) == cudaErrorPeerAccessAlreadyEnabled &&
+            Contains(LastError(), "already enabled"),
+        "enabling twice: cudaErrorPeerAccessAlreadyEnabled, also the last error");
+  Check(cudaDeviceEnablePeerAccess(1, 0) == cudaErrorInvalidDevice, "a device is not its peer");
+  Check(cudaDeviceEnablePeerAccess(count, 0) == cudaErrorInvalidDevice, "no such peer to enable");
+  (void)cudaGetLastError();
+
+  std::vector<int> host(4, 5);  // host memory claimed by device 2 (as bindings_emu.cc does)
+  const uint64_t claim = cuda_emu::ClaimMemory(2, host.data(), host.size() * sizeof(int));
+  LAUNCH(1, 32, 0, nullptr, PeerSumKernel)(host.data(), 4, on1);
+  Check(Contains(LastError(), "memory of device 2"), "claimed host memory is device 2's");
+  cuda_emu::ReleaseMemory(claim);
+  LAUNCH(1, 32, 0, nullptr, PeerSumKernel)(host.data(), 4, on1);
+  Check(LastError().empty() && *on1 == 20, "memory nobody claims is readable from every device");
+
+  cudaSetDevice(0);
+  cudaStream_t stream0 = nullptr;
+  cudaStreamCreate(&stream0);
+  cudaSetDevice(1);
+  LAUNCH(1, 32, 0, stream0, PeerSumKernel)(on1, 1, on1);
+  Check(Contains(LastError(), "stream of device 0 while device 1 is current"),
+        "a launch on another device's stream refused");
+  cudaStreamDestroy(stream0);
+  cudaFree(on1);
+  cudaSetDevice(0);
+  cudaFree(on0);
+}
+
+// Events: made on the current device, recorded on its streams only, waited on from any device;
+// unknown or destroyed handles refused everywhere.
+void CheckEvents() {
+  cudaStream_t stream0 = nullptr, stream1 = nullptr;
+  cudaStreamCreate(&stream0);
+  cudaSetDevice(1);
+  cudaStreamCreate(&stream1);
+  cudaEvent_t event = nullptr;
+  Check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming) == cudaSuccess, "event made");
+  Check(cudaEventRecord(event, stream1) == cudaSuccess && cudaEventQuery(event) == cudaSuccess &&
+            cudaEventSynchronize(event) == cudaSuccess,
+        "recorded on a stream of its device, complete at once");
+  Check(cudaEventRecord(event, stream0) == cudaErrorInvalidResourceHandle &&
+            Contains(LastError(), "device 1's, the stream device 0's"),
+        "recording on another device's stream refused");
+  Check(cudaStreamWaitEvent(stream0, event, 0) == cudaSuccess, "a stream waits on another "
+                                                              "device's event");
+  Check(cudaStreamWaitEvent(stream0, event, 1) == cudaErrorInvalidValue, "unknown wait flags");
+  cudaEvent_t bad = nullptr;
+  Check(cudaEventCreateWithFlags(&bad, 0x100) == cudaErrorInvalidValue &&
+            cudaEventCreateWithFlags(&bad, cudaEventInterprocess) == cudaErrorInvalidValue,
+        "unknown flags, and interprocess without cudaEventDisableTiming, refused");
+  int never_made = 0;
+  Check(cudaStreamWaitEvent(stream0, reinterpret_cast<cudaEvent_t>(&never_made), 0) ==
+            cudaErrorInvalidResourceHandle,
+        "waiting on an event never made refused");
+  Check(cudaEventDestroy(event) == cudaSuccess, "event destroyed");
+  Check(cudaEventRecord(event, stream1) == cudaErrorInvalidResourceHandle &&
+            cudaStreamWaitEvent(stream1, event, 0) == cudaErrorInvalidResourceHandle &&
+            cudaEventQuery(event) == cudaErrorInvalidResourceHandle &&
+            cudaEventDestroy(event) == cudaErrorInvalidResourceHandle,
+        "a destroyed event refused everywhere");
+  (void)cudaGetLastError();
+  cudaStreamDestroy(stream1);
+  cudaSetDevice(0);
+  cudaStreamDestroy(stream0);
+}
+
 // The launch counts name each template instance; a refused launch is not counted.
 void CheckLaunchCounts() {
   cuda_emu::LaunchCounts(/*reset=*/true);
@@ -465,6 +578,8 @@ int main(int argc, char** argv) {
   CheckReportedErrors();
   CheckCub();
   CheckRuntime();
+  CheckDevicesAndPeerAccess();
+  CheckEvents();
   CheckLaunchCounts();
   std::printf("checks %d failed %d\n", g_checks, g_failed);
   return g_failed ? 1 : 0;

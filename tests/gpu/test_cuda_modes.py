@@ -1,7 +1,8 @@
 """The EP modes and the MoE layer on the GPU (CUDA handlers end to end), one rank per GPU.
 
 With one GPU the expert axis has P = 1 (collective-free); with more, the "auto" transport is
-ragged_all_to_all, checked against the padded all_to_all transport bit for bit. On one GPU,
+"peer" (every rank in this process: xla_ffi/peer.cu), checked against the padded all_to_all
+transport bit for bit. On one GPU,
 P = 4 and 8 ranks are also emulated with jax.vmap over the expert axis (all_to_all only:
 ragged_all_to_all has no batching rule) and checked against the CPU handlers. The experts'
 grouped GEMM: impl="tiled" against XLA:GPU's ragged_dot (what impl="auto" picks there).
@@ -76,10 +77,10 @@ def test_deepep_ffi_equals_alltoall_and_dense_on_gpu():
                                rtol=2e-4, atol=2e-4)
 
 
-def test_auto_transport_picks_ragged_on_gpu():
-    """transport="auto" resolves, when the dispatch is traced, to "ragged" (ragged_all_to_all)
-    on the GPU mesh and to "all_to_all" on the CPU devices of the emulated run; the step runs
-    and equals the resolved transport's, bit for bit."""
+def test_auto_transport_picks_peer_in_one_process():
+    """transport="auto" resolves, when the dispatch is traced, to "peer" (every rank in this
+    process, on the GPUs or on the CPU devices of the emulated run); the step runs and equals
+    the resolved transport's, bit for bit."""
     T, H, K, E = 32, 128, 2, 4 * NUM_RANKS
     rng = np.random.default_rng(5)
     x = rng.standard_normal((NUM_RANKS * T, H)).astype(np.float32)
@@ -96,7 +97,7 @@ def test_auto_transport_picks_ragged_on_gpu():
 
     mesh = ep_mesh(NUM_RANKS)
     auto = run_ep(body("auto"), mesh, x, idx, w)
-    want = "all_to_all" if EMULATED else "ragged"
+    want = "peer"
     assert resolved == [want]
     for a, b in zip(auto, run_ep(body(want), mesh, x, idx, w)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jax_ep import _ffi, ops  # noqa: E402
+from jax_ep import transport as tp  # noqa: E402
 
 # Under the CUDA emulator (JAX_EP_USE_CUDA_EMU=1) the CUDA handlers run on CPU device 0 and
 # the CPU handlers they are compared with on the same device, traced with the native handlers.
@@ -145,6 +147,7 @@ def test_every_target_has_its_tests_here():
         "jax_ep_unpermute": [test_unpermute, test_unpermute_matches_cpu_handler],
         "jax_ep_cast_to_fp8": [test_fp8_cast, test_fp8_non_finite_block],
         "jax_ep_cast_back": [test_fp8_cast_back],
+        "jax_ep_peer_exchange": [test_peer_exchange_one_device],  # more: test_cuda_peer.py
     }
     assert sorted(tested) == sorted(TARGETS)
 
@@ -373,6 +376,42 @@ def test_gather_rows(dtype, shape):
     idx[3::17] = 2**31 - 1
     got = run(ops.gather_rows, x, idx)
     assert_bitwise(got, run(ops.gather_rows, x, idx, impl="xla"), "gather_rows")
+
+
+# ----------------------------------------------------------------------------- peer exchange
+
+
+def _peer_on(device, handlers, args, out_rows):
+    """The peer exchange of a one-rank axis over `device` (P = num_devices = 1: the device meets
+    itself and reads its own buffers) -> (out, recv_counts)."""
+    mesh = jax.sharding.Mesh(np.array([device]), ("ep",))
+    fn = jax.shard_map(lambda *a: tp._peer(*a, out_rows=out_rows, axis_name="ep", name="peer"),
+                       mesh=mesh, in_specs=P(), out_specs=P("ep"))
+    with _ffi.use_handlers(handlers):
+        return jax.block_until_ready(jax.jit(fn)(*jax.device_put(args, device)))
+
+
+@pytest.mark.parametrize("dtype,M,S,R", [
+    (jnp.float32, 6, 9, 12),  # R larger than the rows received; row_map -1 and past M
+    (jnp.bfloat16, 0, 4, 5),  # no source rows: every received row is zero
+    (jnp.int8, 5, 0, 3),      # S = 0: nothing sent
+    (jnp.float32, 4, 3, 0),   # R = 0
+])
+def test_peer_exchange_one_device(dtype, M, S, R):
+    """The CUDA peer handler on one device against the CPU handler, bit for bit (the
+    multi-device exchange: tests/gpu/test_cuda_peer.py, under the emulator)."""
+    rng = np.random.default_rng(M * 100 + S * 10 + R)
+    src = rng.integers(-100, 100, (M, 3, 2)).astype(dtype)
+    row_map = rng.integers(-2, M + 2, S).astype(np.int32)
+    offset = min(1, S)
+    count = max(0, min(S - offset, R - 2))
+    args = (src, row_map, np.array([offset], np.int32), np.array([count], np.int32),
+            np.array([2 if count else 0], np.int32))
+    got = _peer_on(GPU, _ffi.handlers(), args, R)
+    want = _peer_on(CPU, "native", args, R)
+    for g, w, what in zip(got, want, ("out", "recv_counts")):
+        assert_bitwise(g, w, what)
+    assert int(np.asarray(got[1])[0]) == count
 
 
 # ----------------------------------------------------------------------------- unpermute

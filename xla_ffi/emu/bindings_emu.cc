@@ -1,13 +1,18 @@
 // The nanobind module jax_ep._jax_ep_cuda_emu (the JAX_EP_CUDA_EMU build): the CUDA handlers of
-// layout.cu, permute.cu and fp8.cu compiled as host C++ against the CUDA emulator, registered on
-// the CPU platform as "<CUDA target name>_cuda_emu".
+// layout.cu, permute.cu, fp8.cu and peer.cu compiled as host C++ against the CUDA emulator,
+// registered on the CPU platform as "<CUDA target name>_cuda_emu".
 //
 // The CPU platform has no CUDA stream and no device scratch memory, so each call runs the
 // handler on a copy of its call frame whose XLA FFI API table has host stand-ins for exactly
-// those entries: XLA_FFI_Stream_Get returns the emulator's stream, and
+// those entries: XLA_FFI_Stream_Get returns the emulator's stream of the call's device, and
 // XLA_FFI_DeviceMemory_Allocate / _Free allocate host memory with the rules of XLA's GPU scratch
 // allocator (alignments above 16 bytes are refused with "Unsupported alignment", as
 // xla/ffi/ffi_api.cc does). Everything else is the real API.
+//
+// Each call runs as XLA:GPU runs a device's call: on its host thread with the emulated device
+// of the call's device ordinal current (cudaSetDevice), and with its operands and results
+// claimed as that device's memory for the length of the call (cuda_emu::ClaimMemory), so that
+// a kernel of another device reading them without peer access is refused.
 #include <nanobind/nanobind.h>
 
 #include <algorithm>
@@ -15,10 +20,12 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cuda_runtime.h"  // the emulator's
 #include "registrations.h"
 #include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
 
@@ -41,13 +48,17 @@ XLA_FFI_Error* MakeError(XLA_FFI_Error_Code code, const std::string& message,
   return api->XLA_FFI_Error_Create(&args);
 }
 
+// The stream of the current emulated device (one per device, made on first use).
 cudaStream_t HostStream() {
-  static cudaStream_t stream = [] {
-    cudaStream_t s = nullptr;
-    cudaStreamCreate(&s);
-    return s;
-  }();
-  return stream;
+  static std::mutex mutex;
+  static std::vector<cudaStream_t> streams;
+  int device = 0, count = 0;
+  cudaGetDevice(&device);
+  cudaGetDeviceCount(&count);
+  std::lock_guard<std::mutex> lock(mutex);
+  streams.resize(size_t(count), nullptr);
+  if (streams[size_t(device)] == nullptr) cudaStreamCreate(&streams[size_t(device)]);
+  return streams[size_t(device)];
 }
 
 XLA_FFI_Error* HostStreamGet(XLA_FFI_Stream_Get_Args* args) {
@@ -92,6 +103,57 @@ const XLA_FFI_Api* HostApi(const XLA_FFI_Api* real) {
              : nullptr;
 }
 
+// The call's device ordinal (XLA:CPU's device id), or an error.
+XLA_FFI_Error* DeviceOrdinal(const XLA_FFI_CallFrame* frame, int32_t* ordinal) {
+  XLA_FFI_DeviceOrdinal_Get_Args args;
+  std::memset(&args, 0, sizeof(args));
+  args.struct_size = XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE;
+  args.ctx = frame->ctx;
+  if (XLA_FFI_Error* error = frame->api->XLA_FFI_DeviceOrdinal_Get(&args)) return error;
+  int count = 0;
+  cudaGetDeviceCount(&count);
+  if (args.device_ordinal < 0 || args.device_ordinal >= count) {
+    return MakeError(XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                     "jax_ep CUDA emulator: device ordinal " +
+                         std::to_string(args.device_ordinal) + " outside the " +
+                         std::to_string(count) + " emulated devices (JAX_EP_CUDA_EMU_DEVICES)",
+                     frame->api);
+  }
+  *ordinal = args.device_ordinal;
+  return nullptr;
+}
+
+// For the length of a call: its device current on this thread, and its operands and results
+// claimed as that device's memory.
+class OnDevice {
+ public:
+  OnDevice(int device, const XLA_FFI_CallFrame& frame) {
+    cudaGetDevice(&previous_);
+    cudaSetDevice(device);
+    for (int64_t i = 0; i < frame.args.size; ++i) Claim(device, frame.args.args[i]);
+    for (int64_t i = 0; i < frame.rets.size; ++i) Claim(device, frame.rets.rets[i]);
+  }
+  ~OnDevice() {
+    for (uint64_t claim : claims_) cuda_emu::ReleaseMemory(claim);
+    cudaSetDevice(previous_);
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  // Operands and results are XLA_FFI_Buffer (XLA_FFI_ArgType_BUFFER / _RetType_BUFFER: the
+  // only kinds there are).
+  void Claim(int device, const void* arg) {
+    const auto* buffer = static_cast<const XLA_FFI_Buffer*>(arg);
+    size_t bytes = xla::ffi::ByteWidth(static_cast<xla::ffi::DataType>(buffer->dtype));
+    for (int64_t d = 0; d < buffer->rank; ++d) bytes *= size_t(buffer->dims[d]);
+    if (bytes > 0) claims_.push_back(cuda_emu::ClaimMemory(device, buffer->data, bytes));
+  }
+
+  int previous_ = 0;
+  std::vector<uint64_t> claims_;
+};
+
 template <XLA_FFI_Error* (*Handler)(XLA_FFI_CallFrame*)>
 XLA_FFI_Error* OnHost(XLA_FFI_CallFrame* frame) {
   alignas(XLA_FFI_CallFrame) unsigned char copy[1024];
@@ -104,6 +166,14 @@ XLA_FFI_Error* OnHost(XLA_FFI_CallFrame* frame) {
   std::memcpy(copy, frame, frame->struct_size);
   auto* host_frame = reinterpret_cast<XLA_FFI_CallFrame*>(copy);
   host_frame->api = api;
+  // XLA's metadata query at registration (an extension, no execution context) and the stages
+  // before execution run no kernel.
+  if (frame->extension_start != nullptr || frame->stage != XLA_FFI_ExecutionStage_EXECUTE) {
+    return Handler(host_frame);
+  }
+  int32_t device = 0;
+  if (XLA_FFI_Error* error = DeviceOrdinal(frame, &device)) return error;
+  OnDevice on_device(device, *frame);
   return Handler(host_frame);
 }
 

@@ -1,5 +1,6 @@
 // The CUDA emulator's runtime: fibers, the block scheduler, warp collectives, launch checks,
-// the sticky error state, memory and streams (see include/cuda_emu/emulator.h for the model).
+// the sticky error state, memory, streams, devices, events and peer access (see
+// include/cuda_emu/emulator.h for the model).
 #include "cuda_emu/emulator.h"
 
 #include <sys/mman.h>
@@ -22,6 +23,17 @@
 #else
 #define CUDA_EMU_ASAN 0
 #endif
+
+// The runtime's handles (cudaStream_t, cudaEvent_t point to them): the device current when
+// they were made.
+struct CUstream_st {
+  uint64_t id;
+  int device;
+};
+
+struct CUevent_st {
+  int device;
+};
 
 uint3 threadIdx;
 uint3 blockIdx;
@@ -96,6 +108,7 @@ constexpr size_t kGuardBytes = 4096;  // PROT_NONE below each stack: an overflow
 constexpr unsigned kMaxThreadsPerBlock = 1024;
 constexpr size_t kMaxDynamicSharedBytes = 48 * 1024;  // without cudaFuncSetAttribute opt-in
 constexpr unsigned kMxcsrFlushToZero = 0x8000, kMxcsrDenormalsAreZero = 0x0040;
+constexpr int kDefaultDevices = 8, kMaxDevices = 64;
 
 const char* WarpOpName(WarpOp op) {
   switch (op) {
@@ -178,6 +191,7 @@ struct BlockRun {
   std::vector<Warp> warps;
   std::unordered_map<const void*, int64_t> temp_storage_uses;
   Fiber* current = nullptr;
+  int device = 0;  // the device of the launch's stream
   void* scheduler_sp = nullptr;
   void* scheduler_fake_stack = nullptr;
   const void* scheduler_stack_bottom = nullptr;
@@ -192,6 +206,7 @@ BlockRun g_run;
 StackPool g_stacks;
 void* g_dynamic_shared = nullptr;
 
+thread_local int t_device = 0;  // cudaSetDevice
 thread_local cudaError_t t_last_error = cudaSuccess;
 thread_local cudaError_t t_detail_error = cudaSuccess;
 thread_local std::string t_detail;
@@ -200,6 +215,8 @@ const char* ErrorName(cudaError_t e) {
   switch (e) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorPeerAccessAlreadyEnabled: return "peer access is already enabled";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
@@ -381,7 +398,56 @@ bool ConfigError(const LaunchConfig& c, std::string* why) {
 std::mutex g_streams_mutex;
 std::unordered_set<cudaStream_t> g_streams;
 std::mutex g_allocations_mutex;
-std::unordered_set<void*> g_allocations;
+std::unordered_map<void*, uint64_t> g_allocations;  // cudaMalloc'd pointer -> its claim
+std::mutex g_events_mutex;
+std::unordered_set<cudaEvent_t> g_events;
+
+// ----------------------------------------------------------------------------- devices
+
+int DeviceCount() {
+  static const int count = [] {
+    const char* s = std::getenv("JAX_EP_CUDA_EMU_DEVICES");
+    if (s == nullptr) return kDefaultDevices;
+    const int n = std::atoi(s);
+    if (n < 1 || n > kMaxDevices) {
+      std::fprintf(stderr, "cuda_emu: JAX_EP_CUDA_EMU_DEVICES=%s: expected 1 to %d\n", s,
+                   kMaxDevices);
+      std::abort();
+    }
+    return n;
+  }();
+  return count;
+}
+
+bool IsDevice(int device) { return device >= 0 && device < DeviceCount(); }
+
+// The device of a valid stream (the default stream is the current device's).
+int StreamDevice(cudaStream_t stream) { return stream ? stream->device : t_device; }
+
+// peer_enabled[reader * kMaxDevices + owner]: cudaDeviceEnablePeerAccess(owner) ran on reader.
+std::mutex g_peer_mutex;
+bool g_peer_enabled[kMaxDevices * kMaxDevices];
+
+bool PeerEnabled(int reader, int owner) {
+  std::lock_guard<std::mutex> lock(g_peer_mutex);
+  return g_peer_enabled[reader * kMaxDevices + owner];
+}
+
+// ----------------------------------------------------------------------------- claims
+
+struct Claim {
+  int device;
+  uintptr_t begin, end;
+};
+
+std::mutex g_claims_mutex;
+std::unordered_map<uint64_t, Claim> g_claims;
+uint64_t g_next_claim = 1;
+
+bool IsValidEvent(cudaEvent_t event) {
+  std::lock_guard<std::mutex> lock(g_events_mutex);
+  return g_events.count(event) != 0;
+}
 
 }  // namespace
 
@@ -503,6 +569,42 @@ uint64_t WarpCollective(WarpOp op, unsigned mask, uint64_t value, int arg, int w
 
 void* DynamicSharedMemory() { return g_dynamic_shared; }
 
+uint64_t ClaimMemory(int device, const void* data, size_t bytes) {
+  if (!IsDevice(device)) {
+    std::fprintf(stderr, "cuda_emu: ClaimMemory for device %d of %d\n", device, DeviceCount());
+    std::abort();
+  }
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+  std::lock_guard<std::mutex> lock(g_claims_mutex);
+  const uint64_t id = g_next_claim++;
+  g_claims[id] = Claim{device, begin, begin + bytes};
+  return id;
+}
+
+void ReleaseMemory(uint64_t claim) {
+  std::lock_guard<std::mutex> lock(g_claims_mutex);
+  g_claims.erase(claim);
+}
+
+void CheckPeerRead(const void* data, size_t bytes) {
+  const int reader = g_run.device;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data), end = begin + bytes;
+  int refused = -1;  // a device that claims the range and whose memory the reader may not read
+  {
+    std::lock_guard<std::mutex> lock(g_claims_mutex);
+    for (const auto& [id, claim] : g_claims) {
+      if (claim.end <= begin || end <= claim.begin) continue;
+      if (claim.device == reader || PeerEnabled(reader, claim.device)) return;
+      refused = claim.device;
+    }
+  }
+  if (refused >= 0) {
+    KernelError("thread %d on device %d reads %zu bytes at %p, memory of device %d, without "
+                "peer access: device %d never called cudaDeviceEnablePeerAccess(%d)",
+                LinearThreadId(), reader, bytes, data, refused, reader, refused);
+  }
+}
+
 std::vector<std::pair<std::string, uint64_t>> LaunchCounts(bool reset) {
   std::lock_guard<std::mutex> lock(g_launch_mutex);
   std::vector<std::pair<std::string, uint64_t>> counts(g_launch_counts.begin(),
@@ -539,6 +641,13 @@ void Launch(const LaunchConfig& config, void (*thread_main)(void*), void* contex
                                                  ": launched on a stream this runtime did not make");
     return;
   }
+  if (StreamDevice(config.stream) != t_device) {
+    SetError(cudaErrorInvalidResourceHandle,
+             std::string(config.kernel_name) + ": launched on a stream of device " +
+                 std::to_string(StreamDevice(config.stream)) + " while device " +
+                 std::to_string(t_device) + " is current");
+    return;
+  }
   if (ConfigError(config, &why)) {
     SetError(cudaErrorInvalidConfiguration, why);
     return;
@@ -556,6 +665,7 @@ void Launch(const LaunchConfig& config, void (*thread_main)(void*), void* contex
   BlockRun& r = g_run;
   r.thread_main = thread_main;
   r.context = context;
+  r.device = t_device;
   r.failed = false;
   // Exactly the launch's bytes, so an access past them is a heap overflow for ASan.
   g_dynamic_shared = std::malloc(config.dynamic_shared_bytes);
@@ -629,20 +739,26 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
     return cuda_emu::SetError(cudaErrorMemoryAllocation,
                               "cudaMalloc of " + std::to_string(bytes) + " bytes");
   }
+  const uint64_t claim = cuda_emu::ClaimMemory(cuda_emu::t_device, *ptr, bytes);
   std::lock_guard<std::mutex> lock(cuda_emu::g_allocations_mutex);
-  cuda_emu::g_allocations.insert(*ptr);
+  cuda_emu::g_allocations[*ptr] = claim;
   return cudaSuccess;
 }
 
 cudaError_t cudaFree(void* ptr) {
   if (ptr == nullptr) return cudaSuccess;
+  uint64_t claim = 0;
   {
     std::lock_guard<std::mutex> lock(cuda_emu::g_allocations_mutex);
-    if (cuda_emu::g_allocations.erase(ptr) == 0) {
+    const auto found = cuda_emu::g_allocations.find(ptr);
+    if (found == cuda_emu::g_allocations.end()) {
       return cuda_emu::SetError(cudaErrorInvalidValue, "cudaFree of a pointer cudaMalloc did not "
                                                        "return");
     }
+    claim = found->second;
+    cuda_emu::g_allocations.erase(found);
   }
+  cuda_emu::ReleaseMemory(claim);
   std::free(ptr);
   return cudaSuccess;
 }
@@ -678,17 +794,13 @@ cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
   return cudaMemsetAsync(ptr, value, bytes, nullptr);
 }
 
-struct CUstream_st {
-  uint64_t id;
-};
-
 cudaError_t cudaStreamCreate(cudaStream_t* stream) {
   if (stream == nullptr) {
     return cuda_emu::SetError(cudaErrorInvalidValue, "cudaStreamCreate(nullptr)");
   }
   static uint64_t next_id = 1;
   std::lock_guard<std::mutex> lock(cuda_emu::g_streams_mutex);
-  *stream = new CUstream_st{next_id++};
+  *stream = new CUstream_st{next_id++, cuda_emu::t_device};
   cuda_emu::g_streams.insert(*stream);
   return cudaSuccess;
 }
@@ -712,5 +824,131 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 }
 
 cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+
+// ----------------------------------------------------------------------------- devices
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  if (count == nullptr) {
+    return cuda_emu::SetError(cudaErrorInvalidValue, "cudaGetDeviceCount(nullptr)");
+  }
+  *count = cuda_emu::DeviceCount();
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+  if (!cuda_emu::IsDevice(device)) {
+    return cuda_emu::SetError(cudaErrorInvalidDevice,
+                              "cudaSetDevice(" + std::to_string(device) + ") of " +
+                                  std::to_string(cuda_emu::DeviceCount()) + " devices");
+  }
+  cuda_emu::t_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  if (device == nullptr) return cuda_emu::SetError(cudaErrorInvalidValue, "cudaGetDevice(nullptr)");
+  *device = cuda_emu::t_device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceCanAccessPeer(int* can_access, int device, int peer) {
+  if (can_access == nullptr) {
+    return cuda_emu::SetError(cudaErrorInvalidValue, "cudaDeviceCanAccessPeer(nullptr, ...)");
+  }
+  if (!cuda_emu::IsDevice(device) || !cuda_emu::IsDevice(peer)) {
+    return cuda_emu::SetError(cudaErrorInvalidDevice,
+                              "cudaDeviceCanAccessPeer(" + std::to_string(device) + ", " +
+                                  std::to_string(peer) + ")");
+  }
+  *can_access = device != peer;  // as CUDA: a device is not its own peer
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
+  const int device = cuda_emu::t_device;
+  const std::string call = "cudaDeviceEnablePeerAccess(" + std::to_string(peer) + ") on device " +
+                           std::to_string(device);
+  if (flags != 0) return cuda_emu::SetError(cudaErrorInvalidValue, call + ": flags must be 0");
+  if (!cuda_emu::IsDevice(peer) || peer == device) {
+    return cuda_emu::SetError(cudaErrorInvalidDevice, call);
+  }
+  std::lock_guard<std::mutex> lock(cuda_emu::g_peer_mutex);
+  bool& enabled = cuda_emu::g_peer_enabled[device * cuda_emu::kMaxDevices + peer];
+  if (enabled) return cuda_emu::SetError(cudaErrorPeerAccessAlreadyEnabled, call);
+  enabled = true;
+  return cudaSuccess;
+}
+
+// ----------------------------------------------------------------------------- events
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags) {
+  constexpr unsigned kKnown =
+      cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess;
+  if (event == nullptr || (flags & ~kKnown) ||
+      ((flags & cudaEventInterprocess) && !(flags & cudaEventDisableTiming))) {
+    return cuda_emu::SetError(cudaErrorInvalidValue, "cudaEventCreateWithFlags: bad pointer or "
+                                                     "flags " + std::to_string(flags));
+  }
+  *event = new CUevent_st{cuda_emu::t_device};
+  std::lock_guard<std::mutex> lock(cuda_emu::g_events_mutex);
+  cuda_emu::g_events.insert(*event);
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t* event) { return cudaEventCreateWithFlags(event, 0); }
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  {
+    std::lock_guard<std::mutex> lock(cuda_emu::g_events_mutex);
+    if (cuda_emu::g_events.erase(event) == 0) {
+      return cuda_emu::SetError(cudaErrorInvalidResourceHandle,
+                                "cudaEventDestroy: an event this runtime did not make or "
+                                "already destroyed");
+    }
+  }
+  delete event;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  if (!cuda_emu::IsValidEvent(event) || !cuda_emu::IsValidStream(stream)) {
+    return cuda_emu::SetError(cudaErrorInvalidResourceHandle,
+                              "cudaEventRecord: an unknown or destroyed event, or a bad stream");
+  }
+  if (event->device != cuda_emu::StreamDevice(stream)) {
+    return cuda_emu::SetError(cudaErrorInvalidResourceHandle,
+                              "cudaEventRecord: the event is device " +
+                                  std::to_string(event->device) + "'s, the stream device " +
+                                  std::to_string(cuda_emu::StreamDevice(stream)) + "'s");
+  }
+  return cudaSuccess;  // the stream's work has run: the event completes at once
+}
+
+// Legal for an event of another device than the stream's (CUDA's rule).
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags) {
+  if (!cuda_emu::IsValidEvent(event) || !cuda_emu::IsValidStream(stream)) {
+    return cuda_emu::SetError(cudaErrorInvalidResourceHandle,
+                              "cudaStreamWaitEvent: an unknown or destroyed event, or a bad "
+                              "stream");
+  }
+  if (flags != 0) {
+    return cuda_emu::SetError(cudaErrorInvalidValue, "cudaStreamWaitEvent: flags must be 0");
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+  if (!cuda_emu::IsValidEvent(event)) {
+    return cuda_emu::SetError(cudaErrorInvalidResourceHandle, "cudaEventQuery: bad event");
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  if (!cuda_emu::IsValidEvent(event)) {
+    return cuda_emu::SetError(cudaErrorInvalidResourceHandle, "cudaEventSynchronize: bad event");
+  }
+  return cudaSuccess;
+}
 
 }  // extern "C"

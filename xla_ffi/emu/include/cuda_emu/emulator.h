@@ -27,9 +27,32 @@
 // built with -ftz=true). Each launch is counted by kernel template instance (LaunchCounts): the
 // coverage measure of CI's emulated stage.
 //
+// Devices: cudaGetDeviceCount reports JAX_EP_CUDA_EMU_DEVICES devices (default 8, at most
+// 64); cudaSetDevice / cudaGetDevice keep a current device per host thread (0 until set).
+// Streams and events belong to the device current when they were made, and the runtime's
+// rules between devices hold: a kernel launched on a stream of another device than the current
+// one fails (cudaErrorInvalidResourceHandle), so does cudaEventRecord of an event and a stream
+// of different devices; cudaStreamWaitEvent on an event of another device is legal. An event
+// handle that was never made or was destroyed is cudaErrorInvalidResourceHandle everywhere.
+// Every operation has run when it is issued, so events order nothing here: recording and
+// waiting check their handles, cudaEventQuery / cudaEventSynchronize report completion.
+//
+// Peer access: every pair of distinct devices can access each other (cudaDeviceCanAccessPeer),
+// once the reading device enabled it (cudaDeviceEnablePeerAccess from that device; enabling
+// twice is cudaErrorPeerAccessAlreadyEnabled, the device itself or one that does not exist is
+// cudaErrorInvalidDevice). Which memory is whose: cudaMalloc'd memory belongs to the device
+// current at the call, and ClaimMemory declares a range as a device's (bindings_emu.cc claims
+// each FFI call's operands and results for its device for the length of the call: XLA:CPU's
+// buffers are host memory of no device). A kernel's reads of another device's memory go
+// through CheckPeerRead (jax_ep's `FromPeer` in cuda_common.cuh; a plain pointer on the GPU):
+// a read of memory claimed only by devices the kernel's device has not enabled access to
+// fails the launch (cudaErrorLaunchFailure with the emulator's message). Plain loads and
+// stores are not checked; memory nobody claimed is readable from every device.
+//
 // Not modelled: concurrency between blocks or streams, the memory model (no reordering, no
-// caches), timing, warp-synchronous code without __syncwarp (lanes do not run in lockstep), and
-// __launch_bounds__ (accepted, not checked beyond the 1024-thread limit).
+// caches), timing, warp-synchronous code without __syncwarp (lanes do not run in lockstep),
+// __launch_bounds__ (accepted, not checked beyond the 1024-thread limit), and any ordering by
+// events (operations run when issued, so a missing cudaStreamWaitEvent goes unseen).
 #pragma once
 
 #if defined(__CUDACC__)
@@ -61,8 +84,11 @@
 // ----------------------------------------------------------------------------- runtime API
 // The toolkit's declarations (types, error codes, signatures); the emulator defines the entry
 // points jax_ep uses: cudaGetLastError, cudaPeekAtLastError, cudaGetErrorString, cudaMalloc,
-// cudaFree, cudaMemcpy(Async), cudaMemset(Async), cudaStreamCreate / Destroy / Synchronize and
-// cudaDeviceSynchronize. Any other entry point is an undefined symbol at import.
+// cudaFree, cudaMemcpy(Async), cudaMemset(Async), cudaStreamCreate / Destroy / Synchronize,
+// cudaDeviceSynchronize, cudaGetDeviceCount, cudaSetDevice, cudaGetDevice,
+// cudaDeviceCanAccessPeer, cudaDeviceEnablePeerAccess, cudaEventCreate(WithFlags),
+// cudaEventRecord, cudaStreamWaitEvent, cudaEventQuery, cudaEventSynchronize and
+// cudaEventDestroy. Any other entry point is an undefined symbol at import.
 #include <cuda_runtime_api.h>
 
 template <typename T>
@@ -116,6 +142,18 @@ void* DynamicSharedMemory();
 
 // A CUDA stream handle is valid: the default stream (null) or one this runtime made.
 bool IsValidStream(cudaStream_t stream);
+
+// ----------------------------------------------------------------------------- device memory
+
+// Declares [data, data + bytes) as device `device`'s memory until ReleaseMemory(the returned
+// id). Claims may overlap (a range several devices claim is each of theirs).
+uint64_t ClaimMemory(int device, const void* data, size_t bytes);
+void ReleaseMemory(uint64_t claim);
+
+// In a kernel: the running kernel reads [data, data + bytes). Fails the launch when that
+// memory is claimed, none of its claims is the kernel's device's, and the kernel's device has
+// not enabled peer access to any of the devices that claim it.
+void CheckPeerRead(const void* data, size_t bytes);
 
 // Reports an error of the running kernel (abandons the launch; does not return).
 [[noreturn]] void KernelError(const char* format, ...) __attribute__((format(printf, 1, 2)));
