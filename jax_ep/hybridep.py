@@ -135,11 +135,9 @@ def _send_permuted(x, h):
     r = h.routing
     if _two_hop(h):
         return ops.gather_rows(internode.send_tokens(x, r), h.sorted_rows, impl=r.impl)
-    buffer, slot = tp.receive_buffer(x, r.send_token_idx, r.plan, num_recv=r.num_recv,
-                                     capacity=r.capacity, axis_name=r.axis_name,
-                                     transport=r.transport, impl=r.impl)
-    rows = jnp.where(h.sorted_rows >= 0, jnp.take(slot, jnp.clip(h.sorted_rows, 0)), -1)
-    return ops.gather_rows(buffer, rows, impl=r.impl)
+    return tp.receive_rows(x, r.send_token_idx, r.plan, h.sorted_rows, num_recv=r.num_recv,
+                           capacity=r.capacity, axis_name=r.axis_name, transport=r.transport,
+                           impl=r.impl)
 
 
 def _return_unpermuted(y, h):

@@ -80,19 +80,20 @@ class LowLatencyHandle:
     cumulative_local_expert_recv_stats: jax.Array | None = None
 
 
-def _exchange(src, row_map, h, name, forward=True):
+def _exchange(src, row_map, h, name, forward=True, recv_rows=None):
     """src[row_map] as [P*C, ...] wire blocks to every peer (forward: the dispatch direction;
-    else the return), the gather fused into the copy on the peer transport."""
+    else the return), the received blocks or their rows recv_rows; on the peer transport both
+    gathers are the copy itself (transport.exchange_blocks)."""
     sizes = (h.send_sizes, h.recv_sizes) if forward else (h.recv_sizes, h.send_sizes)
     return tp.exchange_blocks(src, *sizes, capacity=h.capacity, axis_name=h.axis_name,
-                              transport=h.transport, name=name, row_map=row_map, impl=h.impl)
+                              transport=h.transport, name=name, row_map=row_map,
+                              recv_rows=recv_rows, impl=h.impl)
 
 
 def _send(rows, h):
     """rows [T,...] -> [L, P*Tmax, ...]: one copy per slot, compacted per local expert."""
     num_local = h.src_info.shape[0]
-    received = _exchange(rows, h.send_token, h, tp.DISPATCH_NAME)
-    out = ops.gather_rows(received, h.recv_slot, impl=h.impl)
+    out = _exchange(rows, h.send_token, h, tp.DISPATCH_NAME, recv_rows=h.recv_slot)
     return out.reshape((num_local, -1) + rows.shape[1:])
 
 
@@ -130,9 +131,8 @@ def _ll_combine_rows_bwd(residuals, d_out):
     d_rows = ops.gather_rows(d_out, h.send_token, impl=h.impl).astype(jnp.float32)
     d_slot_weights = (d_rows * back.astype(jnp.float32)).sum(axis=-1)
     scaled = (d_rows * slot_weights[:, None]).astype(d_out.dtype)
-    received = _exchange(scaled, None, h, tp.DISPATCH_NAME)
     num_local = h.src_info.shape[0]
-    d_y = ops.gather_rows(received, h.recv_slot, impl=h.impl)
+    d_y = _exchange(scaled, None, h, tp.DISPATCH_NAME, recv_rows=h.recv_slot)
     return d_y.reshape((num_local, -1) + d_out.shape[1:]), d_slot_weights, None
 
 

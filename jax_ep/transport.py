@@ -60,6 +60,7 @@ __all__ = [
     "make_plan",
     "resolve_transport",
     "receive_buffer",
+    "receive_rows",
     "return_buffer_size",
     "return_rows",
     "return_slots",
@@ -323,19 +324,24 @@ def _ragged(rows, out_rows, in_offsets, in_sizes, out_offsets, out_sizes, axis_n
     return checkpoint_name(from_bits(out, rows.dtype), name)
 
 
-def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, axis_name, name):
+def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, axis_name, name,
+          recv_rows=None):
     """One peer exchange (xla_ffi/peer.cc): this rank's rows for rank q are src[row_map[j]]
     for j in send_offsets[q] + [0, send_counts[q]) (a zero row where row_map[j] is outside
-    src), landing at rows dest_offsets[q] onward of q's output [out_rows, ...] (src's dtype
-    and row shape; rows nobody writes are zero). Returns (output, recv_counts i32[P])."""
+    src), landing at rows dest_offsets[q] onward of q's receive layout [out_rows, ...] (src's
+    dtype and row shape; rows nobody writes are zero). Returns (that layout, or with recv_rows
+    i32[N] its rows recv_rows [N, ...] (-1 or past the layout: zero rows) gathered by the copy
+    itself, and recv_counts i32[P])."""
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     mesh = jax.sharding.get_abstract_mesh()
-    num_ranks = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    num_ranks = math.prod(sizes[a] for a in axes)
+    gather = recv_rows is not None
+    rows_out = recv_rows.shape[0] if gather else out_rows
     if row_map.shape[0] == 0:  # static and alike on every rank: nobody sends, so no meeting
-        zeros = jnp.zeros((out_rows,) + src.shape[1:], src.dtype)
+        zeros = jnp.zeros((rows_out,) + src.shape[1:], src.dtype)
         return (checkpoint_name(_ffi.vary_like(zeros, src, row_map), name),
                 _ffi.vary_like(jnp.zeros((num_ranks,), jnp.int32), src, row_map))
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     others = tuple(a for a in mesh.axis_names if a not in axes and sizes[a] > 1)
     rank = jax.lax.axis_index(axes if len(axes) > 1 else axes[0])
     group = jax.lax.axis_index(others) if others else jnp.zeros((), jnp.int32)
@@ -343,12 +349,14 @@ def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, ax
     i32 = jnp.int32
     out, recv_counts = _ffi.call(
         "jax_ep_peer_exchange",
-        (jax.ShapeDtypeStruct((out_rows,) + src.shape[1:], src.dtype),
+        (jax.ShapeDtypeStruct((rows_out,) + src.shape[1:], src.dtype),
          jax.ShapeDtypeStruct((num_ranks,), i32)),
         src, row_map.astype(i32), send_offsets.astype(i32), send_counts.astype(i32),
         dest_offsets.astype(i32), jnp.stack([rank, group]).astype(i32),
+        recv_rows.astype(i32) if gather else jnp.zeros((0,), i32),
         op_id=next(_peer_op_ids), num_ranks=num_ranks, num_devices=mesh.size,
-        timeout_ms=max(1, round(timeout_s * 1000)), axis=str(axis_name))
+        timeout_ms=max(1, round(timeout_s * 1000)), num_recv=out_rows, gather=gather,
+        axis=str(axis_name))
     return checkpoint_name(out, name), recv_counts
 
 
@@ -358,15 +366,17 @@ def _compact(transport, size):
 
 
 def exchange_blocks(src, send_sizes, recv_sizes, *, capacity, axis_name, transport, name,
-                    row_map=None, impl="ffi"):
+                    row_map=None, recv_rows=None, impl="ffi"):
     """Fixed blocks of C rows to every rank, moving only the used rows on "ragged" / "peer".
 
     The send buffer buf [P*C, ...] is src itself, or src[row_map] (row_map i32[P*C], -1: a
-    zero row; ops.gather_rows with `impl`, fused into the copy on "peer"): block p (rows
-    p*C ...) goes to rank p and holds send_sizes[p] used rows first, zero rows after them.
-    Returns [P*C, ...], block q what rank q sent here (recv_sizes[q] used rows first).
-    "all_to_all" moves the whole blocks; "ragged" and "peer" only the used rows, into the same
-    slots, the rest staying zero: all give the same buffer.
+    zero row): block p (rows p*C ...) goes to rank p and holds send_sizes[p] used rows first,
+    zero rows after them. The receive buffer [P*C, ...] holds in block q what rank q sent here
+    (recv_sizes[q] used rows first); returned whole, or its rows recv_rows (i32[N], -1: a zero
+    row) [N, ...]. "all_to_all" moves the whole blocks; "ragged" and "peer" only the used rows,
+    into the same slots, the rest staying zero: all give the same result. On "peer" both
+    gathers are the copy itself (the receivers read src[row_map] and write the recv_rows
+    order); elsewhere they are ops.gather_rows with `impl`.
     """
     rank, size = axis_rank_and_size(axis_name)
     if transport == "peer" and size > 1:
@@ -374,16 +384,16 @@ def exchange_blocks(src, send_sizes, recv_sizes, *, capacity, axis_name, transpo
         starts = jnp.arange(size, dtype=jnp.int32) * capacity
         here = jnp.full((size,), rank * capacity, jnp.int32)
         return _peer(src, rows, starts, send_sizes, here, out_rows=size * capacity,
-                     axis_name=axis_name, name=name)[0]
+                     axis_name=axis_name, name=name, recv_rows=recv_rows)[0]
     buf = src if row_map is None else ops.gather_rows(src, row_map, impl=impl)
-    if size == 1:
-        return buf
-    if not _compact(transport, size):
-        return _all_to_all(buf, axis_name, size, capacity, name)
-    starts = jnp.arange(size, dtype=jnp.int32) * capacity
-    here = jnp.full((size,), rank * capacity, jnp.int32)
-    return _ragged(buf, buf.shape[0], starts, send_sizes.astype(jnp.int32), here,
-                   recv_sizes.astype(jnp.int32), axis_name, name)
+    if size > 1 and not _compact(transport, size):
+        buf = _all_to_all(buf, axis_name, size, capacity, name)
+    elif size > 1:
+        starts = jnp.arange(size, dtype=jnp.int32) * capacity
+        here = jnp.full((size,), rank * capacity, jnp.int32)
+        buf = _ragged(buf, buf.shape[0], starts, send_sizes.astype(jnp.int32), here,
+                      recv_sizes.astype(jnp.int32), axis_name, name)
+    return buf if recv_rows is None else ops.gather_rows(buf, recv_rows, impl=impl)
 
 
 def receive_buffer(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):
@@ -412,6 +422,22 @@ def receive_buffer(src, row_map, plan, *, num_recv, capacity, axis_name, transpo
     if size > 1:
         padded = _all_to_all(padded, axis_name, size, capacity, DISPATCH_NAME)
     return padded, _compact_slots(plan.recv_counts, plan.recv_offsets, capacity, num_recv)
+
+
+def receive_rows(src, row_map, plan, recv_rows, *, num_recv, capacity, axis_name, transport,
+                 impl):
+    """Sends rows as `send_rows` does and returns the compact receive rows recv_rows (i32[N],
+    -1: a zero row) [N, ...]: on "peer" the receivers copy them straight from the senders into
+    that order (no receive buffer at all); elsewhere `receive_buffer`, then one gather."""
+    _, size = axis_rank_and_size(axis_name)
+    if transport == "peer" and size > 1:
+        return _peer(src, row_map, plan.send_offsets, plan.send_counts,
+                     plan.remote_recv_offsets, out_rows=num_recv, axis_name=axis_name,
+                     name=DISPATCH_NAME, recv_rows=recv_rows)[0]
+    buffer, slot = receive_buffer(src, row_map, plan, num_recv=num_recv, capacity=capacity,
+                                  axis_name=axis_name, transport=transport, impl=impl)
+    rows = jnp.where(recv_rows >= 0, jnp.take(slot, jnp.clip(recv_rows, 0)), -1)
+    return ops.gather_rows(buffer, rows, impl=impl)
 
 
 def send_rows(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):

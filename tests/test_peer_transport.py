@@ -81,6 +81,29 @@ def test_peer_exchange_matches_numpy_model(dtype, row_shape):
     _assert_same((out, recv), (want_out, want_recv))
 
 
+def test_peer_exchange_gathers_its_receive_layout_in_the_copy():
+    # recv_rows picks rows of the receive layout (repeats, -1, past R: zero rows); the layout
+    # itself is never written: out [N] = layout[recv_rows] of the plain exchange.
+    P, M, S, R, N = NUM_RANKS, 6, 24, 40, 50
+    rng = np.random.default_rng(4)
+    src = rng.standard_normal((P, M, 3)).astype(np.float32)
+    row_map = rng.integers(-1, M, size=(P, S)).astype(np.int32)
+    counts, send_offsets, dest = _random_blocks(rng, P, S, R)
+    recv_rows = rng.integers(-2, R + 3, size=(P, N)).astype(np.int32)
+
+    def f(src, row_map, send_offsets, counts, dest, recv_rows):
+        out, recv = _peer(src[0], row_map[0], send_offsets[0], counts[0], dest[0], out_rows=R,
+                          axis_name=AXIS, name="t", recv_rows=recv_rows[0])
+        return out[None], recv[None]
+
+    out, recv = run_ep(f, ep_mesh(P), src, row_map, send_offsets, counts, dest, recv_rows)
+    layout, want_recv = _numpy_peer(src, row_map, counts, send_offsets, dest, R)
+    padded = np.concatenate([layout, np.zeros((P, 1, 3), np.float32)], axis=1)
+    picks = np.where((recv_rows >= 0) & (recv_rows < R), recv_rows, R)
+    want = np.take_along_axis(padded, picks[:, :, None], axis=1)
+    _assert_same((out, recv), (want, want_recv))
+
+
 def test_peer_exchange_moves_nothing_when_nothing_is_sent():
     # S = 0 compact rows, R = 3 receive rows: zeros and zero counts everywhere; and R = 0.
     P = NUM_RANKS
@@ -440,8 +463,9 @@ def test_a_program_that_expects_more_devices_fails_with_who_arrived(monkeypatch)
         out, _ = _ffi.call("jax_ep_peer_exchange",
                            (jax.ShapeDtypeStruct((2, 2), jnp.float32),
                             jax.ShapeDtypeStruct((4,), jnp.int32)),
-                           src, z, z, z, z, coords, op_id=987654, num_ranks=4, num_devices=8,
-                           timeout_ms=1000, axis="ep")
+                           src, z, z, z, z, coords, jnp.zeros((0,), jnp.int32), op_id=987654,
+                           num_ranks=4, num_devices=8, timeout_ms=1000, num_recv=2,
+                           gather=False, axis="ep")
         return out
 
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"4/8 devices arrived"):

@@ -2,16 +2,19 @@
 // routed rows by reading each other's buffers, as DeepEP's intranode kernels do over NVLink.
 //
 // peer_exchange: src [M, ...] any dtype, row_map i32[S], send_offsets i32[P],
-//   send_counts i32[P], dest_offsets i32[P], coords i32[2] -> out [R, ...] (src's dtype and row
-//   shape), recv_counts i32[P].
+//   send_counts i32[P], dest_offsets i32[P], coords i32[2], recv_rows i32[N] -> out [R, ...]
+//   or [N, ...] (src's dtype and row shape), recv_counts i32[P].
 //   Rank r's rows for rank q are its compact send rows send_offsets[q] .. + send_counts[q];
 //   compact row j holds src[row_map[j]] (a zero row when row_map[j] is outside [0, M)), so the
-//   sender never packs them. They land in q's out at rows dest_offsets[q] onward. Rows of out
-//   that no sender writes are zero; recv_counts[p] = the rows that came from rank p (the
-//   counts travel in the same call). coords = (rank on the axis, index of the group along the
-//   other mesh axes). Attributes: op_id (the call's id in its program), num_ranks (P),
-//   num_devices (every device running the program), axis (its name, for messages),
-//   timeout_ms (the bound of each wait).
+//   sender never packs them. They land in q's receive layout of R = num_recv rows at rows
+//   dest_offsets[q] onward; rows no sender writes are zero. out is that layout, or with
+//   gather=true its rows recv_rows (out[n] = layout row recv_rows[n], a zero row outside
+//   [0, R)): the receiver's own permutation fused into the copy, the layout never written.
+//   recv_counts[p] = the rows that came from rank p (the counts travel in the same call).
+//   coords = (rank on the axis, index of the group along the other mesh axes). Attributes:
+//   op_id (the call's id in its program), num_ranks (P), num_devices (every device running the
+//   program), timeout_ms (the bound of the wait for the peers), num_recv (R), gather, axis
+//   (its name, for messages).
 //
 // Never blocking: XLA:CPU runs the thunks of every device's program on one thread pool shared
 // by all devices (as many threads as cores), so a handler that waited for its peers could hold
@@ -59,7 +62,9 @@ struct CpuSide {
   const int32_t* send_counts = nullptr;
   const int32_t* dest_offsets = nullptr;
   uint8_t* out = nullptr;
-  int64_t out_rows = 0;
+  int64_t out_rows = 0;  // N with gather, else R
+  int64_t num_recv = 0;  // R
+  const int32_t* recv_rows = nullptr;  // i32[N] with gather, else null
   int64_t num_ranks = 0;
   int32_t* recv_counts = nullptr;
   std::string where;  // "peer transport (axis ..., rank ...): ", the prefix of its errors
@@ -78,9 +83,10 @@ std::string Where(const Attrs& a, const CpuSide& side) {
 // The checks of one device's own arguments: shapes and attributes (peer_checks.h), then the
 // values of coords and the send blocks; "" when they hold.
 std::string CheckSide(const Attrs& a, Any src, I32 row_map, I32 send_offsets, I32 send_counts,
-                      I32 dest_offsets, I32 coords, AnyOut& out, I32Out& recv_counts) {
+                      I32 dest_offsets, I32 coords, I32 recv_rows, AnyOut& out,
+                      I32Out& recv_counts) {
   std::string shape_error = PeerShapeError(a, src, row_map, send_offsets, send_counts,
-                                           dest_offsets, coords, out, recv_counts);
+                                           dest_offsets, coords, recv_rows, out, recv_counts);
   if (!shape_error.empty()) return shape_error;
   const int64_t P = a.num_ranks;
   const int64_t groups = a.num_devices / P;
@@ -143,7 +149,7 @@ std::string FirstSideError(const Sides& sides) {
 // The senders of `me`, by rank; "" or what is wrong with them.
 std::string Senders(const Sides& sides, const CpuSide& me, int64_t P,
                     std::vector<const CpuSide*>* senders) {
-  const int64_t out_rows = me.out_rows;
+  const int64_t num_recv = me.num_recv;
   std::vector<std::pair<int64_t, int64_t>> blocks;  // [begin, end) of each sender's rows in out
   for (int32_t p = 0; p < P; ++p) {
     bool duplicate = false;
@@ -161,9 +167,9 @@ std::string Senders(const Sides& sides, const CpuSide& me, int64_t P,
       return "rank " + std::to_string(p) + " sends rows of another dtype or width";
     }
     const int64_t begin = side->dest_offsets[me.rank], count = side->send_counts[me.rank];
-    if (begin < 0 || begin + count > out_rows) {
+    if (begin < 0 || begin + count > num_recv) {
       return "rank " + std::to_string(p) + " sends rows " + std::to_string(begin) + " + " +
-             std::to_string(count) + ", outside this rank's " + std::to_string(out_rows) +
+             std::to_string(count) + ", outside this rank's " + std::to_string(num_recv) +
              " receive rows";
     }
     if (count > 0) blocks.emplace_back(begin, begin + count);
@@ -178,34 +184,39 @@ std::string Senders(const Sides& sides, const CpuSide& me, int64_t P,
   return "";
 }
 
-// me.out = every sender's rows for `me` at their destination rows, zero elsewhere.
-void CopyFromSenders(const std::vector<const CpuSide*>& senders, const CpuSide& me) {
-  const int64_t row_bytes = me.row_bytes, out_rows = me.out_rows;
-  uint8_t* out = me.out;
-  int32_t* recv_counts = me.recv_counts;
-  AdviseHugePages(out, out_rows * row_bytes);
-  const bool streaming = out_rows * row_bytes >= kStreamingStoreBytes;
-  auto write = [&](int64_t r, const uint8_t* row) {
-    if (streaming) {
-      StreamRow(out + r * row_bytes, row, row_bytes);
-    } else {
-      CopyOrZeroRow(out + r * row_bytes, row, row_bytes);
-    }
-  };
-  std::vector<bool> written(out_rows, false);
+// The source row of each row of `me`'s receive layout (R rows): a sender's src row, or null
+// for a zero row (row_map outside src, or no sender writes it); recv_counts filled on the way.
+std::vector<const uint8_t*> ReceiveLayout(const std::vector<const CpuSide*>& senders,
+                                          const CpuSide& me) {
+  std::vector<const uint8_t*> layout(me.num_recv, nullptr);
   for (size_t p = 0; p < senders.size(); ++p) {
     const CpuSide& from = *senders[p];
     const int64_t begin = from.dest_offsets[me.rank], count = from.send_counts[me.rank];
     const int32_t* rows = from.row_map + from.send_offsets[me.rank];
     for (int64_t j = 0; j < count; ++j) {
       const int64_t s = rows[j];
-      write(begin + j, s >= 0 && s < from.src_rows ? from.src + s * row_bytes : nullptr);
-      written[begin + j] = true;
+      if (s >= 0 && s < from.src_rows) layout[begin + j] = from.src + s * me.row_bytes;
     }
-    recv_counts[p] = int32_t(count);
+    me.recv_counts[p] = int32_t(count);
   }
+  return layout;
+}
+
+// me.out = the receive layout, or its rows me.recv_rows (gather), copied from the senders.
+void CopyFromSenders(const std::vector<const CpuSide*>& senders, const CpuSide& me) {
+  const int64_t row_bytes = me.row_bytes, out_rows = me.out_rows;
+  const std::vector<const uint8_t*> layout = ReceiveLayout(senders, me);
+  uint8_t* out = me.out;
+  AdviseHugePages(out, out_rows * row_bytes);
+  const bool streaming = out_rows * row_bytes >= kStreamingStoreBytes;
   for (int64_t r = 0; r < out_rows; ++r) {
-    if (!written[r]) write(r, nullptr);
+    const int64_t v = me.recv_rows ? me.recv_rows[r] : r;
+    const uint8_t* row = v >= 0 && v < me.num_recv ? layout[v] : nullptr;
+    if (streaming) {
+      StreamRow(out + r * row_bytes, row, row_bytes);
+    } else {
+      CopyOrZeroRow(out + r * row_bytes, row, row_bytes);
+    }
   }
   if (streaming) StreamingFence();
 }
@@ -441,14 +452,17 @@ void RunExchange(ffi::ThreadPool& pool, Meeting& meeting, int64_t P, int32_t cal
 
 ffi::Future PeerExchangeCpu(ffi::ThreadPool pool, ffi::RunId run_id, int32_t device, Any src,
                             I32 row_map, I32 send_offsets, I32 send_counts, I32 dest_offsets,
-                            I32 coords, int64_t op_id, int64_t num_ranks, int64_t num_devices,
-                            int64_t timeout_ms, std::string_view axis, AnyOut out,
+                            I32 coords, I32 recv_rows, int64_t op_id, int64_t num_ranks,
+                            int64_t num_devices, int64_t timeout_ms, int64_t num_recv,
+                            bool gather, std::string_view axis, AnyOut out,
                             I32Out recv_counts) {
-  const Attrs a{op_id, num_ranks, num_devices, timeout_ms, axis};
+  const Attrs a{op_id, num_ranks, num_devices, timeout_ms, num_recv, gather, axis};
   auto me = std::make_unique<CpuSide>();
   me->device = device;
-  me->error = CheckSide(a, src, row_map, send_offsets, send_counts, dest_offsets, coords, out,
-                        recv_counts);
+  me->error = CheckSide(a, src, row_map, send_offsets, send_counts, dest_offsets, coords,
+                        recv_rows, out, recv_counts);
+  me->num_recv = num_recv;
+  me->recv_rows = gather ? recv_rows.typed_data() : nullptr;
   if (coords.element_count() == 2) {
     me->rank = coords.typed_data()[0];
     me->group = coords.typed_data()[1];
@@ -495,10 +509,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeCpu, jax_ep::PeerExchangeCpu,
                                   .Arg<jax_ep::I32>()        // send_counts [P]
                                   .Arg<jax_ep::I32>()        // dest_offsets [P]
                                   .Arg<jax_ep::I32>()        // coords [2]: rank, group
+                                  .Arg<jax_ep::I32>()        // recv_rows [N]
                                   .Attr<int64_t>("op_id")
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_devices")
                                   .Attr<int64_t>("timeout_ms")
+                                  .Attr<int64_t>("num_recv")
+                                  .Attr<bool>("gather")
                                   .Attr<std::string_view>("axis")
-                                  .Ret<jax_ep::Any>()        // out [R, ...]
+                                  .Ret<jax_ep::Any>()        // out [R or N, ...]
                                   .Ret<jax_ep::I32>());      // recv_counts [P]

@@ -22,8 +22,9 @@
 // The kernel (PeerExchangeKernel, one launch): each block reads every participant's coords,
 // finds the P senders of its own group (rank p, the participant with coords (p, group)), and
 // reads each one's send_offsets[rank] / send_counts[rank] / dest_offsets[rank]; then a group of
-// lanes per output row copies src_p[row_map_p[j]] (zero where the entry is outside [0, M_p))
-// into row dest_offsets_p[rank] + j, zeroes every row no sender writes, and block 0 writes
+// lanes per output row r copies the row of the receive layout it holds (layout row v = r, or
+// v = recv_rows[r] with gather): src_p[row_map_p[j]] when v = dest_offsets_p[rank] + j (zero
+// where the entry is outside [0, M_p)), a zero row where no sender writes v; block 0 writes
 // recv_counts.
 //
 // Errors. Host-side checks (shapes, attributes, the senders' dtype and row width, at most
@@ -90,7 +91,7 @@ struct SenderBlock {
 // Sender p of this device (participant `me`, coords (rank, group)), from every participant's
 // coords[i][0..1].
 __device__ SenderBlock FindSender(const PeerTable& table, const int32_t (*coords)[2], int me,
-                                  int32_t p, int32_t P, int32_t groups, int64_t out_rows) {
+                                  int32_t p, int32_t P, int32_t groups, int64_t num_recv) {
   SenderBlock none{nullptr, nullptr, 0, 0, 0};
   const int32_t rank = coords[me][0], group = coords[me][1];
   if (rank < 0 || rank >= P || group < 0 || group >= groups) return none;
@@ -107,18 +108,20 @@ __device__ SenderBlock FindSender(const PeerTable& table, const int32_t (*coords
   const int64_t count = *FromPeer(s.send_counts + rank, 1);
   const int64_t begin = *FromPeer(s.dest_offsets + rank, 1);
   if (offset < 0 || count < 0 || offset + count > s.row_map_rows || begin < 0 ||
-      begin + count > out_rows) {
+      begin + count > num_recv) {
     return none;
   }
   return SenderBlock{s.src, s.row_map + offset, s.src_rows, begin, count};
 }
 
 // out [out_rows, nvec units of V] and recv_counts i32[P] of participant `me` (see the header
-// comment). lanes_per_row is a power of two <= 32 dividing the block size.
+// comment): the receive layout of num_recv rows, or its rows recv_rows[0 .. out_rows) when
+// recv_rows is not null. lanes_per_row is a power of two <= 32 dividing the block size.
 template <typename V>
 __global__ void __launch_bounds__(kThreads)
     PeerExchangeKernel(PeerTable table, int me, int32_t P, int32_t groups, int64_t nvec,
-                       V* __restrict__ out, int64_t out_rows, int32_t* __restrict__ recv_counts,
+                       V* __restrict__ out, int64_t out_rows, int64_t num_recv,
+                       const int32_t* __restrict__ recv_rows, int32_t* __restrict__ recv_counts,
                        int lanes_per_row) {
   __shared__ int32_t coords[kMaxPeerDevices][2];
   __shared__ SenderBlock senders[kMaxPeerDevices];
@@ -129,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    senders[p] = FindSender(table, coords, me, p, P, groups, out_rows);
+    senders[p] = FindSender(table, coords, me, p, P, groups, num_recv);
     if (blockIdx.x == 0) recv_counts[p] = int32_t(senders[p].count);
   }
   __syncthreads();
@@ -138,11 +141,12 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = int(tid & (lanes_per_row - 1));
   const int64_t row_groups = int64_t(gridDim.x) * blockDim.x / lanes_per_row;
   for (int64_t r = tid / lanes_per_row; r < out_rows; r += row_groups) {
+    const int64_t v = recv_rows ? recv_rows[r] : r;  // the receive layout's row
     const V* from = nullptr;  // the source row; null: a zero row
     for (int32_t p = 0; p < P; ++p) {
       const SenderBlock& b = senders[p];
-      if (r < b.begin || r >= b.begin + b.count) continue;
-      const int64_t s = *FromPeer(b.rows + (r - b.begin), 1);
+      if (v < b.begin || v >= b.begin + b.count) continue;
+      const int64_t s = *FromPeer(b.rows + (v - b.begin), 1);
       if (s >= 0 && s < b.src_rows) from = FromPeer(static_cast<const V*>(b.src) + s * nvec, nvec);
       break;
     }
@@ -318,7 +322,7 @@ std::string CheckSides(const peer::Meeting& meeting, const CudaSide& me) {
 // Steps 3 of the header comment up to the kernel: out and recv_counts of participant `me_index`.
 ffi::Error ReadFromPeers(const peer::Meeting& meeting, size_t me_index, const PeerAttrs& a,
                          cudaStream_t stream, void* out, int64_t out_rows,
-                         int32_t* recv_counts) {
+                         const int32_t* recv_rows, int32_t* recv_counts) {
   const CudaSide& me = SideAt(meeting, me_index);
   PeerTable table{};
   table.size = int32_t(meeting.published.size());
@@ -343,7 +347,8 @@ ffi::Error ReadFromPeers(const peer::Meeting& meeting, size_t me_index, const Pe
     const unsigned grid = GridFor(out_rows * lanes, kThreads, int64_t(1) << 20);
     JAX_EP_LAUNCH(grid, kThreads, 0, stream, PeerExchangeKernel<V>)(
         table, int(me_index), int32_t(a.num_ranks), int32_t(a.num_devices / a.num_ranks), nvec,
-        static_cast<V*>(out), out_rows, recv_counts, lanes);
+        static_cast<V*>(out), out_rows, a.num_recv, a.gather ? recv_rows : nullptr,
+        recv_counts, lanes);
     return CheckLaunch("PeerExchangeKernel");
   });
 }
@@ -365,14 +370,15 @@ ffi::Error WaitForReaders(const std::vector<ExchangeEvents*>& events, int32_t de
 
 ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t device, Any src,
                             I32 row_map, I32 send_offsets, I32 send_counts, I32 dest_offsets,
-                            I32 coords, int64_t op_id, int64_t num_ranks, int64_t num_devices,
-                            int64_t timeout_ms, std::string_view axis, AnyOut out,
+                            I32 coords, I32 recv_rows, int64_t op_id, int64_t num_ranks,
+                            int64_t num_devices, int64_t timeout_ms, int64_t num_recv,
+                            bool gather, std::string_view axis, AnyOut out,
                             I32Out recv_counts) {
-  const PeerAttrs a{op_id, num_ranks, num_devices, timeout_ms, axis};
+  const PeerAttrs a{op_id, num_ranks, num_devices, timeout_ms, num_recv, gather, axis};
   CudaSide me;
   me.device = device;
   me.error = PeerShapeError(a, src, row_map, send_offsets, send_counts, dest_offsets, coords,
-                            out, recv_counts);
+                            recv_rows, out, recv_counts);
   if (num_devices < 1 || timeout_ms <= 0) {  // no meeting can be held
     return ffi::Error::InvalidArgument(Where(a, device) + me.error);
   }
@@ -427,7 +433,7 @@ ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t devi
   ffi::Error read = ffi::Error::Success();
   if (wrong.empty()) {
     read = ReadFromPeers(*meeting, me_index, a, stream, out->untyped_data(), out_rows,
-                         recv_counts->typed_data());
+                         recv_rows.typed_data(), recv_counts->typed_data());
   }
   // Recorded on every path: the peers wait on it after the second meeting.
   ffi::Error recorded = CheckCuda(cudaEventRecord(me.events->done, stream), "cudaEventRecord (done)");
@@ -457,10 +463,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeCuda, jax_ep::PeerExchangeCuda,
                                   .Arg<jax_ep::I32>()        // send_counts [P]
                                   .Arg<jax_ep::I32>()        // dest_offsets [P]
                                   .Arg<jax_ep::I32>()        // coords [2]: rank, group
+                                  .Arg<jax_ep::I32>()        // recv_rows [N]
                                   .Attr<int64_t>("op_id")
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_devices")
                                   .Attr<int64_t>("timeout_ms")
+                                  .Attr<int64_t>("num_recv")
+                                  .Attr<bool>("gather")
                                   .Attr<std::string_view>("axis")
-                                  .Ret<jax_ep::Any>()        // out [R, ...]
+                                  .Ret<jax_ep::Any>()        // out [R or N, ...]
                                   .Ret<jax_ep::I32>());      // recv_counts [P]

@@ -15,16 +15,18 @@ namespace jax_ep {
 
 struct PeerAttrs {
   int64_t op_id, num_ranks, num_devices, timeout_ms;
+  int64_t num_recv;  // R, rows of the receive layout the senders' dest_offsets index
+  bool gather;       // out = rows recv_rows of that layout, instead of the layout itself
   std::string_view axis;
 };
 
 // What is wrong with the shapes and attributes of one device's call; "" when they hold.
 // src [M, ...], row_map i32[S], send_offsets / send_counts / dest_offsets i32[P], coords i32[2],
-// out [R, ...] (src's dtype and row shape), recv_counts i32[P].
+// recv_rows i32[N], out [R or N, ...] (src's dtype and row shape), recv_counts i32[P].
 inline std::string PeerShapeError(const PeerAttrs& a, const Any& src, const I32& row_map,
                                   const I32& send_offsets, const I32& send_counts,
-                                  const I32& dest_offsets, const I32& coords, AnyOut& out,
-                                  I32Out& recv_counts) {
+                                  const I32& dest_offsets, const I32& coords,
+                                  const I32& recv_rows, AnyOut& out, I32Out& recv_counts) {
   const int64_t P = a.num_ranks;
   if (P < 1 || a.num_devices < P || a.num_devices % P != 0) {
     return "num_ranks " + std::to_string(P) + " must divide num_devices " +
@@ -46,6 +48,10 @@ inline std::string PeerShapeError(const PeerAttrs& a, const Any& src, const I32&
   if (coords.element_count() != 2) {
     return "coords: expected shape [2], got " + ShapeString(coords.dimensions());
   }
+  if (recv_rows.dimensions().size() != 1) {
+    return "recv_rows: expected rank 1, got shape " + ShapeString(recv_rows.dimensions());
+  }
+  if (a.num_recv < 0) return "num_recv must be >= 0, got " + std::to_string(a.num_recv);
   int64_t src_rows, src_width, out_rows, out_width;
   RowsAndWidth(src, &src_rows, &src_width);
   RowsAndWidth(*out, &out_rows, &out_width);
@@ -53,6 +59,12 @@ inline std::string PeerShapeError(const PeerAttrs& a, const Any& src, const I32&
       out_width != src_width) {
     return "out: expected rows shaped and typed like src " + ShapeString(src.dimensions()) +
            ", got " + ShapeString(out->dimensions());
+  }
+  const int64_t want = a.gather ? recv_rows.dimensions()[0] : a.num_recv;
+  if (out_rows != want) {
+    return "out: expected " + std::to_string(want) + " rows (" +
+           (a.gather ? "recv_rows" : "num_recv") + "), got shape " +
+           ShapeString(out->dimensions());
   }
   return "";
 }

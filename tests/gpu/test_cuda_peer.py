@@ -206,8 +206,9 @@ def test_peer_meeting_that_cannot_fill_times_out(rng, monkeypatch):
             "jax_ep_peer_exchange",
             (jax.ShapeDtypeStruct((4, 2), src.dtype), jax.ShapeDtypeStruct((4,), i32)),
             src, zeros, zeros, zeros, zeros, jnp.stack([rank, 0]).astype(i32),
-            op_id=next(tp._peer_op_ids), num_ranks=4, num_devices=8,
-            timeout_ms=round(float(os.environ[tp.PEER_TIMEOUT_ENV]) * 1000), axis="ep")
+            jnp.zeros((0,), i32), op_id=next(tp._peer_op_ids), num_ranks=4, num_devices=8,
+            timeout_ms=round(float(os.environ[tp.PEER_TIMEOUT_ENV]) * 1000), num_recv=4,
+            gather=False, axis="ep")
 
     src = np.ones((16, 2), np.float32)
     with _ffi.use_handlers("cuda_emu"):
