@@ -73,7 +73,7 @@ class TokenDispatcherConfig:
     JAX-only fields:
       expert_axis_name: the mesh axis experts are sharded over, or a (node_axis, local_axis)
         pair (the dispatch then runs DeepEP's two hops, see jax_ep.deepep.dispatch).
-      transport: "auto", "all_to_all" or "ragged" (see jax_ep.transport).
+      transport: "auto", "all_to_all", "ragged" or "peer" (see jax_ep.transport).
       num_worst_tokens: receive rows per rank for deepep modes (None: the no-drop worst case);
         not with moe_deepep_async_dispatch.
       num_permuted_tokens: permuted rows per rank for hybridep. None (default): the no-drop

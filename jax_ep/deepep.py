@@ -147,7 +147,7 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         the rows that do not fit are dropped by their senders (highest token indices of each
         block first) and counted in handle.num_dropped.
       expert_alignment: num_recv_tokens_per_expert is rounded up to a multiple of it.
-      transport: "auto", "all_to_all" or "ragged" (see jax_ep.transport).
+      transport: "auto", "all_to_all", "ragged" or "peer" (see jax_ep.transport).
       capacity: C, rows sent per destination (default T: no drop; a larger C is cut to T).
         Blocks beyond it drop their highest token indices; the count is handle.num_dropped.
       handle: a previous dispatch's handle to replay its layout (cached dispatch: topk_idx

@@ -117,7 +117,7 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
     topk_idx i32[T,K]: global expert ids, -1 unrouted (ids outside [-1, E) are routed
       nowhere and counted in num_invalid); num_experts: E, a multiple of the axis size P.
     axis_name: the mesh axis (or tuple of axes) of the exchange; transport: a resolved
-      name ("all_to_all" / "ragged"); impl: "ffi" or "xla" kernels.
+      name ("all_to_all" / "ragged" / "peer"); impl: "ffi" or "xla" kernels.
     capacity: C, rows per destination (None: T); num_worst_tokens: R, receive rows (None:
       P*C); expert_alignment: num_recv_tokens_per_expert is rounded up to a multiple of it.
     count_matrix i32[P_src,P_dst]: the exchanged counts, given to skip the count exchange;

@@ -55,7 +55,8 @@ class LowLatencyHandle:
     return_slot i32[P*C]: output row returned through each received wire row (-1: none).
     num_invalid i32[]: this rank's expert ids outside [-1, E), routed nowhere.
     capacity: C = min(L*Tmax, T*min(K, L)) (at least 1), the most slots a rank can send
-      another; transport: "all_to_all" (whole blocks) or "ragged" (the used rows only).
+      another; transport: "all_to_all" (whole blocks), "ragged" or "peer" (the used rows
+      only; peer also reads the slots where they are and writes the per-expert layout).
     hidden: H of the dispatched rows (jax_ep.Buffer sizes its combine buffer from it).
     cumulative_local_expert_recv_stats i32[L] | None: set by jax_ep.Buffer.low_latency_dispatch
       (the stats it was given plus this dispatch's recv_count)."""

@@ -150,3 +150,18 @@ def assert_param_grads_close(grads, want_grads, rtol, atol):
                                  nnx.to_flat_state(nnx.state(want_grads, nnx.Param))):
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=rtol,
                                    atol=atol, err_msg=str(path))
+
+
+def low_latency_round_trip(topk_idx, *, tmax, num_experts, transport, **kwargs):
+    """loss(x, w) of a low-latency dispatch -> tanh(rows) * 2 -> combine with weights w,
+    returning (sum of squares, (recv rows, counts, src_info, layout_range, combined))."""
+    import jax_ep
+
+    def loss(x, w):
+        recv, count, h = jax_ep.low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank=tmax, num_experts=num_experts,
+            axis_name=AXIS, transport=transport, **kwargs)
+        out = jax_ep.low_latency_combine(jnp.tanh(recv) * 2, topk_idx, w, h)
+        return jnp.sum(out.astype(jnp.float32) ** 2), (recv, count, h.src_info,
+                                                       h.layout_range, out)
+    return loss

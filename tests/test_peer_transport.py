@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep_utils import AXIS, ep_mesh, random_routing, run_ep, shard
+from ep_utils import AXIS, ep_mesh, low_latency_round_trip, random_routing, run_ep, shard
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -130,29 +130,39 @@ def _routing(P, T, K, E, seed):
     return x, idx, w
 
 
-@pytest.mark.parametrize("capacity,num_worst", [(None, None), (3, None), (None, 9)])
-def test_deepep_peer_equals_all_to_all(capacity, num_worst):
-    T, K, E = 6, 3, 16
-    x, idx, w = _routing(NUM_RANKS, T, K, E, 1)
-
+def _peer_equals_all_to_all(make_loss, x, idx, w):
+    """make_loss(transport, idx) -> loss(x, w) returning (scalar, aux tuple): on P = 8 ranks the
+    aux outputs and both gradients on "peer" are bitwise those on "all_to_all"; returns the
+    peer run's outputs (aux..., d_x, d_w)."""
     def body(t):
         def f(x, i, w):
-            def loss(x, w):
-                rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
-                                                transport=t, capacity=capacity,
-                                                num_worst_tokens=num_worst)
-                y, cw = jax_ep.combine(jnp.tanh(rx) * 2, h, topk_weights=rw)
-                return jnp.sum(y ** 2) + jnp.sum(cw), (rx, ri, rw, y, cw, h.num_dropped[None],
-                                                       h.num_recv_tokens_per_expert)
-            (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
-            return aux + grads
+            (_, aux), grads = jax.value_and_grad(make_loss(t, i), argnums=(0, 1),
+                                                 has_aux=True)(x, w)
+            return tuple(aux) + grads
         return f
 
     mesh = ep_mesh(NUM_RANKS)
-    a = run_ep(body("peer"), mesh, x, idx, w)
-    _assert_same(a, run_ep(body("all_to_all"), mesh, x, idx, w))
+    got = run_ep(body("peer"), mesh, x, idx, w)
+    _assert_same(got, run_ep(body("all_to_all"), mesh, x, idx, w))
+    return got
+
+
+@pytest.mark.parametrize("capacity,num_worst", [(None, None), (3, None), (None, 9)])
+def test_deepep_peer_equals_all_to_all(capacity, num_worst):
+    T, K, E = 6, 3, 16
+
+    def make_loss(t, i):
+        def loss(x, w):
+            rx, ri, rw, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS, transport=t,
+                                            capacity=capacity, num_worst_tokens=num_worst)
+            y, cw = jax_ep.combine(jnp.tanh(rx) * 2, h, topk_weights=rw)
+            return jnp.sum(y ** 2) + jnp.sum(cw), (rx, ri, rw, y, cw, h.num_dropped[None],
+                                                   h.num_recv_tokens_per_expert)
+        return loss
+
+    got = _peer_equals_all_to_all(make_loss, *_routing(NUM_RANKS, T, K, E, 1))
     if capacity or num_worst:  # the bounded cases really drop rows
-        assert np.asarray(a[5]).sum() > 0
+        assert np.asarray(got[5]).sum() > 0
 
 
 def test_deepep_chunked_overlap_peer_equals_all_to_all():
@@ -185,23 +195,18 @@ def test_hybridep_peer_equals_all_to_all(compact, use_fp8):
         idx, w = dense > 0, dense
     fp8 = dict(use_fp8=True, fp8_output="cast_back") if use_fp8 else {}
 
-    def body(t):
-        def f(x, i, w):
-            routing = dict(topk_idx=i) if compact else dict(routing_map=i)
+    def make_loss(t, i):
+        routing = dict(topk_idx=i) if compact else dict(routing_map=i)
 
-            def loss(x, w):
-                px, pp, tpe, h = hybridep.hybridep_dispatch(
-                    x, probs=w, num_experts=E, axis_name=AXIS, num_permuted_tokens=N,
-                    transport=t, **routing, **fp8)
-                y = hybridep.hybridep_combine(px * 3, h)
-                return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(pp), (px, pp, tpe, y)
-            (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
-            return aux + grads
-        return f
+        def loss(x, w):
+            px, pp, tpe, h = hybridep.hybridep_dispatch(
+                x, probs=w, num_experts=E, axis_name=AXIS, num_permuted_tokens=N, transport=t,
+                **routing, **fp8)
+            y = hybridep.hybridep_combine(px * 3, h)
+            return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(pp), (px, pp, tpe, y)
+        return loss
 
-    mesh = ep_mesh(NUM_RANKS)
-    _assert_same(run_ep(body("peer"), mesh, x, idx, w),
-                 run_ep(body("all_to_all"), mesh, x, idx, w))
+    _peer_equals_all_to_all(make_loss, x, idx, w)
 
 
 @pytest.mark.parametrize("use_fp8", [False, True])
@@ -211,23 +216,9 @@ def test_low_latency_peer_equals_all_to_all(use_fp8):
     x = jnp.asarray(rng.standard_normal((NUM_RANKS * T, H)), jnp.bfloat16)
     idx, w = random_routing(rng, NUM_RANKS * T, K, E)
     kw = dict(use_fp8=True, fp8_output="cast_back") if use_fp8 else {}
-
-    def body(t):
-        def f(x, i, w):
-            def loss(x, w):
-                recv, count, h = jax_ep.low_latency_dispatch(
-                    x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E,
-                    axis_name=AXIS, transport=t, **kw)
-                out = jax_ep.low_latency_combine(jnp.tanh(recv) * 2, i, w, h)
-                return jnp.sum(out.astype(jnp.float32) ** 2), (recv, count, h.src_info,
-                                                               h.layout_range, out)
-            (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
-            return aux + grads
-        return f
-
-    mesh = ep_mesh(NUM_RANKS)
-    _assert_same(run_ep(body("peer"), mesh, x, idx, w),
-                 run_ep(body("all_to_all"), mesh, x, idx, w))
+    _peer_equals_all_to_all(
+        lambda t, i: low_latency_round_trip(i, tmax=tmax, num_experts=E, transport=t, **kw),
+        x, idx, w)
 
 
 @pytest.mark.parametrize("mode", ["deepep", "hybridep"])
@@ -368,6 +359,41 @@ def test_peer_programs_hold_the_custom_call_and_no_collective():
     for collective in ("all-to-all", "all-gather", "all-reduce", "collective-permute",
                        "ragged-all-to-all", "reduce-scatter"):
         assert collective not in text, collective
+
+
+def _peer_calls(text):
+    """(first operand type, first result type) of every peer call in a lowered program."""
+    calls = re.findall(r"custom_call @jax_ep_peer_exchange\(.*\} : \((tensor<[^>]*>),.*"
+                       r"-> \((tensor<[^>]*>),", text)
+    return [tuple(c) for c in calls]
+
+
+def test_peer_wire_reads_fp8_rows_in_place_and_moves_bf16_back():
+    # use_fp8 on peer: the receivers read the FP8 codes straight from the senders' [T, H]
+    # cast (no packed [S, H] send buffer), R rows arrive; the combine and the backward
+    # exchanges move bf16 rows.
+    num_ranks, T, H, K, E = 4, 6, 128, 2, 8
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    mesh = ep_mesh(num_ranks)
+    R = num_ranks * T
+
+    def body(x, i, w):
+        rx, _, _, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS, use_fp8=True,
+                                      fp8_output="cast_back", transport="peer")
+        return jax_ep.combine(rx, h)[0]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+    args = shard(mesh, x, idx, w)
+    wide = [c for c in _peer_calls(jax.jit(f).lower(*args).as_text()) if f"x{H}x" in c[0]]
+    assert wide == [(f"tensor<{T}x{H}xf8E4M3FN>", f"tensor<{R}x{H}xf8E4M3FN>"),
+                    (f"tensor<{R}x{H}xbf16>", f"tensor<{T * num_ranks}x{H}xbf16>")], wide
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32))))
+    # Under grad of this linear map both forward exchanges are dead code: the two cotangent
+    # exchanges (combine's backward dispatch of d_out, dispatch's backward combine) move bf16.
+    wide = [c[0] for c in _peer_calls(grad.lower(*args).as_text()) if f"x{H}x" in c[0]]
+    assert wide == [f"tensor<{T}x{H}xbf16>", f"tensor<{R}x{H}xbf16>"], wide
 
 
 def test_auto_is_peer_in_one_process_and_all_to_all_where_peer_cannot_run(monkeypatch):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep_utils import AXIS, ep_mesh, random_routing, run_ep
+from ep_utils import AXIS, ep_mesh, low_latency_round_trip, random_routing, run_ep
 
 import jax_ep
 from jax_ep import hybridep, transport
@@ -142,15 +142,9 @@ def test_low_latency_ragged_equals_all_to_all(ragged, num_ranks, T, tmax, K, E, 
 
     def body(t):
         def f(x, i, w):
-            def loss(x, w):
-                recv, count, h = jax_ep.low_latency_dispatch(
-                    x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E,
-                    axis_name=AXIS, transport=t, **kw)
-                out = jax_ep.low_latency_combine(jnp.tanh(recv) * 2, i, w, h)
-                return jnp.sum(out.astype(jnp.float32) ** 2), (recv, count, h, out)
-            (_, (recv, count, h, out)), (d_x, d_w) = jax.value_and_grad(
-                loss, argnums=(0, 1), has_aux=True)(x, w)
-            return recv.reshape(-1, H), count, h.src_info, h.layout_range, out, d_x, d_w
+            loss = low_latency_round_trip(i, tmax=tmax, num_experts=E, transport=t, **kw)
+            (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+            return aux + grads
         return f
 
     mesh = ep_mesh(num_ranks)

@@ -32,7 +32,6 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,6 +43,7 @@
 #include "common.h"
 #include "cpu_util.h"
 #include "peer_checks.h"
+#include "peer_meeting.h"
 
 namespace jax_ep {
 namespace {
@@ -223,10 +223,8 @@ void CopyFromSenders(const std::vector<const CpuSide*>& senders, const CpuSide& 
 
 // ----------------------------------------------------------------------------- meetings
 
-using Clock = std::chrono::steady_clock;
-
-// How long a failed meeting stays to fail its late arrivals at once.
-constexpr std::chrono::seconds kFailedMeetingLifetime{120};
+using peer::Clock;
+using peer::kFailedMeetingLifetime;
 
 // The devices of one exchange.
 struct Meeting {
@@ -316,7 +314,7 @@ struct Completion {
 // joined yet: the n-th occurrence on one device meets the n-th on the others.
 class Rendezvous {
  public:
-  using Key = std::pair<int64_t, int64_t>;
+  using Key = peer::MeetingQueues<Meeting>::Key;  // (run id, op id)
 
   static Rendezvous& Global() {
     static Rendezvous* rendezvous = new Rendezvous();  // never destroyed: calls may run late
@@ -330,7 +328,10 @@ class Rendezvous {
   std::shared_ptr<Meeting> Join(Key key, std::unique_ptr<CpuSide> side, int size,
                                 Clock::duration bound, Completion* late) {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::shared_ptr<Meeting> meeting = NextMeeting(key, side->device, size, bound);
+    std::shared_ptr<Meeting> meeting = open_.Next(key, side->device, [&] {
+      deadlines_changed_.notify_one();
+      return std::make_shared<Meeting>(size, bound);
+    });
     if (meeting->failed || meeting->size != size) {
       late->promise = side->done;
       late->code = ffi::ErrorCode::kDeadlineExceeded;
@@ -342,33 +343,12 @@ class Rendezvous {
     }
     meeting->sides.push_back(std::move(side));
     if (int(meeting->sides.size()) < size) return nullptr;
-    Remove(key, meeting);  // full: no device looks for it again
+    open_.Remove(key, meeting);  // full: no device looks for it again
     return meeting;
   }
 
  private:
   Rendezvous() : watchdog_([this] { Watch(); }) { watchdog_.detach(); }
-
-  std::shared_ptr<Meeting> NextMeeting(Key key, int32_t device, int size, Clock::duration bound) {
-    auto found = open_.find(key);
-    if (found != open_.end()) {
-      for (const auto& meeting : found->second) {
-        if (!meeting->Has(device)) return meeting;
-      }
-    }
-    auto& queue = open_[key];
-    queue.push_back(std::make_shared<Meeting>(size, bound));
-    deadlines_changed_.notify_one();
-    return queue.back();
-  }
-
-  void Remove(Key key, const std::shared_ptr<Meeting>& meeting) {
-    auto it = open_.find(key);
-    if (it == open_.end()) return;
-    auto& queue = it->second;
-    queue.erase(std::remove(queue.begin(), queue.end(), meeting), queue.end());
-    if (queue.empty()) open_.erase(it);
-  }
 
   // The watchdog: fails every meeting past its deadline, and forgets failed meetings after
   // kFailedMeetingLifetime.
@@ -378,19 +358,13 @@ class Rendezvous {
       Clock::time_point next = Clock::time_point::max();
       std::vector<Completion> expired;
       const Clock::time_point now = Clock::now();
-      for (auto it = open_.begin(); it != open_.end();) {
-        auto& queue = it->second;
-        for (const auto& meeting : queue) {
-          if (!meeting->failed && now >= meeting->deadline) Fail(*meeting, now, &expired);
-          next = std::min(next, meeting->failed ? meeting->failed_at + kFailedMeetingLifetime
-                                                : meeting->deadline);
-        }
-        queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const auto& m) {
-                      return m->failed && now - m->failed_at > kFailedMeetingLifetime;
-                    }),
-                    queue.end());
-        it = queue.empty() ? open_.erase(it) : std::next(it);
-      }
+      open_.Sweep(
+          [&](Meeting& meeting) {
+            if (!meeting.failed && now >= meeting.deadline) Fail(meeting, now, &expired);
+            next = std::min(next, meeting.failed ? meeting.failed_at + kFailedMeetingLifetime
+                                                 : meeting.deadline);
+          },
+          [&](const Meeting& m) { return m.failed && now - m.failed_at > kFailedMeetingLifetime; });
       for (const Completion& c : expired) c.RunOnItsOwnThread();
       if (next == Clock::time_point::max()) {
         deadlines_changed_.wait(lock);
@@ -418,7 +392,7 @@ class Rendezvous {
 
   std::mutex mutex_;
   std::condition_variable deadlines_changed_;
-  std::map<Key, std::deque<std::shared_ptr<Meeting>>> open_;
+  peer::MeetingQueues<Meeting> open_;
   std::thread watchdog_;
 };
 

@@ -1,6 +1,8 @@
-// The host-side meeting of the peer exchange (peer.cc, peer.cu): the devices of one process
-// that run one SPMD program meet at each exchange, publish a pointer to what they share, and
-// meet again once every receiver has read its peers.
+// The host-side meetings of the peer exchange: the devices of one process that run one SPMD
+// program meet at each exchange. MeetingQueues is the occurrence rule both handlers follow;
+// Rendezvous is the blocking meeting of the CUDA handler (peer.cu: publish a pointer, wait for
+// everyone, meet again once every receiver has read its peers). The CPU handler's meeting never
+// blocks (peer.cc says why) and keeps its own table on MeetingQueues.
 //
 // XLA's FFI gives a handler the run id (one per execution, the same on every device) and the
 // device ordinal, but nothing that names the instruction: the op id is a static attribute
@@ -33,7 +35,50 @@ using Clock = std::chrono::steady_clock;
 // How long a failed meeting stays to fail its late arrivals at once.
 constexpr std::chrono::seconds kFailedMeetingLifetime{120};
 
-// One exchange: `size` devices, each publishing one pointer.
+// The open meetings of each key (run id, op id), oldest first. M has `bool Has(int32_t device)`.
+// Not thread-safe: the owner holds its lock around every call.
+template <typename M>
+class MeetingQueues {
+ public:
+  using Key = std::pair<int64_t, int64_t>;
+
+  // The oldest meeting of `key` that `device` has not joined; make() appended if there is none.
+  template <typename Make>
+  std::shared_ptr<M> Next(Key key, int32_t device, Make make) {
+    auto& queue = open_[key];
+    for (const auto& meeting : queue) {
+      if (!meeting->Has(device)) return meeting;
+    }
+    queue.push_back(make());
+    return queue.back();
+  }
+
+  void Remove(Key key, const std::shared_ptr<M>& meeting) {
+    auto it = open_.find(key);
+    if (it == open_.end()) return;
+    auto& queue = it->second;
+    queue.erase(std::remove(queue.begin(), queue.end(), meeting), queue.end());
+    if (queue.empty()) open_.erase(it);
+  }
+
+  // visit(meeting) for every open meeting, then those drop(meeting) holds for are forgotten.
+  template <typename Visit, typename Drop>
+  void Sweep(Visit visit, Drop drop) {
+    for (auto it = open_.begin(); it != open_.end();) {
+      auto& queue = it->second;
+      for (const auto& meeting : queue) visit(*meeting);
+      queue.erase(std::remove_if(queue.begin(), queue.end(),
+                                 [&](const std::shared_ptr<M>& m) { return drop(*m); }),
+                  queue.end());
+      it = queue.empty() ? open_.erase(it) : std::next(it);
+    }
+  }
+
+ private:
+  std::map<Key, std::deque<std::shared_ptr<M>>> open_;
+};
+
+// One exchange of the blocking rendezvous: `size` devices, each publishing one pointer.
 struct Meeting {
   explicit Meeting(int size) : size(size) {}
 
@@ -51,10 +96,10 @@ struct Meeting {
   }
 };
 
-// The process-wide table of open meetings.
+// The process-wide table of open meetings of the blocking rendezvous.
 class Rendezvous {
  public:
-  using Key = std::pair<int64_t, int64_t>;  // (run id, op id)
+  using Key = MeetingQueues<Meeting>::Key;  // (run id, op id)
 
   static Rendezvous& Global() {
     static Rendezvous* rendezvous = new Rendezvous();  // never destroyed: handlers may run late
@@ -69,7 +114,12 @@ class Rendezvous {
                                   Clock::duration bound, DescribeMissing describe_missing,
                                   std::string* error) {
     std::unique_lock<std::mutex> lock(mutex_);
-    std::shared_ptr<Meeting> meeting = NextMeeting(key, device, size);
+    const Clock::time_point now = Clock::now();
+    open_.Sweep([](const Meeting&) {}, [&](const Meeting& m) {
+      return m.failed && now - m.failed_at > kFailedMeetingLifetime;
+    });
+    std::shared_ptr<Meeting> meeting =
+        open_.Next(key, device, [&] { return std::make_shared<Meeting>(size); });
     if (meeting->failed) {
       *error = "an earlier device gave up on this exchange: " + meeting->failure;
       return nullptr;
@@ -118,7 +168,7 @@ class Rendezvous {
       *error = meeting->failure;
       return false;
     }
-    if (++meeting->left == meeting->size) Remove(key, meeting);
+    if (++meeting->left == meeting->size) open_.Remove(key, meeting);
     return true;
   }
 
@@ -138,44 +188,9 @@ class Rendezvous {
     changed_.notify_all();
   }
 
-  // The oldest meeting of `key` that `device` has not joined; a new one if there is none.
-  std::shared_ptr<Meeting> NextMeeting(Key key, int32_t device, int size) {
-    auto found = open_.find(key);
-    if (found != open_.end()) {
-      for (const auto& meeting : found->second) {
-        if (!meeting->Has(device)) return meeting;
-      }
-    }
-    DropExpiredFailures();
-    auto& queue = open_[key];
-    queue.push_back(std::make_shared<Meeting>(size));
-    return queue.back();
-  }
-
-  void Remove(Key key, const std::shared_ptr<Meeting>& meeting) {
-    auto it = open_.find(key);
-    if (it == open_.end()) return;
-    auto& queue = it->second;
-    queue.erase(std::remove(queue.begin(), queue.end(), meeting), queue.end());
-    if (queue.empty()) open_.erase(it);
-  }
-
-  void DropExpiredFailures() {
-    const Clock::time_point now = Clock::now();
-    for (auto it = open_.begin(); it != open_.end();) {
-      auto& queue = it->second;
-      queue.erase(std::remove_if(queue.begin(), queue.end(),
-                                 [&](const std::shared_ptr<Meeting>& m) {
-                                   return m->failed && now - m->failed_at > kFailedMeetingLifetime;
-                                 }),
-                  queue.end());
-      it = queue.empty() ? open_.erase(it) : std::next(it);
-    }
-  }
-
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::map<Key, std::deque<std::shared_ptr<Meeting>>> open_;
+  MeetingQueues<Meeting> open_;
 };
 
 }  // namespace jax_ep::peer
