@@ -13,7 +13,7 @@ LAYER1="tests/test_layout.py tests/test_permute.py tests/test_fp8.py tests/test_
 # The Python 3.12 stage: the files whose code path differs by JAX version (see .ci/run).
 PY312_FILES="tests/test_ffi_contract.py tests/test_cuda_emu.py tests/test_ragged_transport.py
   tests/test_compiled_program.py tests/test_internode.py tests/test_flax.py tests/test_training.py
-  tests/test_buffer.py tests/test_checkpoint.py"
+  tests/test_buffer.py tests/test_checkpoint.py tests/test_peer_transport.py"
 
 STAGES_LOG="$PWD/ci-stages.log"
 [ -n "${CI_STAGES_STARTED:-}" ] || { : > "$STAGES_LOG"; export CI_STAGES_STARTED=1; }

@@ -48,6 +48,14 @@ def np_group_limited_topk(scores, topk, num_groups, group_topk):
     return np_topk(np.where(score_mask, scores, -np.inf), topk)
 
 
+def np_scores(logits, score_function):
+    """Megatron's sigmoid, or sqrtsoftplus: sqrt(torch.nn.functional.softplus(x)), which is x
+    itself above its threshold 20."""
+    if score_function == "sigmoid":
+        return 1 / (1 + np.exp(-logits))
+    return np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(np.minimum(logits, 20)))))
+
+
 def np_route(logits, c: MoEConfig, expert_bias=None):
     """topk_softmax_with_capacity + apply_router_token_dropping -> (probs [T,E], map [T,E])."""
     def topk(s):
@@ -63,7 +71,7 @@ def np_route(logits, c: MoEConfig, expert_bias=None):
             scores, top = topk(logits)
             probs = np_softmax(scores)
     else:
-        scores = 1 / (1 + np.exp(-logits))
+        scores = np_scores(logits, c.moe_router_score_function)
         if expert_bias is not None:
             _, top = topk(scores + expert_bias)
             scores = np.take_along_axis(scores, top, 1)
@@ -98,7 +106,7 @@ def np_switch(logits, c: MoEConfig):
     if c.moe_router_score_function == "softmax":
         scores = np_softmax(logits)
     else:
-        scores = 1 / (1 + np.exp(-logits))
+        scores = np_scores(logits, c.moe_router_score_function)
         scores = scores / (scores.sum(-1, keepdims=True) + 1e-20)
     _, top = np_topk(scores, c.moe_router_topk)
     routing_map = np.zeros(logits.shape, bool)
@@ -141,6 +149,13 @@ ROUTERS = {
     "sigmoid_bias_groups": dict(moe_router_score_function="sigmoid",
                                 moe_router_enable_expert_bias=True, moe_router_num_groups=2,
                                 moe_router_group_topk=2, moe_router_topk=4),
+    "sqrtsoftplus_scaled": dict(moe_router_score_function="sqrtsoftplus",
+                                moe_router_topk_scaling_factor=2.5),
+    "sqrtsoftplus_top1": dict(moe_router_score_function="sqrtsoftplus", moe_router_topk=1),
+    "sqrtsoftplus_bias_groups": dict(moe_router_score_function="sqrtsoftplus",
+                                     moe_router_enable_expert_bias=True,
+                                     moe_router_num_groups=2, moe_router_group_topk=2,
+                                     moe_router_topk=4),
     "capacity_probs": dict(moe_expert_capacity_factor=0.5),
     "capacity_position": dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position"),
     "capacity_pad": dict(moe_expert_capacity_factor=0.75, moe_pad_expert_input_to_capacity=True,
@@ -333,6 +348,8 @@ LAYER_CASES = {
                                        moe_router_num_groups=4, moe_router_group_topk=1,
                                        moe_router_topk_scaling_factor=2.0,
                                        moe_shared_expert_intermediate_size=8),
+    "aux_sqrtsoftplus_bias": dict(moe_aux_loss_coeff=0.1, moe_router_score_function="sqrtsoftplus",
+                                  moe_router_enable_expert_bias=True),
     "none_probs_drop": dict(moe_router_load_balancing_type="none",
                             moe_expert_capacity_factor=0.5, moe_z_loss_coeff=1e-2),
 }

@@ -15,7 +15,7 @@ from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
 
 __all__ = ["DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig", "SCORE_FUNCTIONS"]
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 DROP_POLICIES = ("probs", "position")
 # Fields MoEConfig and TokenDispatcherConfig share: MoEConfig's value is the one used.
@@ -47,14 +47,16 @@ class MoEConfig:
       moe_ffn_hidden_size: each expert's SwiGLU hidden size F (None: pass ffn_hidden_size to
         MoELayer). moe_shared_expert_intermediate_size: an always-on shared SwiGLU expert of
         that hidden size (None: none).
-      moe_router_score_function: "softmax" or "sigmoid". moe_router_pre_softmax: softmax over
-        all E logits before top-k (else top-k of the logits, softmax over the K chosen).
-        Sigmoid scores are renormalised over the K chosen (when K > 1).
+      moe_router_score_function: "softmax", "sigmoid" or "sqrtsoftplus" (Megatron core 0.18's
+        sqrt(softplus(logits))). moe_router_pre_softmax: softmax over all E logits before top-k
+        (else top-k of the logits, softmax over the K chosen). Sigmoid and sqrtsoftplus scores
+        are renormalised over the K chosen (when K > 1).
       moe_router_topk_scaling_factor: the top-k probs times this (None: 1).
       moe_router_num_groups, moe_router_group_topk: node-limited routing (DeepSeek-V3): E
         experts in that many contiguous groups, a group scored by the sum of its top
         K / group_topk scores, top-K among the best group_topk groups only.
-      moe_router_enable_expert_bias: aux-loss-free balancing (sigmoid only, as Megatron): a
+      moe_router_enable_expert_bias: aux-loss-free balancing (sigmoid / sqrtsoftplus only, as
+        Megatron): a
         non-trainable f32[E] bias added to the scores for the top-k choice only, updated by
         `MoELayer.update_expert_bias` with step moe_router_bias_update_rate.
       moe_router_load_balancing_type: "aux_loss" (per device's tokens, averaged over devices),
@@ -110,15 +112,16 @@ class MoEConfig:
                      "moe_pad_expert_input_to_capacity"):
             _require(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
         _require(not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
-                 "moe_router_pre_softmax", "False with the sigmoid score function",
+                 "moe_router_pre_softmax", "False unless moe_router_score_function='softmax'",
                  self.moe_router_pre_softmax)
         s = self.moe_router_topk_scaling_factor
         _require(s is None or _real(s, strict=True), "moe_router_topk_scaling_factor",
                  "None or a positive float", s)
         self._check_groups()
         _require(not self.moe_router_enable_expert_bias
-                 or self.moe_router_score_function == "sigmoid", "moe_router_enable_expert_bias",
-                 "False unless moe_router_score_function='sigmoid' (Megatron's rule)",
+                 or self.moe_router_score_function != "softmax", "moe_router_enable_expert_bias",
+                 "False unless moe_router_score_function is 'sigmoid' or 'sqrtsoftplus' "
+                 "(Megatron's rule)",
                  self.moe_router_enable_expert_bias)
         _require(_real(self.moe_router_bias_update_rate), "moe_router_bias_update_rate",
                  "a float >= 0", self.moe_router_bias_update_rate)

@@ -36,10 +36,17 @@ def _topk(scores, cfg: MoEConfig):
     return jax.lax.top_k(scores, cfg.moe_router_topk)
 
 
+def _unnormalised_scores(logits, score_function):
+    """logits [T,E] -> the sigmoid or sqrtsoftplus (sqrt(softplus(x))) scores [T,E]."""
+    if score_function == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jnp.sqrt(jax.nn.softplus(logits))
+
+
 def route(logits, cfg: MoEConfig, expert_bias=None):
     """Megatron's topk_softmax_with_capacity before the drop: logits [T,E] (router dtype) ->
-    (probs [T,K] in the logits' dtype, ids i32[T,K]). expert_bias f32[E] (sigmoid only) shifts
-    the scores for the choice of experts, not the probs."""
+    (probs [T,K] in the logits' dtype, ids i32[T,K]). expert_bias f32[E] (sigmoid /
+    sqrtsoftplus) shifts the scores for the choice of experts, not the probs."""
     if cfg.moe_router_score_function == "softmax":
         if cfg.moe_router_pre_softmax:
             probs, ids = _topk(jax.nn.softmax(logits, axis=-1), cfg)
@@ -47,7 +54,7 @@ def route(logits, cfg: MoEConfig, expert_bias=None):
             top, ids = _topk(logits, cfg)
             probs = jax.nn.softmax(top, axis=-1)
     else:
-        scores = jax.nn.sigmoid(logits)
+        scores = _unnormalised_scores(logits, cfg.moe_router_score_function)
         if expert_bias is not None:
             _, ids = _topk(scores + expert_bias.astype(scores.dtype), cfg)
             top = jnp.take_along_axis(scores, ids, axis=1)
@@ -80,14 +87,15 @@ def capacity_drop(probs, ids, cfg: MoEConfig):
 
 def switch_loss_terms(logits, cfg: MoEConfig):
     """Per-token pieces of Megatron's switch load-balancing loss (compute_routing_scores_for_
-    aux_loss): logits [T,E] -> (scores f32[T,E]: softmax, or sigmoid normalised over E;
+    aux_loss): logits [T,E] -> (scores f32[T,E]: softmax, or sigmoid / sqrtsoftplus normalised
+    over E;
     routed i32[T,E]: the plain top-K of those scores, no bias and no groups). Over a token set
     B of N tokens the loss is E / (K * N^2) * sum_e (sum_B scores[:, e]) * (sum_B routed[:, e])."""
     logits = logits.astype(jnp.float32)
     if cfg.moe_router_score_function == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
     else:
-        scores = jax.nn.sigmoid(logits)
+        scores = _unnormalised_scores(logits, cfg.moe_router_score_function)
         scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
     _, ids = jax.lax.top_k(scores, cfg.moe_router_topk)
     routed = jax.nn.one_hot(ids, cfg.num_moe_experts, dtype=jnp.int32).sum(axis=1)
