@@ -53,8 +53,10 @@ def parse_args(argv=None):
                         "multiple of 128)")
     p.add_argument("--grouped-gemm", default="auto", choices=["auto", "tiled", "ragged_dot"],
                    help="the experts' grouped GEMM (auto: tiled on CPU, ragged_dot on GPU)")
-    p.add_argument("--score-function", default="softmax", choices=["softmax", "sigmoid"],
-                   help="moe_router_score_function")
+    p.add_argument("--transport", default="auto", choices=["auto", "all_to_all", "ragged", "peer"],
+                   help="the expert exchange (auto: peer in one process, docs/peer_transport.md)")
+    p.add_argument("--score-function", default="softmax",
+                   choices=["softmax", "sigmoid", "sqrtsoftplus"], help="moe_router_score_function")
     p.add_argument("--load-balancing", default="aux_loss",
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"],
                    help="moe_router_load_balancing_type")
@@ -162,6 +164,7 @@ def build_model(args, mesh, jax):
         token_dispatcher=jax_ep.TokenDispatcherConfig(
             moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
             grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,
+            transport=args.transport,
             expert_axis_name=EXPERT_AXES if args.nodes else "expert"))
 
     class Block(nnx.Module):
@@ -238,8 +241,8 @@ def train(args):
     is_main = jax.process_index() == 0
     if is_main:
         print(f"mesh {dict(mesh.shape)} on {len(devices)} {devices[0].platform} devices, "
-              f"{jax.process_count()} process(es); backend={args.backend}, grouped GEMM "
-              f"{args.grouped_gemm}")
+              f"{jax.process_count()} process(es); backend={args.backend}, transport "
+              f"{args.transport}, grouped GEMM {args.grouped_gemm}")
 
     corpus = np.frombuffer(stdlib_corpus(), np.uint8)
     rng = np.random.default_rng(args.seed)

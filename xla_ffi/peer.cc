@@ -248,7 +248,8 @@ struct Meeting {
 // thunks on the completing thread, up to its next asynchronous step, and those may block (an
 // XLA:CPU all-reduce waits for every device's thread): so every device's future completes on
 // a thread of its own, never on XLA's pool nor on the thread completing another's. The pool
-// grows by a thread whenever a task finds no idle one, so no task ever waits for a thread.
+// grows by a thread whenever the queued tasks outnumber the waiting threads, so no task ever
+// waits for a thread that is busy (a busy one may be blocked until this very task has run).
 class CompletionThreads {
  public:
   static CompletionThreads& Global() {
@@ -259,10 +260,9 @@ class CompletionThreads {
   void Run(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mutex_);
     tasks_.push_back(std::move(task));
-    if (idle_ == 0) {
+    if (tasks_.size() > waiting_) {
       std::thread([this] { Work(); }).detach();
     } else {
-      --idle_;  // claimed: a later task will not count on this thread
       ready_.notify_one();
     }
   }
@@ -271,20 +271,21 @@ class CompletionThreads {
   void Work() {
     std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
+      ++waiting_;
       ready_.wait(lock, [&] { return !tasks_.empty(); });
+      --waiting_;
       std::function<void()> task = std::move(tasks_.front());
       tasks_.pop_front();
       lock.unlock();
       task();
       lock.lock();
-      ++idle_;
     }
   }
 
   std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<std::function<void()>> tasks_;
-  int idle_ = 0;  // threads waiting for a task, less those already claimed
+  size_t waiting_ = 0;  // threads inside ready_.wait
 };
 
 // A device's future to complete with `error` (success when empty); never under the table's
@@ -396,14 +397,19 @@ class Rendezvous {
   std::thread watchdog_;
 };
 
-// Checks every side and copies every receiver's rows (a task per receiver on XLA's pool, this
-// thread taking part); then completes every device's future: the calling device's here, the
+// Checks every side and copies every receiver's rows (receivers in tasks of XLA's pool, this
+// thread taking part, once there are kParallelGrainBytes of rows per task; small exchanges on
+// this thread alone); then completes every device's future: the calling device's here, the
 // others' each on its own thread.
 void RunExchange(ffi::ThreadPool& pool, Meeting& meeting, int64_t P, int32_t caller) {
   const Sides& sides = meeting.sides;
   std::vector<Completion> done(sides.size());
   const std::string first_error = FirstSideError(sides);
-  ParallelFor(pool, int64_t(sides.size()), 1, [&](int64_t begin, int64_t end) {
+  int64_t bytes = 0;
+  for (const auto& side : sides) bytes += side->out_rows * side->row_bytes;
+  const int64_t n = int64_t(sides.size());
+  const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes * n / std::max<int64_t>(bytes, 1));
+  ParallelFor(pool, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const CpuSide& me = *sides[i];
       done[i].promise = me.done;
