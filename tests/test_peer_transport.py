@@ -285,6 +285,28 @@ def test_all_to_all_single_runs_on_peer():
     assert np.asarray(g).shape == x.shape
 
 
+def test_the_program_after_an_exchange_flushes_denormals_as_xla_does():
+    # XLA:CPU runs programs with denormals flushed to zero; the peer handler completes other
+    # devices' calls on threads of its own, where the rest of their program then runs: it must
+    # compute there as on XLA's threads. (It does because those threads are started by XLA's
+    # threads, and a new thread inherits its creator's floating-point environment.) 1e-39
+    # (subnormal in f32) times the received rows is 0 under flush-to-zero, on both transports.
+    T, K, E = 4, 2, 16
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 13)
+    tiny = np.full((NUM_RANKS, 1), 1e-39, np.float32)
+
+    def body(t):
+        def f(x, i, w, tiny):
+            rx = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS, transport=t)[0]
+            return rx * tiny[0, 0] + rx * 0
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    got = run_ep(body("peer"), mesh, x, idx, w, tiny)
+    _assert_same([got], [run_ep(body("all_to_all"), mesh, x, idx, w, tiny)])
+    assert not np.asarray(got).any()
+
+
 # ----------------------------------------------------------------------------- occurrences
 
 def test_scan_and_remat_meet_by_occurrence():
