@@ -1,5 +1,6 @@
-"""examples/train_moe.py checkpoint and resume (orbax): 6 steps straight vs 3 + save + resume + 3
-give bitwise-identical losses and state."""
+"""examples/train_moe.py's training loop: checkpoint and resume (orbax: 6 steps straight vs
+3 + save + resume + 3 give bitwise-identical losses and state), gradient accumulation, the
+presets."""
 
 from __future__ import annotations
 
@@ -125,3 +126,50 @@ def test_checkpoints_keep_non_trainable_state_rng_and_shardings(train_moe, tmp_p
     assert int(optimizer.step[...]) == 0
     np.testing.assert_array_equal(fresh.integers(0, 1 << 30, 4), want_draw)
     assert model.w[...].sharding == NamedSharding(mesh, P("expert", None))
+
+
+def _losses(train_moe, tmp_path, name, *extra):
+    records = train_moe.train(train_moe.parse_args(
+        SMALL + ["--steps", "3", "--out", str(tmp_path / name), *extra]))
+    return [r["loss"] for r in records]
+
+
+def test_grad_accum_gives_the_big_batch_losses(train_moe, tmp_path):
+    # Dropless routing, token-mean losses only (cross-entropy and the z-loss): 4 micro-batches
+    # of 8 sequences make the same steps as one batch of 32, within fp32 rounding.
+    common = ["--batch", "32", "--load-balancing", "none", "--z-loss-coeff", "1e-3"]
+    big = _losses(train_moe, tmp_path, "big", *common)
+    accumulated = _losses(train_moe, tmp_path, "accum", *common, "--grad-accum", "4")
+    np.testing.assert_allclose(accumulated, big, rtol=3e-6)
+    assert big[0] != big[-1]  # the steps moved the model
+    with pytest.raises(SystemExit):
+        train_moe.parse_args(SMALL + ["--batch", "32", "--grad-accum", "3"])
+
+
+def test_grad_accum_resets_the_global_aux_loss_tracker_each_step(train_moe, tmp_path):
+    records = train_moe.train(train_moe.parse_args(
+        SMALL + ["--batch", "16", "--steps", "2", "--grad-accum", "2", "--load-balancing",
+                 "global_aux_loss", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out",
+                 str(tmp_path / "out")]))
+    state = _state(tmp_path / "ckpt", 2)
+    steps = [k for k in state if "ga_steps" in k]
+    tracked = [k for k in state if "global_tokens_per_expert" in k]
+    assert len(steps) == len(tracked) == 1  # one MoE layer
+    assert float(state[steps[0]]) == 0 and not state[tracked[0]].any()
+    assert all(r["balance_loss"][0] > 0 for r in records)
+
+
+def test_presets_set_the_recipes_routing_and_flags_override_them(train_moe, tmp_path):
+    args = train_moe.parse_args(["--preset", "deepseek-v3-tiny", "--steps", "7"])
+    assert (args.experts, args.topk, args.router_num_groups, args.router_group_topk,
+            args.score_function, args.expert_bias, args.topk_scaling_factor, args.nodes,
+            args.steps) == (256, 8, 8, 4, "sigmoid", True, 2.5, 2, 7)
+    qwen = train_moe.parse_args(["--preset", "qwen3-moe-tiny"])
+    assert (qwen.experts, qwen.topk, qwen.shared_ffn, qwen.load_balancing) == (
+        128, 8, 0, "global_aux_loss")
+    records = train_moe.train(train_moe.parse_args(
+        ["--preset", "deepseek-v3-tiny", "--steps", "2", "--batch", "16", "--seq", "16",
+         "--layers", "1", "--no-progress", "--out", str(tmp_path / "ds")]))
+    assert len(records[-1]["load"][0]) == 256 and sum(records[-1]["load"][0]) == 16 * 16 * 8
+    assert np.isfinite([r["loss"] for r in records]).all()
+    assert records[-1]["rows_across_nodes"] < records[-1]["flat_rows_across_nodes"]

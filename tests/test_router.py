@@ -56,6 +56,26 @@ def np_scores(logits, score_function):
     return np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(np.minimum(logits, 20)))))
 
 
+def np_sinkhorn(cost, tol=1e-4):
+    """Megatron's sinkhorn (moe_utils.sinkhorn), float64."""
+    cost = np.exp(cost)
+    d0, d1 = np.ones(cost.shape[0]), np.ones(cost.shape[1])
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:
+        d0 = (1 / d0.size) / (np.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size) / (np.sum(d0[:, None] * cost, 0) + eps)
+        error = np.mean(np.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0[:, None]
+
+
+def np_sinkhorn_route(logits, c: MoEConfig, training=True):
+    """TopKRouter.sinkhorn_load_balancing -> (probs [T,K], top [T,K])."""
+    act = (1 / (1 + np.exp(-logits))) if c.moe_router_topk == 1 else np_softmax(logits)
+    _, top = np_topk(np_sinkhorn(logits) if training else act, c.moe_router_topk)
+    return np.take_along_axis(act, top, 1), top
+
+
 def np_route(logits, c: MoEConfig, expert_bias=None):
     """topk_softmax_with_capacity + apply_router_token_dropping -> (probs [T,E], map [T,E])."""
     def topk(s):
@@ -64,7 +84,9 @@ def np_route(logits, c: MoEConfig, expert_bias=None):
                                          c.moe_router_group_topk)
         return np_topk(s, c.moe_router_topk)
 
-    if c.moe_router_score_function == "softmax":
+    if c.moe_router_load_balancing_type == "sinkhorn":
+        probs, top = np_sinkhorn_route(logits, c)
+    elif c.moe_router_score_function == "softmax":
         if c.moe_router_pre_softmax:
             probs, top = topk(np_softmax(logits))
         else:
@@ -79,7 +101,7 @@ def np_route(logits, c: MoEConfig, expert_bias=None):
             scores, top = topk(scores)
         probs = scores / (scores.sum(-1, keepdims=True) + 1e-20) if c.moe_router_topk > 1 \
             else scores
-    if c.moe_router_topk_scaling_factor:
+    if c.moe_router_topk_scaling_factor and c.moe_router_load_balancing_type != "sinkhorn":
         probs = probs * c.moe_router_topk_scaling_factor
     T = logits.shape[0]
     routing_probs = np.zeros_like(logits)
@@ -121,18 +143,53 @@ def np_z_loss(logits):
     return np.mean(lse ** 2)
 
 
+def np_switch_counts(logits, c: MoEConfig):
+    """(aux-loss scores summed over tokens [E], plain top-k counts [E]) of tokens [N,E]."""
+    scores = np_aux_scores(logits, c)
+    _, top = np_topk(scores, c.moe_router_topk)
+    routing_map = np.zeros(logits.shape, bool)
+    np.put_along_axis(routing_map, top, True, axis=1)
+    return scores.sum(0), routing_map.sum(0)
+
+
+def np_aux_scores(logits, c: MoEConfig):
+    if c.moe_router_score_function == "softmax":
+        return np_softmax(logits)
+    scores = np_scores(logits, c.moe_router_score_function)
+    return scores / (scores.sum(-1, keepdims=True) + 1e-20)
+
+
+def np_types(c: MoEConfig):
+    """{type: coefficient} of Megatron's get_aux_loss_coeff for the three loss types."""
+    kinds, coeffs = c.moe_router_load_balancing_type, c.moe_aux_loss_coeff
+    if isinstance(kinds, str):
+        kinds, coeffs = (kinds,), (coeffs,)
+    return {k: v for k, v in zip(kinds, coeffs)
+            if k in ("aux_loss", "seq_aux_loss", "global_aux_loss") and v > 0}
+
+
+def np_global(logits, c: MoEConfig, tracked=None, steps=0):
+    """_apply_global_aux_loss on one micro-batch [N,E] (coeff 1): the expert counts the running
+    mean (tracked + this micro-batch's) / (steps + 1)."""
+    scores, counts = np_switch_counts(logits, c)
+    avg = ((0 if tracked is None else tracked) + counts) / (steps + 1)
+    T, num_experts = logits.shape
+    return np.sum(scores * avg) * num_experts / (c.moe_router_topk * T * T)
+
+
 def np_losses(logits, c: MoEConfig, num_devices, seq_len):
-    """The layer's unscaled (load_balancing_loss, z_loss) over the global tokens [N,E]."""
-    kind = c.moe_router_load_balancing_type
-    if kind == "aux_loss":
-        lb = np.mean([np_switch(b, c) for b in np.split(logits, num_devices)])
-    elif kind == "seq_aux_loss":
-        lb = np.mean([np_switch(b, c) for b in np.split(logits, len(logits) // seq_len)])
-    elif kind == "global_aux_loss":
-        lb = np_switch(logits, c)
-    else:
-        lb = 0.0
-    return lb, (np_z_loss(logits) if c.moe_z_loss_coeff is not None else 0.0)
+    """The layer's unscaled ({type: load-balancing loss}, z_loss) over the global tokens [N,E]
+    (the first micro-batch of a step)."""
+    losses = {}
+    for kind in np_types(c):
+        if kind == "aux_loss":
+            losses[kind] = np.mean([np_switch(b, c) for b in np.split(logits, num_devices)])
+        elif kind == "seq_aux_loss":
+            losses[kind] = np.mean([np_switch(b, c)
+                                    for b in np.split(logits, len(logits) // seq_len)])
+        else:
+            losses[kind] = np_global(logits, c)
+    return losses, (np_z_loss(logits) if c.moe_z_loss_coeff is not None else 0.0)
 
 
 # ----------------------------------------------------------------- function-level parity
@@ -160,6 +217,9 @@ ROUTERS = {
     "capacity_position": dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position"),
     "capacity_pad": dict(moe_expert_capacity_factor=0.75, moe_pad_expert_input_to_capacity=True,
                          moe_router_pre_softmax=True),
+    "sinkhorn": dict(moe_router_load_balancing_type="sinkhorn", moe_router_topk=3,
+                     moe_router_topk_scaling_factor=4.0),  # scaling ignored, as Megatron
+    "sinkhorn_top1": dict(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1),
 }
 
 
@@ -299,7 +359,7 @@ def test_moe_config_from_dict_names_unknown_fields_or_warns():
 
 @pytest.mark.parametrize("field,value", [
     ("num_moe_experts", None), ("moe_router_topk", 9), ("moe_router_score_function", "relu"),
-    ("moe_router_load_balancing_type", "sinkhorn"), ("moe_token_drop_policy", "random"),
+    ("moe_router_load_balancing_type", "switch"), ("moe_token_drop_policy", "random"),
     ("moe_router_topk_scaling_factor", 0.0), ("moe_aux_loss_coeff", -1.0),
     ("moe_z_loss_coeff", float("nan")), ("moe_expert_capacity_factor", 0.0),
     ("moe_pad_expert_input_to_capacity", True), ("moe_router_dtype", "bf16"),
@@ -352,6 +412,15 @@ LAYER_CASES = {
                                   moe_router_enable_expert_bias=True),
     "none_probs_drop": dict(moe_router_load_balancing_type="none",
                             moe_expert_capacity_factor=0.5, moe_z_loss_coeff=1e-2),
+    "list_of_three": dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss",
+                                                          "global_aux_loss", "none"],
+                          moe_aux_loss_coeff=[1e-2, 0.1, 0.05, 0.3],
+                          moe_router_score_function="sigmoid"),
+    "list_coeff_zero_sinkhorn": dict(moe_router_load_balancing_type=["seq_aux_loss", "aux_loss",
+                                                                     "sinkhorn"],
+                                     moe_aux_loss_coeff=[0.1, 0.0, 0.2]),
+    "sinkhorn": dict(moe_router_load_balancing_type="sinkhorn", moe_z_loss_coeff=1e-3,
+                     moe_shared_expert_intermediate_size=8),
 }
 
 
@@ -374,11 +443,17 @@ def test_layer_losses_statistics_and_gradients_match_megatron(name):
     bias = None if twin.expert_bias is None else np.asarray(twin.expert_bias[...], np.float64)
 
     def np_aux(W):
-        lb, z = np_losses(xf @ W, c, 8, 3)
-        return c.moe_aux_loss_coeff * lb + (c.moe_z_loss_coeff or 0.0) * z, lb, z
+        losses, z = np_losses(xf @ W, c, 8, 3)
+        total = sum(np_types(c)[k] * v for k, v in losses.items())
+        return total + (c.moe_z_loss_coeff or 0.0) * z, losses, z
 
-    total, lb, z = np_aux(W)
-    np.testing.assert_allclose(float(aux["load_balancing_loss"]), lb, rtol=1e-5, atol=1e-7)
+    total, losses, z = np_aux(W)
+    assert sorted(aux["load_balancing_losses"]) == sorted(losses)
+    for kind, value in losses.items():
+        np.testing.assert_allclose(float(aux["load_balancing_losses"][kind]), value, rtol=1e-5,
+                                   atol=1e-7, err_msg=kind)
+    np.testing.assert_allclose(float(aux["load_balancing_loss"]), sum(losses.values()),
+                               rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(float(aux["z_loss"]), z, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(float(aux["aux_loss"]), total, rtol=1e-5, atol=1e-8)
     maps = [np_route(b @ W, c, bias)[1] for b in np.split(xf, 8)]
@@ -491,3 +566,110 @@ def test_layer_takes_its_sizes_from_the_config_and_shows_its_signature():
     params = inspect.signature(MoELayer).parameters
     assert list(params)[:3] == ["config", "hidden_size", "ffn_hidden_size"]
     assert {"dtype", "param_dtype", "sow_aux", "rngs", "mesh"} <= set(params)
+
+
+# ----------------------------------------------------------------- sinkhorn, lists of types
+
+def test_sinkhorn_matches_megatron_and_balances():
+    logits = np.asarray(jax.random.normal(jax.random.key(7), (64, E)), np.float64) * 3
+    logits[:, 0] += 12.0  # every token prefers expert 0: sinkhorn must spread them
+    got = np.asarray(routing.sinkhorn(jnp.asarray(logits, jnp.float32)), np.float64)
+    want = np_sinkhorn(logits)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-9)
+    np.testing.assert_allclose(got.sum(0), 1 / E, rtol=2e-3)  # columns: 1/E each
+    c = _cfg(moe_router_load_balancing_type="sinkhorn")
+    _, train_ids = routing.route(jnp.asarray(logits, jnp.float32), c, training=True)
+    probs, eval_ids = routing.route(jnp.asarray(logits, jnp.float32), c, training=False)
+    load = lambda ids: np.bincount(np.asarray(ids).ravel(), minlength=E)  # noqa: E731
+    assert load(eval_ids)[0] == 64 and load(train_ids)[0] < 32  # balanced only when training
+    np.testing.assert_array_equal(np.asarray(eval_ids), np_topk(np_softmax(logits), K)[1])
+    # The probs are the softmax at the chosen experts, not renormalised over the K.
+    np.testing.assert_allclose(np.asarray(probs), np.take_along_axis(
+        np_softmax(logits), np.asarray(eval_ids), 1), rtol=1e-5)
+    # No gradient flows through sinkhorn (Megatron runs it under no_grad).
+    g = jax.grad(lambda lg: routing.sinkhorn(lg).sum())(jnp.asarray(logits, jnp.float32))
+    assert not np.asarray(g).any()
+    # T = 0 tokens and NaN logits end the iteration (no cap exists to end it otherwise).
+    assert routing.sinkhorn(jnp.zeros((0, E))).shape == (0, E)
+    assert np.isnan(np.asarray(routing.sinkhorn(jnp.full((4, E), jnp.nan)))).all()
+
+
+def test_load_balancing_lists_and_their_coefficients():
+    c = _cfg(moe_router_load_balancing_type=["seq_aux_loss", "none", "aux_loss"],
+             moe_aux_loss_coeff=[0.5, 0.25, 0.0])
+    assert c.moe_router_load_balancing_type == ("seq_aux_loss", "none", "aux_loss")
+    assert hash(c) is not None and not c.sinkhorn
+    assert [c.aux_loss_coeff(k) for k in ("aux_loss", "seq_aux_loss", "global_aux_loss")] == [
+        0.0, 0.5, 0.0]
+    assert c.aux_losses() == ("seq_aux_loss",)
+    one = _cfg(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.1)
+    assert one.aux_loss_coeff("global_aux_loss") == 0.1 and one.aux_loss_coeff("aux_loss") == 0
+    assert _cfg(moe_router_load_balancing_type="sinkhorn").sinkhorn
+    assert not _cfg(moe_router_load_balancing_type=["sinkhorn"], moe_aux_loss_coeff=[0.0]).sinkhorn
+    for fields, name in (
+            (dict(moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=0.1),
+             "moe_aux_loss_coeff"),
+            (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                  moe_aux_loss_coeff=[0.1]), "moe_aux_loss_coeff"),
+            (dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=[0.1]),
+             "moe_aux_loss_coeff"),
+            (dict(moe_router_load_balancing_type=["aux_loss", "aux_loss"],
+                  moe_aux_loss_coeff=[0.1, 0.2]), "moe_router_load_balancing_type"),
+            (dict(moe_router_load_balancing_type=[], moe_aux_loss_coeff=[]),
+             "moe_router_load_balancing_type"),
+            (dict(moe_router_load_balancing_type=["aux_loss", "switch"],
+                  moe_aux_loss_coeff=[0.1, 0.1]), "moe_router_load_balancing_type"),
+            (dict(moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[-1.0]),
+             "moe_aux_loss_coeff"),
+            (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1),
+             "moe_aux_loss_coeff"),
+            (dict(moe_router_load_balancing_type="sinkhorn", moe_expert_capacity_factor=1.0),
+             "moe_router_load_balancing_type")):
+        with pytest.raises(ValueError, match=name):
+            _cfg(**fields)
+    # A list holding seq_aux_loss needs sequences, as the string does.
+    layer = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=_mesh())
+    with pytest.raises(ValueError, match="seq_aux_loss"):
+        layer(jnp.zeros((8, H)))
+
+
+def test_global_aux_loss_keeps_megatrons_running_mean_over_micro_batches():
+    # Three training micro-batches of one step, then an eval call, then the step's reset:
+    # micro-batch i's loss uses the mean of the counts of micro-batches 1..i (Megatron's
+    # _apply_global_aux_loss), N being one micro-batch's tokens.
+    c = _cfg(moe_router_load_balancing_type=["global_aux_loss", "aux_loss"],
+             moe_aux_loss_coeff=[1.0, 0.0])
+    mesh = _mesh()
+    layer = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh)
+    twin = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh)
+    shard_params(layer, mesh)
+    assert not isinstance(layer.ga_steps, nnx.Param)
+    W = np.asarray(twin.router[...], np.float64)
+    run = nnx.jit(lambda m, x: m(x)[1])
+    tracked, steps = np.zeros(E), 0
+    for i in range(3):
+        x = jax.random.normal(jax.random.key(10 + i), (16, 2, H)) * (1 + i)
+        logits = np.asarray(x, np.float64).reshape(-1, H) @ W
+        want = np_global(logits, c, tracked, steps)
+        # The dense reference reads the same tracker (before this call adds to it).
+        for name in ("global_tokens_per_expert", "ga_steps"):
+            getattr(twin, name)[...] = np.asarray(getattr(layer, name)[...])
+        dense_aux = dense_forward(twin, np.asarray(x), num_devices=8)[1]
+        with jax.set_mesh(mesh):
+            aux = run(layer, jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))))
+        np.testing.assert_allclose(float(aux["load_balancing_losses"]["global_aux_loss"]),
+                                   want, rtol=1e-5)
+        np.testing.assert_allclose(float(dense_aux), want, rtol=1e-5)
+        tracked, steps = tracked + np_switch_counts(logits, c)[1], steps + 1
+        np.testing.assert_allclose(np.asarray(layer.global_tokens_per_expert[...]), tracked)
+        assert float(layer.ga_steps[...]) == steps
+    assert i == 2 and (tracked / 3 != np_switch_counts(logits, c)[1]).any()  # the mean matters
+    layer.eval()  # NNX's eval flag: the tracker is read, not added to
+    assert layer.deterministic
+    with jax.set_mesh(mesh):
+        run(layer, jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))))
+    assert float(layer.ga_steps[...]) == 3
+    layer.reset_global_aux_loss_tracker()
+    assert float(layer.ga_steps[...]) == 0 and not np.asarray(
+        layer.global_tokens_per_expert[...]).any()
+    assert MoELayer(_cfg(), H, 32, rngs=nnx.Rngs(0), mesh=mesh).ga_steps is None

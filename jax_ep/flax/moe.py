@@ -67,13 +67,13 @@ def _swiglu(x, w_gate_up, w_down):
     return (jax.nn.silu(gate) * up) @ w_down
 
 
-def _route(tokens, router, cfg: MoEConfig, expert_bias):
+def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True):
     """tokens [T,H] -> (logits [T,E] router dtype, top-k probs f32[T,K], ids i32[T,K],
     dropped i32[E]: slots each expert dropped to the capacity factor)."""
     dcfg = cfg.token_dispatcher
     dtype = router_dtype(cfg.dispatcher_config(), tokens.dtype)
     logits = tokens.astype(dtype) @ router.astype(dtype)
-    probs, ids = routing.route(logits, cfg, expert_bias)
+    probs, ids = routing.route(logits, cfg, expert_bias, training)
     if dcfg.moe_benchmark_static_routing:  # forced balance: token t takes (t*K + k) mod E
         k = cfg.moe_router_topk
         t = jnp.arange(tokens.shape[0])[:, None]
@@ -100,44 +100,59 @@ def _switch(scores, routed, top_k):
         scores.shape[-1] / (top_k * n * n))
 
 
-def _losses(logits, seq_len, cfg: MoEConfig, axes, num_devices=1):
-    """(load_balancing_loss f32[], z_loss f32[]), unscaled, over every token of the mesh `axes`:
-    logits [D*N, E] are the tokens of num_devices devices (D blocks of N, each a whole number
-    of sequences of seq_len tokens; D = 1 inside shard_map)."""
-    kind = cfg.moe_router_load_balancing_type
-    E = cfg.num_moe_experts
-    lb = jnp.zeros((), jnp.float32)
-    if kind != "none" and cfg.moe_aux_loss_coeff > 0:  # as Megatron: off at coeff 0
+def _balancing_loss(kind, scores, routed, seq_len, cfg: MoEConfig, axes, num_devices, tracker):
+    """One load-balancing loss (unscaled) over every token of the mesh `axes` (see _losses),
+    and for "global_aux_loss" the tracker's new counts: scores f32[D*N,E], routed i32[D*N,E];
+    tracker (f32[E] counts summed over this step's earlier micro-batches, f32[] their number)."""
+    E, K = cfg.num_moe_experts, cfg.moe_router_topk
+    if kind == "global_aux_loss":  # Megatron: the expert counts a running mean over micro-batches
+        s, r, n = _sum_over(axes, scores.sum(axis=0), routed.sum(axis=0),
+                            jnp.asarray(scores.shape[0], jnp.float32))
+        counts = tracker[0] + r
+        n = jnp.maximum(n, 1.0)
+        return jnp.sum(s * counts / (tracker[1] + 1.0)) * E / (K * n * n), counts
+    size = scores.shape[0] // num_devices if kind == "aux_loss" else seq_len
+    sets = _switch(scores.reshape(-1, size, E), routed.reshape(-1, size, E),
+                   K) if size else jnp.zeros((0,), jnp.float32)
+    total, count = _sum_over(axes, sets.sum(), jnp.asarray(sets.shape[0], jnp.float32))
+    return total / jnp.maximum(count, 1.0), None
+
+
+def _losses(logits, seq_len, cfg: MoEConfig, axes, num_devices=1, tracker=None):
+    """The unscaled losses over every token of the mesh `axes`: logits [D*N, E] are the tokens
+    of num_devices devices (D blocks of N, each a whole number of sequences of seq_len tokens;
+    D = 1 inside shard_map). Returns ({kind: f32[]} for each of cfg.aux_losses(), z_loss f32[],
+    the global_aux_loss tracker's new counts f32[E] or None). tracker: the layer's
+    (global_tokens_per_expert f32[E], ga_steps f32[]) when global_aux_loss is on."""
+    balancing, counts = {}, None
+    if cfg.aux_losses():  # as Megatron: a loss at coefficient 0 is not computed
         scores, routed = routing.switch_loss_terms(logits, cfg)
-        if kind == "global_aux_loss":
-            s, r, n = _sum_over(axes, scores.sum(axis=0), routed.sum(axis=0),
-                                jnp.asarray(logits.shape[0], jnp.float32))
-            n = jnp.maximum(n, 1.0)
-            lb = jnp.sum(s * r) * E / (cfg.moe_router_topk * n * n)
-        else:
-            size = logits.shape[0] // num_devices if kind == "aux_loss" else seq_len
-            sets = _switch(scores.reshape(-1, size, E), routed.reshape(-1, size, E),
-                           cfg.moe_router_topk) if size else jnp.zeros((0,), jnp.float32)
-            total, count = _sum_over(axes, sets.sum(), jnp.asarray(sets.shape[0], jnp.float32))
-            lb = total / jnp.maximum(count, 1.0)
+        for kind in cfg.aux_losses():
+            balancing[kind], new = _balancing_loss(kind, scores, routed, seq_len, cfg, axes,
+                                                   num_devices, tracker)
+            counts = counts if new is None else new
     z = jnp.zeros((), jnp.float32)
     if cfg.moe_z_loss_coeff is not None:
         total, count = _sum_over(axes, routing.z_loss_terms(logits).sum(),
                                  jnp.asarray(logits.shape[0], jnp.float32))
         z = total / jnp.maximum(count, 1.0)
-    return lb, z
+    return balancing, z, counts
 
 
-def _scaled(cfg: MoEConfig, lb, z):
-    """The aux_loss term: moe_aux_loss_coeff * lb + moe_z_loss_coeff * z."""
-    return cfg.moe_aux_loss_coeff * lb + (cfg.moe_z_loss_coeff or 0.0) * z
+def _scaled(cfg: MoEConfig, balancing, z):
+    """The aux_loss term: the sum of each load-balancing loss times its coefficient, plus
+    moe_z_loss_coeff * z."""
+    total = sum((cfg.aux_loss_coeff(kind) * loss for kind, loss in balancing.items()),
+                jnp.zeros((), jnp.float32))
+    return total + (cfg.moe_z_loss_coeff or 0.0) * z
 
 
-def _aux(cfg: MoEConfig, lb, z, counts, dropped):
-    aux_loss = _scaled(cfg, lb, z)
+def _aux(cfg: MoEConfig, balancing, z, counts, dropped):
     mean = counts.sum() / counts.shape[0]
     ratio = jnp.where(mean > 0, counts.max() / jnp.maximum(mean, 1e-30), 0.0)
-    return {"aux_loss": aux_loss, "load_balancing_loss": lb, "z_loss": z,
+    lb = sum(balancing.values(), jnp.zeros((), jnp.float32))
+    return {"aux_loss": _scaled(cfg, balancing, z), "load_balancing_loss": lb,
+            "load_balancing_losses": balancing, "z_loss": z,
             "tokens_per_expert": counts, "load_ratio": ratio.astype(jnp.float32),
             "num_dropped": dropped}
 
@@ -159,6 +174,12 @@ class ExpertBias(nnx.Variable):
     changed only by `MoELayer.update_expert_bias`."""
 
 
+class AuxLossTracker(nnx.Variable):
+    """global_aux_loss's running state over the micro-batches of one optimizer step (Megatron's
+    global_tokens_per_expert f32[E] and ga_steps f32[]): non-trainable, added to by every
+    training call, zeroed by `MoELayer.reset_global_aux_loss_tracker`."""
+
+
 class MoELayer(nnx.Module):
     """Mixture-of-experts feed-forward layer with expert parallelism (Megatron-Core's MoELayer).
 
@@ -173,6 +194,9 @@ class MoELayer(nnx.Module):
         probs use config.moe_router_dtype (None: the compute dtype).
       sow_aux: also sow the aux dict below as nnx.Intermediate "moe_aux" (read it with
         nnx.capture(fn, nnx.Intermediate)).
+      deterministic: NNX's eval flag (`model.eval()` sets it True, `model.train()` False):
+        Megatron's `not module.training`. In eval, sinkhorn routing takes the top-k of the
+        activation, and the global_aux_loss tracker is read but not added to.
     __call__(x [..., H]) -> (y [..., H] in the compute dtype, aux), aux over every token of the
     mesh (summed over the data and expert axes, or the axes of your shard_map):
       "aux_loss" f32[]: moe_aux_loss_coeff * load_balancing_loss + moe_z_loss_coeff * z_loss,
@@ -181,7 +205,10 @@ class MoELayer(nnx.Module):
         switch loss of each device's tokens averaged over devices (Megatron's per-rank loss,
         each device a data-parallel rank), "seq_aux_loss" that of each sequence (x's
         second-to-last axis) averaged over sequences, "global_aux_loss" that of the whole
-        batch; 0 for "none" or moe_aux_loss_coeff=0 (not computed, as Megatron).
+        batch with the expert counts averaged over this step's micro-batches so far (the
+        tracker); 0 for "none" or moe_aux_loss_coeff=0 (not computed, as Megatron). With a list
+        of types, the sum of their unscaled losses.
+      "load_balancing_losses" {type: f32[]}: each computed type's unscaled loss.
       "z_loss" f32[]: unscaled mean over tokens of logsumexp(logits)^2 (0 without a coeff).
       "tokens_per_expert" i32[E]: (token, expert) slots each expert got, after the capacity
         drop, summed over the mesh. "load_ratio" f32[]: max / mean of it (Megatron's overload
@@ -194,7 +221,7 @@ class MoELayer(nnx.Module):
     def __init__(self, config, hidden_size: int, ffn_hidden_size: int | None = None, *,
                  rngs: nnx.Rngs, mesh=None, expert_parallel_size=None, data_axis="data",
                  dtype=None, param_dtype=jnp.float32, sow_aux: bool = False,
-                 dispatcher: MoEFlexTokenDispatcher | None = None):
+                 dispatcher: MoEFlexTokenDispatcher | None = None, deterministic: bool = False):
         config = _as_moe_config(config)
         dcfg = config.dispatcher_config()
         axis = dcfg.expert_axis_name
@@ -217,6 +244,7 @@ class MoELayer(nnx.Module):
         self.mesh = mesh
         self.data_axis = data_axis if mesh is not None and data_axis in mesh.axis_names else None
         self.dtype, self.param_dtype, self.sow_aux = dtype, param_dtype, sow_aux
+        self.deterministic = deterministic
         H = hidden_size
         init = jax.nn.initializers.normal
 
@@ -237,6 +265,14 @@ class MoELayer(nnx.Module):
         self.expert_bias = (ExpertBias(jnp.zeros((num_experts,), jnp.float32),
                                        eager_sharding=False, **{_SHARDING_KEY: (None,)})
                             if config.moe_router_enable_expert_bias else None)
+        if "global_aux_loss" in config.aux_losses():
+            self.global_tokens_per_expert = AuxLossTracker(
+                jnp.zeros((num_experts,), jnp.float32), eager_sharding=False,
+                **{_SHARDING_KEY: (None,)})
+            self.ga_steps = AuxLossTracker(jnp.zeros((), jnp.float32), eager_sharding=False,
+                                           **{_SHARDING_KEY: ()})
+        else:
+            self.global_tokens_per_expert = self.ga_steps = None
         num_local = num_experts // expert_parallel_size
         self.dispatcher = dispatcher or shared_dispatcher(num_local, dcfg, axis)
 
@@ -251,17 +287,34 @@ class MoELayer(nnx.Module):
         self.expert_bias[...] = routing.updated_expert_bias(
             self.expert_bias[...], tokens_per_expert, self.config.moe_router_bias_update_rate)
 
+    def reset_global_aux_loss_tracker(self):
+        """Zeroes the global_aux_loss tracker (Megatron's reset_global_aux_loss_tracker): call
+        it once per optimizer step, after the step's micro-batches. No-op without one."""
+        if self.ga_steps is not None:
+            self.global_tokens_per_expert[...] = jnp.zeros_like(
+                self.global_tokens_per_expert[...])
+            self.ga_steps[...] = jnp.zeros_like(self.ga_steps[...])
+
+    def _tracker(self):
+        """(global_tokens_per_expert f32[E], ga_steps f32[]) or None."""
+        if self.ga_steps is None:
+            return None
+        return self.global_tokens_per_expert[...], self.ga_steps[...]
+
     def _token_axes(self):
         axes = _names(self.dispatch_config.expert_axis_name)
         return (self.data_axis,) + axes if self.data_axis else axes
 
-    def _local(self, x, router, w_gate_up, w_down, shared, expert_bias):
-        """The per-device body (inside shard_map): x [..., H] local tokens."""
+    def _local(self, x, router, w_gate_up, w_down, shared, expert_bias, tracker):
+        """The per-device body (inside shard_map): x [..., H] local tokens. Returns (y, aux,
+        the global_aux_loss tracker's new counts f32[E] or None)."""
         cfg, dcfg = self.config, self.dispatch_config
         tokens = x.reshape(-1, x.shape[-1])
-        logits, probs, ids, dropped_per_expert = _route(tokens, router, cfg, expert_bias)
+        logits, probs, ids, dropped_per_expert = _route(tokens, router, cfg, expert_bias,
+                                                        not self.deterministic)
         axes = self._token_axes()
-        lb, z = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, axes)
+        balancing, z, tracked = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, axes,
+                                        tracker=tracker)
         d = self.dispatcher
         experts = partial(swiglu_experts, impl=dcfg.grouped_gemm_impl, tile_rows=expert_tile_rows(
             tokens.shape[0], cfg.moe_router_topk, d.num_local_experts))
@@ -286,17 +339,18 @@ class MoELayer(nnx.Module):
         counts = jnp.zeros((E,), jnp.int32).at[jnp.where(ids < 0, E, ids).reshape(-1)].add(
             1, mode="drop")  # dropped slots (-1) count nowhere
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
-        aux = _aux(cfg, lb, z, counts, dropped)
+        aux = _aux(cfg, balancing, z, counts, dropped)
         if not isinstance(dcfg.expert_axis_name, str):
             aux.update(zip(("rows_across_nodes", "flat_rows_across_nodes"), _sum_over(
                 axes, *_rows_across_nodes(ids, E, dcfg.expert_axis_name))))
-        return y.reshape(x.shape), aux
+        return y.reshape(x.shape), aux, tracked
 
     def __call__(self, x):
         hidden = self.router.shape[0]
         if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
             raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")
-        if self.config.moe_router_load_balancing_type == "seq_aux_loss" and jnp.ndim(x) < 3:
+        kinds = self.config.moe_router_load_balancing_type
+        if "seq_aux_loss" in ((kinds,) if isinstance(kinds, str) else kinds) and jnp.ndim(x) < 3:
             raise ValueError(f"x: seq_aux_loss needs [batch, seq, hidden_size], got shape "
                              f"{jnp.shape(x)}")
         weights = [self.router[...], self.w_gate_up[...], self.w_down[...]]
@@ -306,7 +360,8 @@ class MoELayer(nnx.Module):
         x, *weights = (jnp.asarray(a, dtype) for a in (x, *weights))
         shared = tuple(weights[3:]) or None
         bias = None if self.expert_bias is None else self.expert_bias[...]
-        params = (*weights[:3], shared, bias)
+        tracker = self._tracker()
+        params = (*weights[:3], shared, bias, tracker)
         axis = self.dispatch_config.expert_axis_name
         try:
             jax.lax.axis_size(axis)
@@ -314,9 +369,12 @@ class MoELayer(nnx.Module):
         except NameError:
             inside_shard_map = False
         if inside_shard_map:
-            y, aux = self._local(x, *params)
+            y, aux, tracked = self._local(x, *params)
         else:
-            y, aux = self._sharded(x, params)
+            y, aux, tracked = self._sharded(x, params)
+        if tracked is not None and not self.deterministic:
+            self.global_tokens_per_expert[...] = tracked
+            self.ga_steps[...] = tracker[1] + 1.0
         if self.sow_aux:
             self.sow(nnx.Intermediate, "moe_aux", aux)
         return y, aux
@@ -334,9 +392,10 @@ class MoELayer(nnx.Module):
         tokens_spec = P(token_axes)
         shared_spec = None if params[3] is None else (P(), P())
         bias_spec = None if params[4] is None else P()
-        in_specs = (tokens_spec, P(), P(axis), P(axis), shared_spec, bias_spec)
+        tracker_spec = None if params[5] is None else (P(), P())
+        in_specs = (tokens_spec, P(), P(axis), P(axis), shared_spec, bias_spec, tracker_spec)
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
-                           out_specs=(tokens_spec, P()))
+                           out_specs=(tokens_spec, P(), P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
 
 
@@ -403,15 +462,17 @@ def dense_forward(layer: MoELayer, x, num_devices=None):
     tokens = x.reshape(-1, x.shape[-1])
     bias = None if layer.expert_bias is None else layer.expert_bias[...]
     blocks = tokens.reshape(num_devices, -1, tokens.shape[-1])
-    logits, probs, ids, _ = jax.vmap(lambda t: _route(t, router, cfg, bias))(blocks)
+    logits, probs, ids, _ = jax.vmap(
+        lambda t: _route(t, router, cfg, bias, not layer.deterministic))(blocks)
     logits, probs, ids = (a.reshape(-1, a.shape[-1]) for a in (logits, probs, ids))
-    lb, z = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices)
+    balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,
+                              layer._tracker())
     every = jax.vmap(lambda a, b: _swiglu(tokens, a, b))(w_gate_up, w_down)  # [E,T,H]
     picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
     y = jnp.sum(_weighted(picked, probs), axis=1)  # dropped slots have probs 0
     if shared:
         y = y + _swiglu(tokens, *shared)
-    return y.reshape(x.shape), _scaled(cfg, lb, z)
+    return y.reshape(x.shape), _scaled(cfg, balancing, z)
 
 
 def shard_params(model, mesh):

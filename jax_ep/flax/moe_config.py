@@ -13,10 +13,13 @@ import numpy as np
 
 from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
 
-__all__ = ["DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig", "SCORE_FUNCTIONS"]
+__all__ = ["AUX_LOSS_TYPES", "DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig",
+           "SCORE_FUNCTIONS"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+# The types that add a loss (each with its own coefficient), in the order Megatron applies them.
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
 # Fields MoEConfig and TokenDispatcherConfig share: MoEConfig's value is the one used.
 SHARED_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_expert_capacity_factor",
@@ -61,7 +64,13 @@ class MoEConfig:
         `MoELayer.update_expert_bias` with step moe_router_bias_update_rate.
       moe_router_load_balancing_type: "aux_loss" (per device's tokens, averaged over devices),
         "seq_aux_loss" (per sequence, averaged over sequences), "global_aux_loss" (over the
-        global batch), or "none". moe_aux_loss_coeff: its weight (0: off).
+        global batch, its expert counts a running mean over the micro-batches of a step, as
+        Megatron's), "sinkhorn" (experts chosen by top-k of Sinkhorn-balanced scores while
+        training; needs moe_aux_loss_coeff 0 and no capacity factor), or "none"; or a list /
+        tuple of the loss types (Megatron >= core 0.14), each with its coefficient at the same
+        index of moe_aux_loss_coeff (a list of the same length); lists never route by
+        sinkhorn (Megatron's rule: only the plain string does). Kept as tuples.
+        moe_aux_loss_coeff: the weight (0: that loss is off, not computed).
       moe_z_loss_coeff: weight of the router z-loss mean(logsumexp(logits)^2) (None: off).
       moe_expert_capacity_factor: None = no drop; else each expert keeps at most
         ceil(T*K/E * factor) of a device's T tokens, chosen by moe_token_drop_policy:
@@ -87,8 +96,8 @@ class MoEConfig:
     moe_router_group_topk: int | None = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str | tuple[str, ...] = "aux_loss"
+    moe_aux_loss_coeff: float | tuple[float, ...] = 0.0
     moe_z_loss_coeff: float | None = None
     moe_expert_capacity_factor: float | None = None
     moe_pad_expert_input_to_capacity: bool = False
@@ -125,11 +134,7 @@ class MoEConfig:
                  self.moe_router_enable_expert_bias)
         _require(_real(self.moe_router_bias_update_rate), "moe_router_bias_update_rate",
                  "a float >= 0", self.moe_router_bias_update_rate)
-        _require(self.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,
-                 "moe_router_load_balancing_type", f"one of {LOAD_BALANCING_TYPES}",
-                 self.moe_router_load_balancing_type)
-        _require(_real(self.moe_aux_loss_coeff), "moe_aux_loss_coeff", "a float >= 0",
-                 self.moe_aux_loss_coeff)
+        self._check_load_balancing()
         z = self.moe_z_loss_coeff
         _require(z is None or _real(z), "moe_z_loss_coeff", "None or a float >= 0", z)
         f = self.moe_expert_capacity_factor
@@ -145,6 +150,52 @@ class MoEConfig:
         _require(isinstance(self.token_dispatcher, TokenDispatcherConfig), "token_dispatcher",
                  "a TokenDispatcherConfig", self.token_dispatcher)
         self.dispatcher_config()  # the merged dispatcher config must be valid too
+
+    def _check_load_balancing(self):
+        kind, coeff = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if isinstance(kind, list):
+            object.__setattr__(self, "moe_router_load_balancing_type", kind := tuple(kind))
+        if isinstance(coeff, list):
+            object.__setattr__(self, "moe_aux_loss_coeff", coeff := tuple(coeff))
+        if isinstance(kind, str):
+            _require(kind in LOAD_BALANCING_TYPES, "moe_router_load_balancing_type",
+                     f"one of {LOAD_BALANCING_TYPES} or a list of them", kind)
+            _require(_real(coeff), "moe_aux_loss_coeff", "a float >= 0 (one type)", coeff)
+        else:
+            _require(isinstance(kind, tuple) and len(kind) > 0 and len(set(kind)) == len(kind)
+                     and all(k in LOAD_BALANCING_TYPES for k in kind),
+                     "moe_router_load_balancing_type", f"one of {LOAD_BALANCING_TYPES} or a "
+                     f"non-empty list of distinct ones", kind)
+            _require(isinstance(coeff, tuple) and len(coeff) == len(kind)
+                     and all(_real(c) for c in coeff), "moe_aux_loss_coeff",
+                     f"a list of {len(kind)} floats >= 0, one per load-balancing type", coeff)
+        if kind == "sinkhorn":
+            _require(coeff == 0, "moe_aux_loss_coeff",
+                     "0 with moe_router_load_balancing_type='sinkhorn' (Megatron's rule)", coeff)
+        if self.moe_expert_capacity_factor is not None:
+            kinds = (kind,) if isinstance(kind, str) else kind
+            _require("sinkhorn" not in kinds, "moe_router_load_balancing_type",
+                     f"one of {AUX_LOSS_TYPES + ('none',)} (each entry) with "
+                     f"moe_expert_capacity_factor (Megatron's rule)", kind)
+
+    def aux_loss_coeff(self, kind: str) -> float:
+        """The coefficient of load-balancing loss `kind` (Megatron's get_aux_loss_coeff): the
+        coefficient at kind's index of a list type, moe_aux_loss_coeff when the type is the
+        string kind, else 0."""
+        types = self.moe_router_load_balancing_type
+        if isinstance(types, str):
+            return float(self.moe_aux_loss_coeff) if types == kind else 0.0
+        return float(self.moe_aux_loss_coeff[types.index(kind)]) if kind in types else 0.0
+
+    def aux_losses(self) -> tuple[str, ...]:
+        """The load-balancing losses this config computes: those of AUX_LOSS_TYPES with a
+        coefficient above 0, in Megatron's order."""
+        return tuple(k for k in AUX_LOSS_TYPES if self.aux_loss_coeff(k) > 0)
+
+    @property
+    def sinkhorn(self) -> bool:
+        """Whether the router chooses experts by sinkhorn (the plain string type only)."""
+        return self.moe_router_load_balancing_type == "sinkhorn"
 
     def _check_groups(self):
         E, K = self.num_moe_experts, self.moe_router_topk

@@ -1,6 +1,6 @@
 """Megatron-Core's router on one device's tokens (pure functions, no communication): score
-functions, pre-softmax, top-k scaling, expert bias, node-limited (group) top-k, the capacity drop
-and the per-token pieces of the load-balancing and z losses. The MoE layer sums the pieces over
+functions, sinkhorn, pre-softmax, top-k scaling, expert bias, node-limited (group) top-k, the
+capacity drop and the per-token pieces of the load-balancing and z losses. The MoE layer sums the pieces over
 the mesh (`jax_ep.flax.moe`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax_ep import deepep, ops
 from jax_ep.flax.moe_config import MoEConfig
 
-__all__ = ["capacity_drop", "group_limited_topk", "route", "switch_loss_terms",
+__all__ = ["capacity_drop", "group_limited_topk", "route", "sinkhorn", "switch_loss_terms",
            "updated_expert_bias", "z_loss_terms"]
 
 
@@ -43,10 +43,53 @@ def _unnormalised_scores(logits, score_function):
     return jnp.sqrt(jax.nn.softplus(logits))
 
 
-def route(logits, cfg: MoEConfig, expert_bias=None):
+def sinkhorn(cost, tol=1e-4):
+    """Megatron's sinkhorn: cost [T,E] -> f32[T,E] = d1 * exp(cost) * d0, the row scales d0
+    and column scales d1 iterated (Sinkhorn-Knopp, eps 1e-8) until the column scales move by
+    less than tol on average (no iteration cap, as Megatron; a NaN stops it). Pushes row sums
+    towards 1/T and column sums towards 1/E. Not differentiated (Megatron runs it under
+    no_grad): the input's gradient is cut."""
+    c = jnp.exp(jax.lax.stop_gradient(cost).astype(jnp.float32))
+    T, E = c.shape
+    if T == 0:
+        return c
+    eps = 1e-8
+
+    def step(state):
+        _, d1, _ = state
+        d0 = (1.0 / T) / (c @ d1 + eps)
+        new_d1 = (1.0 / E) / (d0 @ c + eps)
+        return d0, new_d1, jnp.mean(jnp.abs(new_d1 - d1))
+
+    # The initial scales are made from c so they vary over the same mesh axes (shard_map).
+    start = (jnp.ones_like(c.sum(axis=1)), jnp.ones_like(c.sum(axis=0)),
+             jnp.full_like(c.sum(), 1e9))
+    d0, d1, _ = jax.lax.while_loop(lambda state: state[2] > tol, step, start)
+    return d1[None, :] * c * d0[:, None]
+
+
+def _sinkhorn_route(logits, cfg: MoEConfig, training):
+    """moe_router_load_balancing_type="sinkhorn" (Megatron's sinkhorn_load_balancing): logits
+    [T,E] -> (probs [T,K], ids i32[T,K]). Training: the experts are the top-K of the sinkhorn
+    scores; eval: the top-K of the activation. The probs are the activation (sigmoid for
+    K = 1, else softmax over all E in f32, cast to the logits' dtype) at those experts, not
+    renormalised; score function, groups, bias and scaling factor do not apply."""
+    if cfg.moe_router_topk == 1:
+        act = jax.nn.sigmoid(logits)
+    else:
+        act = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
+    _, ids = jax.lax.top_k(sinkhorn(logits) if training else act, cfg.moe_router_topk)
+    return jnp.take_along_axis(act, ids, axis=1), ids
+
+
+def route(logits, cfg: MoEConfig, expert_bias=None, training=True):
     """Megatron's topk_softmax_with_capacity before the drop: logits [T,E] (router dtype) ->
     (probs [T,K] in the logits' dtype, ids i32[T,K]). expert_bias f32[E] (sigmoid /
-    sqrtsoftplus) shifts the scores for the choice of experts, not the probs."""
+    sqrtsoftplus) shifts the scores for the choice of experts, not the probs. training:
+    Megatron's module.training, read by sinkhorn routing only."""
+    if cfg.sinkhorn:
+        probs, ids = _sinkhorn_route(logits, cfg, training)
+        return probs.astype(logits.dtype), ids.astype(jnp.int32)
     if cfg.moe_router_score_function == "softmax":
         if cfg.moe_router_pre_softmax:
             probs, ids = _topk(jax.nn.softmax(logits, axis=-1), cfg)
