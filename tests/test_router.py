@@ -673,3 +673,62 @@ def test_global_aux_loss_keeps_megatrons_running_mean_over_micro_batches():
     assert float(layer.ga_steps[...]) == 0 and not np.asarray(
         layer.global_tokens_per_expert[...]).any()
     assert MoELayer(_cfg(), H, 32, rngs=nnx.Rngs(0), mesh=mesh).ga_steps is None
+
+
+# ----------------------------------------------------------------- drop and pad
+
+def test_pad_expert_blocks_by_hand():
+    from jax_ep.flax.moe import pad_expert_blocks, unpad_expert_blocks
+    rows = jnp.arange(1.0, 7.0)[:, None] * jnp.ones((1, 2))  # 5 rows in blocks [2, 0, 3] + 1 pad
+    probs = jnp.asarray([0.1, 0.2, 0.3, 0.4, 0.5, 0.0])
+    padded, padded_probs, slots = pad_expert_blocks(rows, jnp.asarray([2, 0, 3], jnp.int32),
+                                                    probs, 3)
+    assert np.asarray(slots).tolist() == [0, 1, -1, -1, -1, -1, 2, 3, 4]
+    assert np.asarray(padded)[:, 0].tolist() == [1, 2, 0, 0, 0, 0, 3, 4, 5]
+    np.testing.assert_allclose(np.asarray(padded_probs), [0.1, 0.2, 0, 0, 0, 0, 0.3, 0.4, 0.5])
+    back = unpad_expert_blocks(padded * 10, slots, 6)
+    assert np.asarray(back)[:, 1].tolist() == [10, 20, 30, 40, 50, 0]
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_pad_expert_input_to_capacity_pads_the_gemm_and_changes_no_value(backend, monkeypatch):
+    # Megatron's dispatcher_drop_and_pad_test: the same output and gradients as without
+    # padding, every local expert's grouped-GEMM block cap * EP rows.
+    import jax_ep.flax.moe as moe
+    seen = []
+    plain_experts = moe.swiglu_experts
+
+    def recording(tokens, tokens_per_expert, *args, **kwargs):
+        seen.append((tokens.shape[0], tokens_per_expert))
+        return plain_experts(tokens, tokens_per_expert, *args, **kwargs)
+
+    monkeypatch.setattr(moe, "swiglu_experts", recording)
+    mesh = _mesh()
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 3, H)),
+                       NamedSharding(mesh, P(("data", "expert"))))
+    results = []
+    for pad in (False, True):
+        c = _cfg(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=pad,
+                 moe_aux_loss_coeff=1e-2, token_dispatcher=jax_ep.TokenDispatcherConfig(
+                     moe_flex_dispatcher_backend=backend))
+        layer = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh)
+        shard_params(layer, mesh)
+        seen.clear()
+
+        def loss(m, x):
+            y, aux = m(x)
+            return jnp.sum(jnp.sin(y)) + aux["aux_loss"], (y, aux["tokens_per_expert"])
+
+        with jax.set_mesh(mesh):
+            (value, (y, counts)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(
+                layer, x)
+        results.append((value, y, counts, grads, list(seen)))
+    (v0, y0, c0, g0, seen0), (v1, y1, c1, g1, seen1) = results
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
+    assert_param_grads_close(g1, g0, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(c1), np.asarray(c0))  # the router's kept slots
+    # 6 tokens per device, K=2, E=8, factor 0.5: cap = ceil(6*2/8*0.5) = 1, C = 4 * 1 rows for
+    # each of the L = 2 local experts.
+    assert seen1 and all(rows == 2 * 4 for rows, _ in seen1)
+    assert all(rows != 2 * 4 for rows, _ in seen0)

@@ -25,10 +25,10 @@ from jax_ep.flax import router as routing
 from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
-from jax_ep import _ffi, ops, transport
+from jax_ep import _ffi, deepep, ops, transport
 
-__all__ = ["ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows", "shard_params",
-           "swiglu_experts"]
+__all__ = ["AuxLossTracker", "ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows",
+           "pad_expert_blocks", "shard_params", "swiglu_experts", "unpad_expert_blocks"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
 _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(".")[:2])
                  >= (0, 12) else "sharding_names")
@@ -54,6 +54,30 @@ def expert_tile_rows(num_tokens, top_k, num_local_experts):
     larger than a group computes masked rows, a much smaller one pays more loop steps."""
     balanced = max(num_tokens * top_k / num_local_experts, 1.0)
     return int(min(128, max(32, 2 ** round(math.log2(balanced)))))
+
+
+def pad_expert_blocks(rows, tokens_per_expert, probs, capacity):
+    """moe_pad_expert_input_to_capacity: expert-major rows [N,H] in blocks of
+    tokens_per_expert i32[L] (each <= capacity), probs [N] -> (padded [L*C,H] with block l at
+    rows l*C.., zero rows after each block; its probs [L*C] (0 on padding); slots i32[L*C]: the
+    row of `rows` each padded row holds, -1 for padding), C = capacity. The grouped GEMM then
+    sees exactly C rows per expert, as Megatron's drop-and-pad dispatch gives it; padding rows
+    carry probability 0, so outputs and gradients are those without padding."""
+    L = tokens_per_expert.shape[0]
+    starts = jnp.cumsum(tokens_per_expert) - tokens_per_expert
+    offset = jnp.arange(capacity, dtype=jnp.int32)
+    slots = jnp.where(offset[None, :] < tokens_per_expert[:, None],
+                      starts[:, None] + offset[None, :], -1).reshape(L * capacity)
+    held = (slots >= 0)[:, None]
+    padded = jnp.where(held, rows[jnp.maximum(slots, 0)], 0).astype(rows.dtype)
+    return padded, jnp.where(held[:, 0], probs[jnp.maximum(slots, 0)], 0), slots
+
+
+def unpad_expert_blocks(padded, slots, num_rows):
+    """pad_expert_blocks' inverse for the experts' outputs: padded [L*C,H], slots i32[L*C] ->
+    [num_rows, H] (rows no slot holds are zero)."""
+    return jnp.zeros((num_rows,) + padded.shape[1:], padded.dtype).at[
+        jnp.where(slots >= 0, slots, num_rows)].add(padded, mode="drop")
 
 
 def _weighted(expert_out, probs):
@@ -318,6 +342,11 @@ class MoELayer(nnx.Module):
         d = self.dispatcher
         experts = partial(swiglu_experts, impl=dcfg.grouped_gemm_impl, tile_rows=expert_tile_rows(
             tokens.shape[0], cfg.moe_router_topk, d.num_local_experts))
+
+        def weighted_experts(rows, tokens_per_expert, rows_probs):
+            return _weighted(experts(rows, tokens_per_expert, w_gate_up, w_down), rows_probs)
+        if cfg.moe_pad_expert_input_to_capacity:
+            weighted_experts = partial(self._padded_experts, weighted_experts, tokens.shape[0])
         if dcfg.moe_deepep_async_dispatch and d.backend != "hybridep":
             def local_kernel(recv_x, recv_idx, recv_w):
                 routing_map, rprobs = d.local_multihot(recv_idx, recv_w)
@@ -325,13 +354,12 @@ class MoELayer(nnx.Module):
                 px, pp, rows, tpe = ops.permute(recv_x, routing_map, rprobs, num_out_tokens=n,
                                                 pad_multiple=dcfg.moe_router_expert_pad_multiple,
                                                 impl=d._local_impl)
-                out = _weighted(experts(px, tpe, w_gate_up, w_down), pp)
+                out = weighted_experts(px, tpe, pp)
                 return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
             y, dropped = d.overlapped_forward(tokens, probs, ids, local_kernel)
         else:
             permuted, tpe, pp, state = d.token_permutation2(tokens, tokens.shape[0], probs, ids)
-            out = experts(permuted, tpe, w_gate_up, w_down)
-            y = d.token_unpermutation(_weighted(out, pp), state)
+            y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
             dropped = state.num_dropped
         if shared is not None:
             y = y + _swiglu(tokens, *shared)
@@ -344,6 +372,22 @@ class MoELayer(nnx.Module):
             aux.update(zip(("rows_across_nodes", "flat_rows_across_nodes"), _sum_over(
                 axes, *_rows_across_nodes(ids, E, dcfg.expert_axis_name))))
         return y.reshape(x.shape), aux, tracked
+
+    def _padded_experts(self, weighted_experts, num_tokens, rows, tokens_per_expert, probs):
+        """moe_pad_expert_input_to_capacity: `weighted_experts` (rows [N,H], tokens_per_expert
+        i32[L], probs [N] -> outputs times probs [N,H]) run on every local expert's block padded
+        to C = P * ceil(T*K/E * factor) rows (each of the P ranks sends an expert at most its
+        capacity), rounded up to moe_router_expert_pad_multiple. Returns the weighted outputs
+        [N,H] in the rows' order."""
+        cfg = self.config
+        pad = self.dispatch_config.moe_router_expert_pad_multiple or 1
+        capacity = self.dispatcher.ep_size * deepep.expert_capacity(
+            num_tokens, cfg.moe_router_topk, cfg.num_moe_experts, cfg.moe_expert_capacity_factor)
+        capacity = -(-capacity // pad) * pad
+        padded, padded_probs, slots = pad_expert_blocks(rows, tokens_per_expert, probs, capacity)
+        sizes = jnp.full(tokens_per_expert.shape, capacity, jnp.int32)
+        return unpad_expert_blocks(weighted_experts(padded, sizes, padded_probs), slots,
+                                   rows.shape[0])
 
     def __call__(self, x):
         hidden = self.router.shape[0]

@@ -75,9 +75,11 @@ class MoEConfig:
       moe_expert_capacity_factor: None = no drop; else each expert keeps at most
         ceil(T*K/E * factor) of a device's T tokens, chosen by moe_token_drop_policy:
         "probs" (the highest probabilities) or "position" (the first in token order).
-      moe_pad_expert_input_to_capacity: Megatron pads each expert's input to its capacity
-        (needs a capacity factor); jax_ep's buffers are static-shaped already, and padding rows
-        carry probability 0, so outputs and gradients are those without it.
+      moe_pad_expert_input_to_capacity: Megatron's drop-and-pad (needs a capacity factor): the
+        MoELayer pads every local expert's input block to its capacity, P * ceil(T*K/E *
+        factor) rows, so the grouped GEMM gets exactly that many rows per expert (Megatron's
+        tokens_per_expert = cap * EP). Padding rows carry probability 0 (zero rows here, real
+        unrouted tokens in Megatron), so outputs and gradients are those without it.
       moe_router_dtype: "fp32", "fp64" or None (the input dtype) for logits, scores and probs.
       token_dispatcher: the dispatcher's TokenDispatcherConfig (backend, transport, buffer
         sizes, ...); its fields num_moe_experts, moe_router_topk, moe_expert_capacity_factor
