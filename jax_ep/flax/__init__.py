@@ -3,17 +3,21 @@ and router, and a ready MoE layer."""
 
 from jax_ep.flax.dispatcher import DispatchState, MoEFlexTokenDispatcher, shared_dispatcher
 from jax_ep.flax.moe import (
+    AuxLossTracker,
     ExpertBias,
     MoELayer,
     dense_forward,
     expert_tile_rows,
+    pad_expert_blocks,
     shard_params,
     swiglu_experts,
+    unpad_expert_blocks,
 )
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import compilations, shard_state
 
 __all__ = [
+    "AuxLossTracker",
     "DispatchState",
     "ExpertBias",
     "MoEConfig",
@@ -22,8 +26,10 @@ __all__ = [
     "compilations",
     "dense_forward",
     "expert_tile_rows",
+    "pad_expert_blocks",
     "shard_params",
     "shard_state",
     "shared_dispatcher",
     "swiglu_experts",
+    "unpad_expert_blocks",
 ]
