@@ -7,6 +7,8 @@ from jax_ep.flax.moe import (
     MoELayer,
     dense_forward,
     expert_tile_rows,
+    gate_up_from_etp,
+    gate_up_to_etp,
     shard_params,
     swiglu_experts,
 )
@@ -22,6 +24,8 @@ __all__ = [
     "compilations",
     "dense_forward",
     "expert_tile_rows",
+    "gate_up_from_etp",
+    "gate_up_to_etp",
     "shard_params",
     "shard_state",
     "shared_dispatcher",
