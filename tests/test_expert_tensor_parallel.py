@@ -83,8 +83,9 @@ def test_values_and_gradients_match_dense(backend, shape, capacity):
 
 
 @pytest.mark.parametrize("extra", [dict(moe_deepep_async_dispatch=True, num_overlap_chunks=2),
-                                   dict(moe_router_expert_pad_multiple=4)])
-def test_overlap_and_padded_blocks_match_dense(extra):
+                                   dict(moe_router_expert_pad_multiple=4),
+                                   dict(grouped_gemm_impl="ragged_dot")])
+def test_overlap_padded_blocks_and_ragged_dot_match_dense(extra):
     mesh = jax.make_mesh((2, 2, 2), AXES)
     layer, twin = _layer_pair(_config(2, **extra), mesh)
     x = jax.random.normal(jax.random.key(3), (8, 6, H))
@@ -92,6 +93,24 @@ def test_overlap_and_padded_blocks_match_dense(extra):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(dx, want_dx, rtol=2e-5, atol=2e-6)
     assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_empty_batch_gives_empty_output_and_zero_gradients(backend):
+    mesh = jax.make_mesh((2, 2, 2), AXES)
+    layer, _ = _layer_pair(_config(2, backend), mesh)
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return y.sum() + aux["aux_loss"], (y, aux)
+
+    x = jnp.zeros((0, 6, H))
+    with jax.set_mesh(mesh):
+        (value, (y, aux)), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+    assert y.shape == x.shape and float(value) == 0.0
+    assert not np.asarray(aux["tokens_per_expert"]).any()
+    for path, g in nnx.to_flat_state(nnx.state(grads, nnx.Param)):
+        assert not np.asarray(g[...]).any(), path
 
 
 def test_gate_up_layout():

@@ -100,7 +100,8 @@ def _tensor_parallel(experts, axis, rows, tokens_per_expert, w_gate_up, w_down):
                                            unique_indices=True)
     gathered = jax.lax.all_gather(rows, axis).reshape(-1, h)
     out = experts(gathered[src], counts.sum(axis=0), w_gate_up, w_down)
-    partial = out[dst].astype(jnp.promote_types(out.dtype, jnp.float32)).reshape(-1, n, h)
+    partial = out[dst].astype(jnp.promote_types(out.dtype, jnp.float32)).reshape(
+        counts.shape[0], n, h)
     return jax.lax.psum_scatter(partial, axis, scatter_dimension=0).astype(rows.dtype)
 
 
