@@ -243,7 +243,7 @@ class MoELayer(nnx.Module):
       sow_aux: also sow the aux dict below as nnx.Intermediate "moe_aux" (read it with
         nnx.capture(fn, nnx.Intermediate)).
     __call__(x [..., H]) -> (y [..., H] in the compute dtype, aux), aux over every token of the
-    mesh (summed over the data and expert axes, or the axes of your shard_map):
+    mesh (summed over the data, expert and tensor axes, or the axes of your shard_map):
       "aux_loss" f32[]: moe_aux_loss_coeff * load_balancing_loss + moe_z_loss_coeff * z_loss,
         the term to add to the training loss (already scaled).
       "load_balancing_loss" f32[]: unscaled, by moe_router_load_balancing_type: "aux_loss" the
@@ -281,6 +281,10 @@ class MoELayer(nnx.Module):
         F = ffn_hidden_size or config.moe_ffn_hidden_size
         if not F:
             raise ValueError("ffn_hidden_size: pass it or set MoEConfig.moe_ffn_hidden_size")
+        if F % config.expert_tensor_parallel_size:
+            raise ValueError(f"MoEConfig.expert_tensor_parallel_size: "
+                             f"{config.expert_tensor_parallel_size} must divide "
+                             f"ffn_hidden_size={F}")
         self.config = config
         self.dispatch_config = dcfg
         self.mesh = mesh
@@ -296,10 +300,6 @@ class MoELayer(nnx.Module):
                              **{_SHARDING_KEY: names})
 
         self.router = param(rngs.params(), (H, num_experts), H ** -0.5, (None, None))
-        if F % config.expert_tensor_parallel_size:
-            raise ValueError(f"MoEConfig.expert_tensor_parallel_size: "
-                             f"{config.expert_tensor_parallel_size} must divide "
-                             f"ffn_hidden_size={F}")
         self.w_gate_up = param(rngs.params(), (num_experts, H, 2 * F), H ** -0.5,
                                (axis, None, self.tensor_axis))
         self.w_down = param(rngs.params(), (num_experts, F, H), F ** -0.5,
