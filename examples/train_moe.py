@@ -23,6 +23,8 @@ plot and a JSON log.
   python examples/train_moe.py --checkpoint-dir /tmp/moe_ckpt --resume --steps 150
   python examples/train_moe.py --nodes 2             # Mesh(("data", "node", "local")):
                                                      # two-hop dispatch, node crossings
+  python examples/train_moe.py --etp 2               # Mesh(("data", "expert", "tensor")):
+                                                     # each expert's FFN over 2 devices
   # multi-process (e.g. 2 hosts x 4 devices), one command per process:
   python examples/train_moe.py --num-processes 2 --process-id 0 --coordinator HOST:PORT ...
 """
@@ -115,6 +117,9 @@ def parse_args(argv=None):
                    help="split the expert axis into ('node', 'local') with this many nodes "
                         "(DeepEP's two-hop internode dispatch); prints the rows that cross "
                         "the node axis per step")
+    p.add_argument("--etp", type=int, default=1,
+                   help="expert_tensor_parallel_size: each expert's FFN split over a 'tensor' "
+                        "mesh axis of this many devices (the expert axis gets the rest)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT for jax.distributed")
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
@@ -138,6 +143,8 @@ def parse_args(argv=None):
                 f"{args.grad_accum}")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         p.error("--resume / --save-every: need --checkpoint-dir")
+    if args.etp < 1 or (args.etp > 1 and args.nodes):
+        p.error(f"--etp: expected 1, or an int > 1 without --nodes, got {args.etp}")
     if args.save_every < 0:
         p.error(f"--save-every: expected a step count >= 0, got {args.save_every}")
     return args
@@ -203,6 +210,7 @@ def build_model(args, mesh, jax):
         moe_router_num_groups=args.router_num_groups,
         moe_router_group_topk=args.router_group_topk,
         moe_router_topk_scaling_factor=args.topk_scaling_factor,
+        expert_tensor_parallel_size=args.etp,
         token_dispatcher=jax_ep.TokenDispatcherConfig(
             moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
             grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,
@@ -291,6 +299,13 @@ def train(args):
         grid = np.array(ordered, dtype=object).reshape(args.nodes, data, -1).transpose(1, 0, 2)
         mesh = jax.sharding.Mesh(grid, ("data",) + EXPERT_AXES,
                                  axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    elif args.etp > 1:
+        if experts % args.etp:
+            raise SystemExit(f"--etp {args.etp} does not divide the {experts} devices left "
+                             f"after the data axis")
+        mesh = jax.make_mesh((data, experts // args.etp, args.etp),
+                             ("data", "expert", "tensor"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 3)
     else:
         mesh = jax.make_mesh((data, experts), ("data", "expert"),
                              axis_types=(jax.sharding.AxisType.Auto,) * 2)

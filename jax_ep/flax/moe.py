@@ -5,7 +5,9 @@ router (`jax_ep.flax.router`, configured by `jax_ep.flax.MoEConfig`) and its los
 
 Use it under `jax.jit` with inputs sharded over a `Mesh(("data", "expert"))` (the layer runs
 its body in `jax.shard_map`, tokens split over both axes, experts over "expert"), or call it
-inside your own `jax.shard_map` that binds the expert axis.
+inside your own `jax.shard_map` that binds the expert axis. With
+`MoEConfig.expert_tensor_parallel_size` > 1 the mesh has a tensor axis too
+(`("data", "expert", "tensor")`): tokens split over all three, each expert's FFN over "tensor".
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
 
 __all__ = ["AuxLossTracker", "ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows",
-           "pad_expert_blocks", "shard_params", "swiglu_experts", "unpad_expert_blocks"]
+           "gate_up_from_etp", "gate_up_to_etp", "pad_expert_blocks", "shard_params",
+           "swiglu_experts", "unpad_expert_blocks"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
 _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(".")[:2])
                  >= (0, 12) else "sharding_names")
@@ -44,6 +47,63 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
                   tile_rows=tile_rows)
     gate, up = jnp.split(gmm(tokens, w_gate_up), 2, axis=-1)
     return gmm(jax.nn.silu(gate) * up, w_down)
+
+
+def gate_up_to_etp(w_gate_up, etp):
+    """w_gate_up [..., 2F] in the unsharded layout [gate | up] -> the expert-tensor-parallel
+    layout of `etp` column shards of 2F/etp columns each, shard t = [gate_t | up_t] (gate_t,
+    up_t: columns t*F/etp ... (t+1)*F/etp - 1 of gate and up; Megatron's per-rank fc1).
+    etp=1 leaves it unchanged. F must be divisible by etp."""
+    *lead, width = w_gate_up.shape
+    f = width // (2 * etp)
+    return jnp.swapaxes(w_gate_up.reshape(*lead, 2, etp, f), -3, -2).reshape(w_gate_up.shape)
+
+
+def gate_up_from_etp(w_gate_up, etp):
+    """The inverse of `gate_up_to_etp`: [..., 2F] in `etp` column shards [gate_t | up_t] ->
+    [gate | up]."""
+    *lead, width = w_gate_up.shape
+    f = width // (2 * etp)
+    return jnp.swapaxes(w_gate_up.reshape(*lead, etp, 2, f), -3, -2).reshape(w_gate_up.shape)
+
+
+def _expert_major_order(counts, num_rows):
+    """Where each row of S stacked blocks goes in one expert-major order: counts i32[S,L] are
+    the blocks' group sizes (block s: num_rows rows, expert-major groups of counts[s] rows,
+    then padding; sum(counts[s]) <= num_rows). Returns i32[S*num_rows], a permutation: expert
+    l's rows of block 0, of block 1, ..., of block S-1, then expert l+1's, ..., then every
+    block's padding rows in block order."""
+    sizes = jnp.concatenate([counts, num_rows - counts.sum(axis=1, keepdims=True)], axis=1)
+    ends = jnp.cumsum(sizes, axis=1)  # [S, L+1]; the padding is group L
+    rows = jnp.arange(num_rows, dtype=counts.dtype)
+    group = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends)  # [S, N]
+    within = rows - jnp.take_along_axis(ends - sizes, group, axis=1)
+    totals = sizes.sum(axis=0)
+    earlier_blocks = jnp.cumsum(sizes, axis=0) - sizes
+    dst = (jnp.cumsum(totals) - totals)[group] + jnp.take_along_axis(earlier_blocks, group,
+                                                                      axis=1) + within
+    return dst.reshape(-1)
+
+
+def _tensor_parallel(experts, axis, rows, tokens_per_expert, w_gate_up, w_down):
+    """`experts` (swiglu_experts' signature) tensor-parallel over the mesh `axis` of S devices
+    (inside shard_map), Megatron's alltoall-dispatcher flow for expert tensor parallelism:
+    each device's rows [N,H] (expert-major blocks of tokens_per_expert i32[L]) are
+    all-gathered over `axis`, put expert-major across the S blocks, multiplied by this
+    device's column shard w_gate_up [L,H,2F/S] ([gate_t | up_t]) and row shard w_down
+    [L,F/S,H] (one grouped GEMM each), and the partial outputs reduce-scattered (summed in at
+    least float32, as Megatron's reduce-scatter in the probs' dtype) back to each device's
+    own rows -> [N,H] in the rows' dtype."""
+    n, h = rows.shape
+    counts = jax.lax.all_gather(tokens_per_expert, axis)  # [S, L]
+    dst = _expert_major_order(counts, n)
+    src = jnp.zeros_like(dst).at[dst].set(jnp.arange(dst.shape[0], dtype=dst.dtype),
+                                           unique_indices=True)
+    gathered = jax.lax.all_gather(rows, axis).reshape(-1, h)
+    out = experts(gathered[src], counts.sum(axis=0), w_gate_up, w_down)
+    partial = out[dst].astype(jnp.promote_types(out.dtype, jnp.float32)).reshape(
+        counts.shape[0], n, h)
+    return jax.lax.psum_scatter(partial, axis, scatter_dimension=0).astype(rows.dtype)
 
 
 def expert_tile_rows(num_tokens, top_k, num_local_experts):
@@ -213,6 +273,16 @@ class MoELayer(nnx.Module):
         SwiGLU H -> 2F -> H; config.moe_shared_expert_intermediate_size adds a shared expert.
       mesh: a Mesh with the expert axis (and optionally data_axis) for calls under jit; or
         expert_parallel_size P when the layer is called inside your shard_map.
+      tensor_axis: the mesh axis of expert tensor parallelism (Megatron's ETP group), used
+        when config.expert_tensor_parallel_size > 1; a mesh's axis of that name must have
+        expert_tensor_parallel_size devices (None: no tensor axis, ETP must be 1). With ETP = S
+        > 1 tokens are split over (data, expert, tensor); each device routes its own, the
+        dispatch runs over the expert axis, the received rows are all-gathered over the
+        tensor axis, w_gate_up [E,H,2F] is split (expert, -, tensor) into S column shards
+        [gate_t | up_t] (the `gate_up_to_etp` layout: a plain [gate | up] weight is
+        `gate_up_to_etp(w, S)`), w_down [E,F,H] (expert, tensor, -) into row shards, and the
+        partial outputs are reduce-scattered over the tensor axis (the one reduction) before
+        the combine. The shared expert stays replicated (each device runs it on its tokens).
       dtype: the compute dtype (None: promoted from the input's and the parameters' dtypes),
         param_dtype: the parameters' dtype, as in nnx.Linear. The router's logits, scores and
         probs use config.moe_router_dtype (None: the compute dtype).
@@ -222,7 +292,7 @@ class MoELayer(nnx.Module):
         Megatron's `not module.training`. In eval, sinkhorn routing takes the top-k of the
         activation, and the global_aux_loss tracker is read but not added to.
     __call__(x [..., H]) -> (y [..., H] in the compute dtype, aux), aux over every token of the
-    mesh (summed over the data and expert axes, or the axes of your shard_map):
+    mesh (summed over the data, expert and tensor axes, or the axes of your shard_map):
       "aux_loss" f32[]: moe_aux_loss_coeff * load_balancing_loss + moe_z_loss_coeff * z_loss,
         the term to add to the training loss (already scaled).
       "load_balancing_loss" f32[]: unscaled, by moe_router_load_balancing_type: "aux_loss" the
@@ -244,8 +314,9 @@ class MoELayer(nnx.Module):
 
     def __init__(self, config, hidden_size: int, ffn_hidden_size: int | None = None, *,
                  rngs: nnx.Rngs, mesh=None, expert_parallel_size=None, data_axis="data",
-                 dtype=None, param_dtype=jnp.float32, sow_aux: bool = False,
-                 dispatcher: MoEFlexTokenDispatcher | None = None, deterministic: bool = False):
+                 tensor_axis="tensor", dtype=None, param_dtype=jnp.float32,
+                 sow_aux: bool = False, dispatcher: MoEFlexTokenDispatcher | None = None,
+                 deterministic: bool = False):
         config = _as_moe_config(config)
         dcfg = config.dispatcher_config()
         axis = dcfg.expert_axis_name
@@ -263,10 +334,16 @@ class MoELayer(nnx.Module):
         F = ffn_hidden_size or config.moe_ffn_hidden_size
         if not F:
             raise ValueError("ffn_hidden_size: pass it or set MoEConfig.moe_ffn_hidden_size")
+        if F % config.expert_tensor_parallel_size:
+            raise ValueError(f"MoEConfig.expert_tensor_parallel_size: "
+                             f"{config.expert_tensor_parallel_size} must divide "
+                             f"ffn_hidden_size={F}")
         self.config = config
         self.dispatch_config = dcfg
         self.mesh = mesh
         self.data_axis = data_axis if mesh is not None and data_axis in mesh.axis_names else None
+        self.tensor_axis = _tensor_axis(tensor_axis, config.expert_tensor_parallel_size, mesh,
+                                        _names(axis) + (self.data_axis,))
         self.dtype, self.param_dtype, self.sow_aux = dtype, param_dtype, sow_aux
         self.deterministic = deterministic
         H = hidden_size
@@ -278,8 +355,9 @@ class MoELayer(nnx.Module):
 
         self.router = param(rngs.params(), (H, num_experts), H ** -0.5, (None, None))
         self.w_gate_up = param(rngs.params(), (num_experts, H, 2 * F), H ** -0.5,
-                               (axis, None, None))
-        self.w_down = param(rngs.params(), (num_experts, F, H), F ** -0.5, (axis, None, None))
+                               (axis, None, self.tensor_axis))
+        self.w_down = param(rngs.params(), (num_experts, F, H), F ** -0.5,
+                            (axis, self.tensor_axis, None))
         S = config.moe_shared_expert_intermediate_size
         if S:
             self.shared_gate_up = param(rngs.params(), (H, 2 * S), H ** -0.5, (None, None))
@@ -327,7 +405,8 @@ class MoELayer(nnx.Module):
 
     def _token_axes(self):
         axes = _names(self.dispatch_config.expert_axis_name)
-        return (self.data_axis,) + axes if self.data_axis else axes
+        axes = (self.data_axis,) + axes if self.data_axis else axes
+        return axes + (self.tensor_axis,) if self.tensor_axis else axes
 
     def _local(self, x, router, w_gate_up, w_down, shared, expert_bias, tracker):
         """The per-device body (inside shard_map): x [..., H] local tokens. Returns (y, aux,
@@ -341,7 +420,10 @@ class MoELayer(nnx.Module):
                                         tracker=tracker)
         d = self.dispatcher
         experts = partial(swiglu_experts, impl=dcfg.grouped_gemm_impl, tile_rows=expert_tile_rows(
-            tokens.shape[0], cfg.moe_router_topk, d.num_local_experts))
+            tokens.shape[0] * cfg.expert_tensor_parallel_size, cfg.moe_router_topk,
+            d.num_local_experts))
+        if self.tensor_axis:
+            experts = partial(_tensor_parallel, experts, self.tensor_axis)
 
         def weighted_experts(rows, tokens_per_expert, rows_probs):
             return _weighted(experts(rows, tokens_per_expert, w_gate_up, w_down), rows_probs)
@@ -413,6 +495,7 @@ class MoELayer(nnx.Module):
         except NameError:
             inside_shard_map = False
         if inside_shard_map:
+            self._check_tensor_axis_bound()
             y, aux, tracked = self._local(x, *params)
         else:
             y, aux, tracked = self._sharded(x, params)
@@ -422,6 +505,20 @@ class MoELayer(nnx.Module):
         if self.sow_aux:
             self.sow(nnx.Intermediate, "moe_aux", aux)
         return y, aux
+
+    def _check_tensor_axis_bound(self):
+        """Inside the user's shard_map: the tensor axis (ETP > 1) bound with ETP devices."""
+        if not self.tensor_axis:
+            return
+        etp = self.config.expert_tensor_parallel_size
+        try:
+            size = jax.lax.axis_size(self.tensor_axis)
+        except NameError:
+            size = None
+        if size != etp:
+            raise ValueError(f"tensor_axis: MoEConfig.expert_tensor_parallel_size={etp} needs "
+                             f"the enclosing shard_map to bind {self.tensor_axis!r} with {etp} "
+                             f"devices, got {'no such axis' if size is None else size}")
 
     def _sharded(self, x, params):
         axis = self.dispatch_config.expert_axis_name
@@ -437,7 +534,9 @@ class MoELayer(nnx.Module):
         shared_spec = None if params[3] is None else (P(), P())
         bias_spec = None if params[4] is None else P()
         tracker_spec = None if params[5] is None else (P(), P())
-        in_specs = (tokens_spec, P(), P(axis), P(axis), shared_spec, bias_spec, tracker_spec)
+        t = self.tensor_axis
+        in_specs = (tokens_spec, P(), P(axis, None, t), P(axis, t, None), shared_spec, bias_spec,
+                    tracker_spec)
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P(), P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
@@ -459,6 +558,24 @@ def _rows_across_nodes(ids, num_experts, axes):
     own_ranks = num_ranks // num_nodes
     on_own_node = jax.lax.dynamic_slice_in_dim(per_rank, node * own_ranks, own_ranks).sum()
     return per_node.sum() - per_node[node], per_rank.sum() - on_own_node
+
+
+def _tensor_axis(tensor_axis, etp, mesh, other_axes):
+    """The layer's tensor axis name (None when etp = expert_tensor_parallel_size is 1); a
+    mesh's axis of that name must have etp devices and be none of the layer's other axes."""
+    if etp > 1 and tensor_axis is None:
+        raise ValueError(f"tensor_axis: MoEConfig.expert_tensor_parallel_size={etp} needs a "
+                         f"tensor mesh axis name, got None")
+    if etp > 1 and tensor_axis in other_axes:
+        raise ValueError(f"tensor_axis: {tensor_axis!r} is the layer's data or expert axis")
+    if mesh is not None:
+        size = mesh.shape[tensor_axis] if tensor_axis in mesh.axis_names else None
+        if (size or 1) != etp:
+            raise ValueError(f"mesh: MoEConfig.expert_tensor_parallel_size={etp} needs a "
+                             f"tensor axis {tensor_axis!r} (tensor_axis) of {etp} devices; the "
+                             f"mesh {dict(mesh.shape)} has "
+                             f"{'none' if size is None else size}")
+    return tensor_axis if etp > 1 else None
 
 
 def _names(axis):
@@ -492,13 +609,15 @@ def dense_forward(layer: MoELayer, x, num_devices=None):
     """Single-device reference of `layer` (no expert parallelism): the oracle the layer is
     tested against. x [B, ..., H] is taken as num_devices equal blocks of the batch (default:
     the devices of the layer's token mesh axes, 1 without a mesh), each routed, dropped to
-    capacity and counted in the losses as that device does. Returns (y [..., H], aux_loss f32[],
-    the layer's aux["aux_loss"])."""
+    capacity and counted in the losses as that device does. w_gate_up is read in the layout of
+    config.expert_tensor_parallel_size column shards (`gate_up_from_etp`). Returns (y [..., H],
+    aux_loss f32[], the layer's aux["aux_loss"])."""
     cfg = layer.config
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
                        else math.prod(layer.mesh.shape[a] for a in layer._token_axes()))
-    weights = [layer.router[...], layer.w_gate_up[...], layer.w_down[...]]
+    w_gate_up = gate_up_from_etp(layer.w_gate_up[...], cfg.expert_tensor_parallel_size)
+    weights = [layer.router[...], w_gate_up, layer.w_down[...]]
     if layer.shared_gate_up is not None:
         weights += [layer.shared_gate_up[...], layer.shared_down[...]]
     dtype = layer.dtype or jnp.result_type(x, *weights)

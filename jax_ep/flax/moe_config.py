@@ -84,6 +84,10 @@ class MoEConfig:
       token_dispatcher: the dispatcher's TokenDispatcherConfig (backend, transport, buffer
         sizes, ...); its fields num_moe_experts, moe_router_topk, moe_expert_capacity_factor
         and moe_router_dtype are replaced by this config's (see `dispatcher_config`).
+      expert_tensor_parallel_size: Megatron's ETP (ModelParallelConfig's name; default 1
+        here, not Megatron's tensor_model_parallel_size): each expert's FFN split over that
+        many devices of the layer's tensor mesh axis (see MoELayer); must divide the FFN
+        hidden size.
     Invalid values raise ValueError naming the field.
     """
 
@@ -107,6 +111,7 @@ class MoEConfig:
     moe_router_dtype: str | None = None
     token_dispatcher: TokenDispatcherConfig = dataclasses.field(
         default_factory=TokenDispatcherConfig)
+    expert_tensor_parallel_size: int = 1
 
     def __post_init__(self):
         E, K = self.num_moe_experts, self.moe_router_topk
@@ -151,6 +156,10 @@ class MoEConfig:
                  f"one of {ROUTER_DTYPES}", self.moe_router_dtype)
         _require(isinstance(self.token_dispatcher, TokenDispatcherConfig), "token_dispatcher",
                  "a TokenDispatcherConfig", self.token_dispatcher)
+        etp = self.expert_tensor_parallel_size
+        _require(_int(etp) and (self.moe_ffn_hidden_size or etp) % etp == 0,
+                 "expert_tensor_parallel_size",
+                 f"a positive int dividing moe_ffn_hidden_size={self.moe_ffn_hidden_size}", etp)
         self.dispatcher_config()  # the merged dispatcher config must be valid too
 
     def _check_load_balancing(self):
