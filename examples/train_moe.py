@@ -258,12 +258,11 @@ def build_model(args, mesh, jax):
 def _step_aux(micro_auxes):
     """One layer's aux dicts of a step's micro-batches -> the step's: counts and drops summed,
     the load ratio of the summed counts, the balancing loss averaged."""
-    import jax.numpy as jnp
+    from jax_ep.flax.moe import load_ratio
     counts = sum(a["tokens_per_expert"] for a in micro_auxes)
-    mean = counts.sum() / counts.shape[0]
     return dict(micro_auxes[0], tokens_per_expert=counts,
                 num_dropped=sum(a["num_dropped"] for a in micro_auxes),
-                load_ratio=jnp.where(mean > 0, counts.max() / jnp.maximum(mean, 1e-30), 0.0),
+                load_ratio=load_ratio(counts),
                 load_balancing_loss=sum(a["load_balancing_loss"] for a in micro_auxes)
                 / len(micro_auxes),
                 **{k: sum(a[k] for a in micro_auxes) for k in (

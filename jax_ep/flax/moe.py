@@ -30,8 +30,8 @@ from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
 
 __all__ = ["AuxLossTracker", "ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows",
-           "gate_up_from_etp", "gate_up_to_etp", "pad_expert_blocks", "shard_params",
-           "swiglu_experts", "unpad_expert_blocks"]
+           "gate_up_from_etp", "gate_up_to_etp", "load_ratio", "pad_expert_blocks",
+           "shard_params", "swiglu_experts", "unpad_expert_blocks"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
 _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(".")[:2])
                  >= (0, 12) else "sharding_names")
@@ -231,13 +231,19 @@ def _scaled(cfg: MoEConfig, balancing, z):
     return total + (cfg.moe_z_loss_coeff or 0.0) * z
 
 
+def load_ratio(tokens_per_expert):
+    """Megatron's overload factor: max / mean of tokens_per_expert i32[E] -> f32[] (0 when
+    no token is routed)."""
+    mean = tokens_per_expert.sum() / tokens_per_expert.shape[0]
+    ratio = jnp.where(mean > 0, tokens_per_expert.max() / jnp.maximum(mean, 1e-30), 0.0)
+    return ratio.astype(jnp.float32)
+
+
 def _aux(cfg: MoEConfig, balancing, z, counts, dropped):
-    mean = counts.sum() / counts.shape[0]
-    ratio = jnp.where(mean > 0, counts.max() / jnp.maximum(mean, 1e-30), 0.0)
     lb = sum(balancing.values(), jnp.zeros((), jnp.float32))
     return {"aux_loss": _scaled(cfg, balancing, z), "load_balancing_loss": lb,
             "load_balancing_losses": balancing, "z_loss": z,
-            "tokens_per_expert": counts, "load_ratio": ratio.astype(jnp.float32),
+            "tokens_per_expert": counts, "load_ratio": load_ratio(counts),
             "num_dropped": dropped}
 
 
