@@ -115,12 +115,14 @@ _ll_rows_fp8 = tp.with_fp8_wire(_send, _sum_back)
 
 
 def _return_logfmt(y, h):
-    """y bf16 [L, P*Tmax, H] -> f32 [P*C, H]: every row LogFMT-encoded (ops.logfmt_encode),
-    its slot moved back as u32 words (2H + H/32 bytes instead of 2H; the zero rows of unused
-    slots decode to zeros), decoded on arrival."""
-    wire = ops.logfmt_encode(y.reshape(-1, y.shape[-1]))
+    """y bf16 [L, P*Tmax, H] -> f32 [P*C, H]: the rows of the return wire gathered first (so
+    only they are encoded, not the padding of y), LogFMT-encoded (ops.logfmt_encode), moved
+    back as u32 words of their slots (2H + H/32 bytes instead of 2H; empty wire rows are zero
+    rows, whose slots decode to zeros), decoded on arrival."""
+    rows = ops.gather_rows(y.reshape(-1, y.shape[-1]), h.return_slot, impl=h.impl)
+    wire = ops.logfmt_encode(rows)
     words = jax.lax.bitcast_convert_type(wire.reshape(wire.shape[0], -1, 4), jnp.uint32)
-    back = _exchange(words, h.return_slot, h, tp.COMBINE_NAME, forward=False)
+    back = _exchange(words, None, h, tp.COMBINE_NAME, forward=False)
     return ops.logfmt_decode(jax.lax.bitcast_convert_type(back, jnp.uint8).reshape(
         back.shape[0], -1))
 

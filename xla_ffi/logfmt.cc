@@ -34,6 +34,18 @@ class IeeeDenormals {
 #endif
 };
 
+// log2 of every bf16 magnitude pattern below 1.0 (all a packed division holds), from the same
+// log2 call LogfmtCode makes, built once: the codes are the same, a table read cheaper.
+const double* Log2BelowOne() {
+  static const std::vector<double> table = [] {
+    IeeeDenormals ieee;
+    std::vector<double> t(kBf16One, 0.0);
+    for (uint32_t m = 1; m < kBf16One; ++m) t[m] = log2(Bf16Magnitude(m));
+    return t;
+  }();
+  return table.data();
+}
+
 // Meta word of each division: max and min of the 15-bit magnitude patterns (amax | amin << 16).
 void EncodeMeta(const uint16_t* x, int64_t H, uint32_t* meta) {
   for (int64_t g = 0; g < LogfmtDivisions(H); ++g) {
@@ -50,11 +62,13 @@ void EncodeMeta(const uint16_t* x, int64_t H, uint32_t* meta) {
 // One division's 128 values packed: 8 groups of 5 words.
 void PackDivision(const uint16_t* x, uint32_t meta, uint32_t* out) {
   const LogfmtScale s = MakeLogfmtScale(meta & 0xffffu, meta >> 16);
+  const double* log2_of = Log2BelowOne();
   for (int64_t q = 0; q < kLogfmtDivision / kLogfmtGroup; ++q) {
     uint32_t codes[16], signs = 0;
     for (int j = 0; j < 16; ++j) {
       const uint16_t v = x[q * kLogfmtGroup + j];
-      codes[j] = LogfmtCode(v & 0x7fffu, s);
+      const uint32_t m = v & 0x7fffu;  // < amax < 1.0 in a packed division
+      codes[j] = m == 0 ? 0u : LogfmtCodeOfLog2(log2_of[m], s);
       signs |= uint32_t(v >> 15) << j;
     }
     PackLogfmtGroup(codes, signs, out + q * kLogfmtGroupWords);

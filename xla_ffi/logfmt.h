@@ -91,11 +91,15 @@ JAX_EP_HD LogfmtScale MakeLogfmtScale(uint32_t amax_bits, uint32_t amin_bits) {
   return s;
 }
 
-// The 9-bit code of a bf16 magnitude pattern (0 .. 511 for |x| <= amax).
-JAX_EP_HD uint32_t LogfmtCode(uint32_t magnitude_bits, const LogfmtScale& s) {
-  if (magnitude_bits == 0) return 0;
-  const double t = DAdd(DMul(log2(Bf16Magnitude(magnitude_bits)), s.inv), s.fused);
+// The 9-bit code of a nonzero magnitude from its log2 (0 .. 511 for |x| <= amax).
+JAX_EP_HD uint32_t LogfmtCodeOfLog2(double log2_magnitude, const LogfmtScale& s) {
+  const double t = DAdd(DMul(log2_magnitude, s.inv), s.fused);
   return t > 0.0 ? uint32_t(floor(t)) : 0u;
+}
+
+// The 9-bit code of a bf16 magnitude pattern.
+JAX_EP_HD uint32_t LogfmtCode(uint32_t magnitude_bits, const LogfmtScale& s) {
+  return magnitude_bits == 0 ? 0u : LogfmtCodeOfLog2(log2(Bf16Magnitude(magnitude_bits)), s);
 }
 
 // The magnitude a code stands for (code 0: zero).
