@@ -3,8 +3,9 @@
 Every op takes `impl="ffi"` (default: the CPU/CUDA handler) or `impl="xla"` (the pure-JAX
 reference in `jax_ep.reference`); both give the same results, bitwise for integer outputs and
 data movement. The LogFMT cast (logfmt_encode / logfmt_decode) is the exception: FFI only (its
-float64 log2 / exp2 have no bitwise pure-XLA twin; tests/logfmt_model.py is its numpy model). Arguments are checked at trace time and errors name the argument and the shape
-they got. permute, unpermute and indices_to_multihot are differentiable (`custom_vjp`:
+float64 log2 / exp2 have no bitwise pure-XLA twin; tests/logfmt_model.py is its numpy model).
+Arguments are checked at trace time and errors name the argument and the shape they got.
+permute, unpermute and indices_to_multihot are differentiable (`custom_vjp`:
 permute's backward is an unpermute and vice versa). Notation: T tokens, H hidden, K top-k,
 E experts, P ranks, L = E / P, N permuted rows.
 """

@@ -2,9 +2,10 @@
 (impl="xla") on the GPU, and against the CPU handlers where the contract is bitwise.
 
 Bitwise: integer outputs, data movement (permute, gather_rows), FP8 codes and scales, the FP8
-cast back, the LogFMT slots and their decoding (vs the CPU handlers: no pure-JAX twin). fp32-accumulation tolerance: unpermute (and gradients). GPU-only semantics: expert
-ids outside [-1, E) are unrouted and counted in the dispatch layout's num_invalid; unpermute
-ignores sorted_indices outside [-1, T). Skipped unless JAX's default device is a GPU.
+cast back, the LogFMT slots and their decoding (vs the CPU handlers: no pure-JAX twin).
+fp32-accumulation tolerance: unpermute (and gradients). GPU-only semantics: expert ids outside
+[-1, E) are unrouted and counted in the dispatch layout's num_invalid; unpermute ignores
+sorted_indices outside [-1, T). Skipped unless JAX's default device is a GPU.
 """
 
 from __future__ import annotations
