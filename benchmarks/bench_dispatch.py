@@ -27,6 +27,11 @@ DeepSeek-V3-like routing scaled down (E=256, K=8, smaller H and T), for a unifor
    in --dtype vs use_fp8=True (fp8_output="cast_back"), forward and forward+backward
    (jax.value_and_grad of a random projection of the output, as a training step): row bytes
    (the backward's two cotangent exchanges move --dtype rows) and time.
+   Then the LogFMT combine (`use_logfmt=True`, H % 512 == 0) vs the bf16 combine after a bf16
+   dispatch, on rows scaled by 0.1 (expert outputs below 1, where DeepEP's format packs): the
+   combine's bytes as DeepEP's variable-length messages would send them (meta + each chunk
+   packed or bf16, from the encoded rows), the padded buffers the static transport moves
+   (whole 2H + H/32-byte slots), time and error (DeepEP's calc_diff, max rel err).
 5. A probe of the emulated wire itself: one jax.lax.all_to_all of the deepep-sized padded
    buffer [P, C=T, H] per rank, in bf16, as the same bits in uint16, and in float32 (XLA:CPU
    widens 16-bit float collectives to f32, which the uint16 row avoids).
@@ -334,6 +339,75 @@ def build_ll_modes(a):
     }
 
 
+def logfmt_message_bytes(rows):
+    """DeepEP's LogFMT combine message bytes of each row of rows (bf16 [N,H]): the
+    (amax, amin) meta, then each chunk packed (10 bits a value) or raw bf16, as
+    ops.logfmt_encode decides (its slot without the zero tail)."""
+    import jax
+    import numpy as np
+
+    from jax_ep import ops
+    n, h = rows.shape
+    groups, chunk = h // 128, 1024 if h % 1024 == 0 else 512
+    meta = np.asarray(jax.jit(ops.logfmt_encode)(rows))[:, :4 * groups].copy()
+    amax, amin = np.moveaxis(meta.view("<u2").reshape(n, groups, 2), -1, 0).astype(np.int32)
+    packed = ((amax < 0x3F80) & (amin < amax)).reshape(n, h // chunk, -1).all(-1)
+    return 4 * groups + np.where(packed, chunk * 10 // 8, 2 * chunk).sum(1)
+
+
+def _calc_diff(x, y):
+    """DeepEP's calc_diff (deep_ep/utils/math.py): 1 - 2<x+1, y+1> / (|x+1|^2 + |y+1|^2)."""
+    import numpy as np
+    x, y = np.asarray(x, np.float64) + 1, np.asarray(y, np.float64) + 1
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def logfmt_section(a, x, idx, w, jitted, shard_args, results):
+    """bf16 dispatch + combine with and without use_logfmt: bytes, time, error (a table)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_ep
+    P_, T, H, L = a.ranks, a.ll_tokens, a.hidden, a.experts // a.ranks
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    want = x * w.sum(axis=1, keepdims=True)
+
+    def body(use_logfmt):
+        def run(x, idx, w):
+            recv, _, h = jax_ep.low_latency_dispatch(
+                x.astype(jnp.bfloat16), idx, num_max_dispatch_tokens_per_rank=T,
+                num_experts=a.experts, axis_name=AXIS)
+            return jax_ep.low_latency_combine(recv, idx, w, h, use_logfmt=use_logfmt)
+        return run
+
+    src = np.repeat(np.arange(P_), T)[:, None]
+    remote = ((idx >= 0) & (idx // L != src)).sum(1)  # slots of each token leaving its rank
+    messages = logfmt_message_bytes(jnp.asarray(x, jnp.bfloat16))
+    padded_rows = P_ * (P_ - 1) * min(L * T, T * min(a.topk, L))
+    wire = {False: (int(remote.sum()) * 2 * H, padded_rows * 2 * H),
+            True: (int((remote * messages).sum()), padded_rows * (2 * H + H // 32))}
+    rows, out = [], {}
+    for use_logfmt in (False, True):
+        t = _timed(jitted(body(use_logfmt)), shard_args(x, idx, w), a, want)
+        out[use_logfmt] = t
+        exact, padded = wire[use_logfmt]
+        rows.append(["LogFMT" if use_logfmt else "bf16", common.fmt_bytes(exact),
+                     exact / wire[False][0], common.fmt_bytes(padded), padded / wire[False][1],
+                     t["median_s"] * 1e3, t["median_s"] / out[False]["median_s"],
+                     t["calc_diff"], t["max_rel_err"]])
+    results["low_latency_logfmt"] = dict(
+        tokens=T, input_scale=0.1, time=out,
+        combine_bytes={("logfmt" if k else "bf16"): dict(exact=v[0], padded=v[1])
+                       for k, v in wire.items()})
+    return common.print_table(
+        f"Low-latency combine, bf16 vs LogFMT (use_logfmt=True), after a bf16 dispatch; rows "
+        f"randn * 0.1, T = Tmax = {T}/rank, H = {H}, {P_} emulated CPU devices, median of "
+        f"{a.iters}. Bytes: the combine only, exact = DeepEP's variable-length messages, "
+        f"padded = the slots this transport moves",
+        ["combine wire", "bytes exact", "vs bf16", "padded buffers", "vs bf16",
+         "dispatch+combine ms", "vs bf16", "calc_diff", "max rel err"], rows)
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -346,6 +420,7 @@ def _timed(fn, args, a, want=None):
     if want is not None:
         got = np.asarray(out.astype(jnp.float32))
         t["max_rel_err"] = float(np.abs(got - want).max() / np.abs(want).max())
+        t["calc_diff"] = _calc_diff(got, want)
     return t
 
 
@@ -533,6 +608,8 @@ def main(argv=None):
             ["mode", "bytes/step exact", "padded buffers", "padded vs bf16", "dispatch ms",
              "vs bf16", "dispatch+combine ms", "vs bf16", "max rel err"], rows))
         results["low_latency"] = dict(tokens=a.ll_tokens, bytes=tr, time=ll)
+        if a.hidden % 512 == 0:
+            markdown.append(logfmt_section(a, 0.1 * x, idx, w, jitted, shard_args, results))
 
     # -- the emulated wire: all_to_all of the deepep padded buffer by dtype
     probe = {}

@@ -27,8 +27,9 @@ Differences forced by static shapes: `num_worst_tokens=0` means DeepEP's worst c
 receive rows; there is no host sync to size it exactly); `num_recv_tokens_per_expert_list`
 is an i32[L] array, not a list; `out=` is not written in place (the result is returned);
 `cumulative_local_expert_recv_stats` is not updated in place: the handle carries the new
-value as `handle.cumulative_local_expert_recv_stats`. `use_logfmt=True` raises (not
-implemented; it would change results).
+value as `handle.cumulative_local_expert_recv_stats`. `use_logfmt=True` sends the combine's
+rows in DeepEP's LogFMT-10 encoding (`jax_ep.low_latency_combine(..., use_logfmt=True)`; with
+`zero_copy=True` it raises, as DeepEP's assertion does).
 """
 
 from __future__ import annotations
@@ -319,12 +320,19 @@ class Buffer:
         """DeepEP low-latency combine (`jax_ep.low_latency_combine`): x [L,P*Tmax,H] bf16,
         topk_idx [T,K], topk_weights f32[T,K] of the dispatch -> (combined_x [T,H] =
         Σ_k w_k · x_{idx_k}(t), event, hook). `out` ([T,H]) is not written in place: its
-        dtype is the result's."""
-        if use_logfmt:
-            raise ValueError("use_logfmt: the LogFMT combine format is not implemented "
-                             "(it would change results); pass use_logfmt=False")
+        dtype is the result's. use_logfmt (x bf16, H % 512 == 0): the rows travel in DeepEP's
+        LogFMT-10 encoding (2H + H/32 bytes a row: an (amax, amin) bf16 pair per 128
+        channels, 10-bit log codes for each 1024-channel chunk (512 when H % 1024 != 0) whose
+        values are below 1 and not constant, raw bf16 for the others), decoded on arrival;
+        gradients straight-through. DeepEP forbids it with zero_copy: so does this."""
+        if use_logfmt and zero_copy:
+            raise ValueError("use_logfmt: DeepEP's combine does not allow use_logfmt with "
+                             "zero_copy=True")
         low_latency.check_combine_rows(x, handle, "x")
-        combined = low_latency.low_latency_combine(x, topk_idx, topk_weights, handle)
+        if use_logfmt:
+            low_latency.check_logfmt_rows(x, "x")
+        combined = low_latency.low_latency_combine(x, topk_idx, topk_weights, handle,
+                                                   use_logfmt=use_logfmt)
         if out is not None:
             check_shape(out, combined.shape, "out")
             combined = combined.astype(out.dtype)

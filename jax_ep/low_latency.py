@@ -10,7 +10,8 @@ each local expert, the rows of source rank 0, then rank 1, ... (source token asc
 recv_count[l] valid rows first - the layout a masked grouped GEMM consumes. With use_fp8 the
 FFI cast runs before the wire (half the bytes) and the per-128-channel scales travel with their
 rows. low_latency_combine returns every row to its source and reduces Σ_k w_k · y_{idx_k}(t)
-in fp32.
+in fp32; with use_logfmt the rows travel in DeepEP's LogFMT-10 encoding (ops.logfmt_encode),
+decoded on arrival.
 """
 
 from __future__ import annotations
@@ -113,21 +114,39 @@ _ll_rows = tp.with_transpose(_send, _sum_back)
 _ll_rows_fp8 = tp.with_fp8_wire(_send, _sum_back)
 
 
-@jax.custom_vjp
-def _ll_combine_rows(y, slot_weights, h):
-    back = _return(y, h)
-    return ops.unpermute(back, h.send_token, num_tokens=h.num_tokens, probs=slot_weights,
-                         impl=h.impl)
+def _return_logfmt(y, h):
+    """y bf16 [L, P*Tmax, H] -> f32 [P*C, H]: the rows of the return wire gathered first (so
+    only they are encoded, not the padding of y), LogFMT-encoded (ops.logfmt_encode), moved
+    back as u32 words of their slots (2H + H/32 bytes instead of 2H; empty wire rows are zero
+    rows, whose slots decode to zeros), decoded on arrival."""
+    rows = ops.gather_rows(y.reshape(-1, y.shape[-1]), h.return_slot, impl=h.impl)
+    wire = ops.logfmt_encode(rows)
+    words = jax.lax.bitcast_convert_type(wire.reshape(wire.shape[0], -1, 4), jnp.uint32)
+    back = _exchange(words, None, h, tp.COMBINE_NAME, forward=False)
+    return ops.logfmt_decode(jax.lax.bitcast_convert_type(back, jnp.uint8).reshape(
+        back.shape[0], -1))
 
 
-def _ll_combine_rows_fwd(y, slot_weights, h):
-    back = _return(y, h)
+def _combine_forward(y, slot_weights, h, use_logfmt):
+    back = _return_logfmt(y, h) if use_logfmt else _return(y, h)
     out = ops.unpermute(back, h.send_token, num_tokens=h.num_tokens, probs=slot_weights,
                         impl=h.impl)
+    return out.astype(y.dtype), back
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ll_combine_rows(y, slot_weights, h, use_logfmt):
+    return _combine_forward(y, slot_weights, h, use_logfmt)[0]
+
+
+def _ll_combine_rows_fwd(y, slot_weights, h, use_logfmt):
+    out, back = _combine_forward(y, slot_weights, h, use_logfmt)
     return out, (back, slot_weights, h)
 
 
-def _ll_combine_rows_bwd(residuals, d_out):
+def _ll_combine_rows_bwd(use_logfmt, residuals, d_out):
+    # With use_logfmt the cast counts as the identity (straight-through): d_y is the bf16
+    # combine's, and the weights see the rows as they arrived (back, the decoded rows).
     back, slot_weights, h = residuals
     d_rows = ops.gather_rows(d_out, h.send_token, impl=h.impl).astype(jnp.float32)
     d_slot_weights = (d_rows * back.astype(jnp.float32)).sum(axis=-1)
@@ -254,10 +273,30 @@ def check_combine_rows(y, handle, name):
     check_float(y, name)
 
 
-def low_latency_combine(y, topk_idx, topk_weights, handle):
+def check_logfmt_rows(y, name):
+    """ValueError naming `name` unless y can travel LogFMT-encoded: bf16, H % 512 == 0."""
+    if y.dtype != jnp.bfloat16:
+        raise ValueError(f"{name}: use_logfmt needs bfloat16 rows (DeepEP's combine), got "
+                         f"{y.dtype}")
+    if y.shape[-1] % ops.LOGFMT_HIDDEN_MULTIPLE:
+        raise ValueError(f"{name}: use_logfmt needs a hidden size that is a multiple of "
+                         f"{ops.LOGFMT_HIDDEN_MULTIPLE}, got shape {y.shape}")
+
+
+def low_latency_combine(y, topk_idx, topk_weights, handle, use_logfmt=False):
     """y [L, P*Tmax, H] expert outputs -> [T,H] = Σ_k topk_weights[t,k] · y_{topk_idx[t,k]}(t),
-    fp32 accumulation, cast to y.dtype. topk_idx/topk_weights are the dispatch's [T,K]."""
+    fp32 accumulation, cast to y.dtype. topk_idx/topk_weights are the dispatch's [T,K].
+
+    use_logfmt (y bf16, H % 512 == 0): each row travels in DeepEP's LogFMT-10 encoding
+    (ops.logfmt_encode: per 128 channels an (amax, amin) bf16 pair, then per 1024-channel
+    chunk (512 if H % 1024 != 0) 10-bit log codes when the chunk's values are below 1 and not
+    constant, else raw bf16; a slot of 2H + H/32 bytes), decoded to f32 on arrival
+    (ops.logfmt_decode) and summed as above. Gradients are straight-through: the cast counts as
+    the identity (d y is the non-LogFMT combine's, moved in y.dtype), topk_weights see the
+    decoded rows."""
     check_combine_rows(y, handle, "y")
+    if use_logfmt:
+        check_logfmt_rows(y, "y")
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, handle.num_experts)
     check_shape(topk_idx, (handle.num_tokens, topk_idx.shape[1]), "topk_idx")
     _, dense_w = reference.indices_to_multihot(topk_idx, topk_weights,
@@ -269,4 +308,4 @@ def low_latency_combine(y, topk_idx, topk_weights, handle):
                                                                          fill_value=0.0)
     # Typed like y: with T = 0 nothing above varies over the expert axis, but y's cotangent does.
     slot_weights = _ffi.vary_like(jnp.where(handle.send_token >= 0, slot_weights, 0.0), y)
-    return _ll_combine_rows(y, slot_weights, handle)
+    return _ll_combine_rows(y, slot_weights, handle, bool(use_logfmt))

@@ -2,8 +2,10 @@
 
 Every op takes `impl="ffi"` (default: the CPU/CUDA handler) or `impl="xla"` (the pure-JAX
 reference in `jax_ep.reference`); both give the same results, bitwise for integer outputs and
-data movement. Arguments are checked at trace time and errors name the argument and the shape
-they got. permute, unpermute and indices_to_multihot are differentiable (`custom_vjp`:
+data movement. The LogFMT cast (logfmt_encode / logfmt_decode) is the exception: FFI only (its
+float64 log2 / exp2 have no bitwise pure-XLA twin; tests/logfmt_model.py is its numpy model).
+Arguments are checked at trace time and errors name the argument and the shape they got.
+permute, unpermute and indices_to_multihot are differentiable (`custom_vjp`:
 permute's backward is an unpermute and vice versa). Notation: T tokens, H hidden, K top-k,
 E experts, P ranks, L = E / P, N permuted rows.
 """
@@ -36,6 +38,9 @@ __all__ = [
     "get_dispatch_layout",
     "grouped_matmul",
     "indices_to_multihot",
+    "logfmt_decode",
+    "logfmt_encode",
+    "logfmt_slot_bytes",
     "per_token_cast_back",
     "per_token_cast_to_fp8",
     "permute",
@@ -424,6 +429,68 @@ def _cast_back_bwd(use_ue8m0, dtype, saved, g):
 
 
 _cast_back.defvjp(_cast_back_fwd, _cast_back_bwd)
+
+
+# ----------------------------------------------------------------------------- LogFMT
+
+LOGFMT_HIDDEN_MULTIPLE = 512  # DeepEP's combine: hidden % (32 lanes * 2 unrolls * 8) == 0
+
+
+def logfmt_slot_bytes(hidden):
+    """Bytes of one LogFMT slot of a row of `hidden` channels: 2H + 4 * H/128 (DeepEP's
+    combine slot: the bf16 row plus one (amax, amin) bf16 pair per 128 channels)."""
+    return 2 * hidden + 4 * (hidden // 128)
+
+
+def _check_logfmt_hidden(hidden, name):
+    if hidden <= 0 or hidden % LOGFMT_HIDDEN_MULTIPLE:
+        raise ValueError(f"{name}: hidden size {hidden} must be a positive multiple of "
+                         f"{LOGFMT_HIDDEN_MULTIPLE} for LogFMT (DeepEP's combine requires it)")
+
+
+def logfmt_encode(x):
+    """DeepEP's LogFMT-10 combine encoding (xla_ffi/logfmt.h has the format), FFI only.
+
+    x: bf16 [N, H], H % 512 == 0 -> wire uint8 [N, 2H + H/32], one slot per row as DeepEP's
+    combine sends it: an (amax, amin) bf16 pair of |x| per 128 channels, then each chunk of
+    1024 channels (512 when H % 1024 != 0) either packed, 10 bits a value (9-bit log code +
+    sign; when every 128 channels of the chunk have amax < 1 and amin < amax), or raw bf16,
+    then zeros. Chunks holding a NaN or an inf go raw. Not differentiable (integer output).
+    """
+    check_rank(x, 2, "x")
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"x: expected bfloat16 for LogFMT, got {x.dtype}")
+    num_rows, hidden = x.shape
+    _check_logfmt_hidden(hidden, "x")
+    out = _sds((num_rows, logfmt_slot_bytes(hidden)), jnp.uint8)
+    if num_rows == 0:
+        return _ffi.vary_like(jnp.zeros(out.shape, out.dtype), x)
+    return _ffi.call("jax_ep_logfmt_encode", out, x)
+
+
+def _logfmt_hidden(slot_bytes):
+    """H of a LogFMT slot of `slot_bytes` bytes (inverse of logfmt_slot_bytes), or None."""
+    hidden = slot_bytes * 32 // 65
+    return hidden if hidden > 0 and logfmt_slot_bytes(hidden) == slot_bytes else None
+
+
+def logfmt_decode(wire, *, dtype=jnp.float32):
+    """Inverse of logfmt_encode, FFI only: wire uint8 [N, 2H + H/32] -> [N, H] `dtype`
+    (float32: each packed value 2^((code-1)*step + lb) rounded once from float64, raw chunks
+    exact; bfloat16: that float32 rounded to bf16). Not differentiable."""
+    check_rank(wire, 2, "wire")
+    if wire.dtype != jnp.uint8:
+        raise ValueError(f"wire: expected uint8, got {wire.dtype}")
+    hidden = _logfmt_hidden(wire.shape[1])
+    if hidden is None or hidden % LOGFMT_HIDDEN_MULTIPLE:
+        raise ValueError(f"wire: got shape {wire.shape}; its rows must be 2H + H/32 bytes "
+                         f"with H a positive multiple of {LOGFMT_HIDDEN_MULTIPLE}")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"dtype: expected float32 or bfloat16, got {dtype}")
+    out = _sds((wire.shape[0], hidden), dtype)
+    if wire.shape[0] == 0:
+        return _ffi.vary_like(jnp.zeros(out.shape, out.dtype), wire)
+    return _ffi.call("jax_ep_logfmt_decode", out, wire)
 
 
 # ----------------------------------------------------------------------------- grouped GEMM

@@ -295,6 +295,26 @@ def test_low_latency_equals_functional_api():
     np.testing.assert_array_equal(combined.astype(np.float32), f_combined.astype(np.float32))
 
 
+def test_low_latency_logfmt_combine_equals_functional_api():
+    num_ranks, T, tmax, H, K, E = 4, 5, 8, 1024, 3, 16
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)) * 0.1, jnp.bfloat16)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    buf = jax_ep.Buffer(AXIS, low_latency_mode=True)
+
+    def body(x, idx, w):
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, tmax, E, use_fp8=False)
+        combined, _, _ = buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)
+        f_combined = jax_ep.low_latency_combine(recv, idx, w, handle, use_logfmt=True)
+        plain, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        return combined, f_combined, plain
+
+    combined, f_combined, plain = (a.astype(np.float32) for a in _ll_mesh_run(
+        body, num_ranks, x, idx, w))
+    np.testing.assert_array_equal(combined, f_combined)
+    assert (combined != plain).any()  # the LogFMT rows are lossy: the flag reached the wire
+
+
 def _all_to_all_bytes(jaxpr):
     """Bytes of the operands and results of every all_to_all in a (nested) jaxpr."""
     total = 0
@@ -347,12 +367,17 @@ def test_bad_inputs_name_the_argument():
         x = np.ones((num_ranks * T, H), np.float32)
         return run_ep(body, ep_mesh(num_ranks), x, idx, w)
 
-    def logfmt(x, i, w):
+    def logfmt(x, i, w, **kw):
         recv, _, h, _, _ = buf.low_latency_dispatch(x, i, tmax, E, use_fp8=False)
-        return buf.low_latency_combine(recv, i, w, h, use_logfmt=True)[0]
+        return buf.low_latency_combine(recv, i, w, h, use_logfmt=True, **kw)[0]
 
-    with pytest.raises(ValueError, match="use_logfmt"):
-        run(logfmt)
+    with pytest.raises(ValueError, match="x: use_logfmt needs bfloat16 rows"):
+        run(logfmt, H=512)  # f32 rows
+    with pytest.raises(ValueError, match="x: use_logfmt needs a hidden size that is a "
+                                         "multiple of 512"):
+        run(lambda x, i, w: logfmt(x.astype(jnp.bfloat16), i, w))
+    with pytest.raises(ValueError, match="use_logfmt: DeepEP's combine does not allow"):
+        run(lambda x, i, w: logfmt(x.astype(jnp.bfloat16), i, w, zero_copy=True), H=512)
     with pytest.raises(ValueError, match="x: hidden size 96"):
         run(lambda x, i, w: buf.low_latency_dispatch(x, i, tmax, E)[1], H=96)
 

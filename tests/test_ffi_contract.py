@@ -35,6 +35,7 @@ def _operands():
 def _cases():
     topk_idx, topk_w, tokens, routing_map, rows = _operands()
     x_fp8 = jnp.zeros((T, H), FP8)
+    rows512 = jnp.zeros((T, 512), BF16)  # LogFMT needs H % 512 == 0
     # (id, target, operands, attributes, right results, wrong results, message)
     return [
         ("dispatch_layout", "jax_ep_dispatch_layout", (topk_idx,),
@@ -92,6 +93,14 @@ def _cases():
          sds((T, H), BF16),
          sds((T, H // 2), BF16),
          "per_token_cast_back: out must have"),
+        ("logfmt_encode", "jax_ep_logfmt_encode", (rows512,), {},
+         sds((T, 2 * 512 + 16), jnp.uint8),
+         sds((T, 2 * 512), jnp.uint8),
+         "wire: expected uint8"),
+        ("logfmt_decode", "jax_ep_logfmt_decode", (jnp.zeros((T, 2 * 512 + 16), jnp.uint8),), {},
+         sds((T, 512), F32),
+         sds((T, 256), F32),
+         "out: expected float32 or bfloat16"),
     ]
 
 

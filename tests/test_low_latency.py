@@ -250,3 +250,133 @@ def test_recv_count_is_int32_under_x64():
     # Per rank the counts are the slots of its experts: every routed slot once over the ranks.
     assert count.sum() == (idx >= 0).sum()
     np.testing.assert_array_equal(count, layout_range[..., 1].reshape(-1, num_ranks).sum(-1))
+
+
+# ----------------------------------------------------------------------------- LogFMT combine
+
+
+def _round_trip(y):
+    """y bf16 [..., H] -> its LogFMT round trip, f32 (what arrives on the wire)."""
+    flat = y.reshape(-1, y.shape[-1])
+    return ops.logfmt_decode(ops.logfmt_encode(flat)).reshape(y.shape)
+
+
+def _straight_through(y):
+    """y's f32 value, round-tripped in the forward pass and the identity in the backward."""
+    y32 = y.astype(jnp.float32)
+    return y32 + (_round_trip(jax.lax.stop_gradient(y)) - jax.lax.stop_gradient(y32))
+
+
+def _deepep_logfmt_rows(rng, n, h):
+    """DeepEP's test rows for use_logfmt: randn * 0.5 * U(0,1) per row (most), randn * 0.1,
+    and one kind of large constants (rank - 128, the last 128 channels the token id)."""
+    kind = np.arange(n) % 6
+    x = rng.standard_normal((n, h)) * 0.5 * rng.uniform(0, 1, (n, 1))
+    x = np.where(kind[:, None] == 4, rng.standard_normal((n, h)) * 0.1, x)
+    const = np.full((n, h), -125.0)
+    const[:, -128:] = np.arange(n)[:, None] % 64
+    return np.where(kind[:, None] == 5, const, x)
+
+
+@pytest.mark.parametrize("transport", ["all_to_all", "peer"])  # ragged: GPU only
+def test_logfmt_combine_values_and_gradients(transport):
+    # Values: the non-LogFMT combine applied to the round trip of the rows, exactly. Gradients:
+    # jax.vjp of that reference with the cast as the identity (straight-through), exactly.
+    num_ranks, T, tmax, K, E, H = 8, 6, 8, 3, 16, 1536  # 512-channel chunks
+    rng = np.random.default_rng(21)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = jnp.asarray(_deepep_logfmt_rows(rng, num_ranks * T, H), jnp.bfloat16)
+    cot = jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+
+    def body(x, i, w, cot):
+        recv, _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
+                                                 num_experts=E, axis_name=AXIS,
+                                                 transport=transport)
+        got, got_vjp = jax.vjp(
+            lambda y, w: jax_ep.low_latency_combine(y, i, w, h, use_logfmt=True), recv, w)
+        want, want_vjp = jax.vjp(lambda y, w: jax_ep.low_latency_combine(
+            _straight_through(y), i, w, h).astype(jnp.bfloat16), recv, w)
+        plain = jax_ep.low_latency_combine(recv, i, w, h)
+        return got, want, plain, *got_vjp(cot), *want_vjp(cot)
+
+    outs = [np.asarray(a).astype(np.float32)
+            for a in run_ep(body, ep_mesh(num_ranks), x, idx, w, cot)]
+    got, want, plain, d_y, d_w, want_d_y, want_d_w = outs
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(d_y, want_d_y)
+    np.testing.assert_array_equal(d_w, want_d_w)
+    assert (got != plain).any() and np.abs(d_y).max() > 0 and np.abs(d_w).max() > 0
+    # DeepEP's acceptance: calc_diff against x * Σ w below 1e-5, as without LogFMT.
+    ref = np.asarray(x, np.float32) * np.where(idx >= 0, w, 0.0).sum(1)[:, None]
+    assert not np.isnan(got).any()
+    assert calc_diff(got + 1, ref + 1) < 1e-5
+    assert calc_diff(got, ref) > calc_diff(plain, ref)  # lossier than the bf16 combine
+
+
+def test_logfmt_combine_end_to_end_gradients_match_dense_reference():
+    # dispatch -> combine(use_logfmt) of x is rt(x) * Σ_k w_k; straight-through, its gradient
+    # is the dense bf16 one: d x = cot * Σ_k w_k, d w_k = <cot, rt(x)>.
+    num_ranks, T, tmax, K, E, H = 8, 4, 4, 2, 8, 1024
+    rng = np.random.default_rng(22)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)) * 0.2, jnp.bfloat16)
+    # bf16 values: the combine's output is bf16, so its cotangent is rounded to bf16.
+    cot = np.asarray(jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16),
+                     np.float32)
+    mesh = ep_mesh(num_ranks)
+
+    def body(x, i, w):
+        recv, _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
+                                                 num_experts=E, axis_name=AXIS)
+        return jax_ep.low_latency_combine(recv, i, w, h, use_logfmt=True)
+
+    moe = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+
+    def loss(x, w, i):
+        return jnp.sum(moe(x, i, w).astype(jnp.float32) * cot)
+
+    def dense_loss(x, w):
+        mask = jnp.asarray(idx >= 0)
+        y = _straight_through(x) * jnp.where(mask, w, 0.0).sum(1)[:, None]
+        return jnp.sum(y * cot)
+
+    d_x, d_w = jax.jit(jax.grad(loss, argnums=(0, 1)))(*shard(mesh, x, w, idx))
+    want_x, want_w = jax.grad(dense_loss, argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(d_x, np.float32), np.asarray(want_x, np.float32),
+                               rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(d_w), np.asarray(want_w), rtol=1e-4, atol=1e-3)
+
+
+def test_logfmt_combine_with_zero_tokens_and_an_empty_rank():
+    num_ranks, H, K, E, tmax = 4, 512, 2, 8, 3
+    x = np.zeros((0, H), jnp.bfloat16)
+    idx = np.zeros((0, K), np.int32)
+    w = np.zeros((0, K), np.float32)
+
+    def body(x, i, w):
+        def loss(x, w):
+            recv, _, h = jax_ep.low_latency_dispatch(
+                x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E, axis_name=AXIS)
+            return jax_ep.low_latency_combine(recv, i, w, h, use_logfmt=True).sum()
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    d_x, d_w = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    assert d_x.shape == (0, H) and d_w.shape == (0, K)
+    # One rank routes nothing anywhere and no token picks rank 3's experts.
+    T = 3
+    rng = np.random.default_rng(23)
+    idx, w = random_routing(rng, num_ranks * T, K, 6, unrouted=0.0)
+    idx[:T] = -1
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)) * 0.1, jnp.bfloat16)
+    *_, out = _dispatch(num_ranks, x, idx, w, T, E)
+
+    def logfmt(x, i, w):
+        recv, _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=T,
+                                                 num_experts=E, axis_name=AXIS)
+        return jax_ep.low_latency_combine(recv, i, w, h, use_logfmt=True)
+
+    got = np.asarray(run_ep(logfmt, ep_mesh(num_ranks), x, idx, w)).astype(np.float32)
+    assert not got[:T].any()
+    want = np.asarray(x, np.float32) * np.where(idx >= 0, w, 0.0).sum(1)[:, None]
+    np.testing.assert_allclose(got, want, rtol=3e-2, atol=1e-3)
+    assert (got != out.astype(np.float32)).any()

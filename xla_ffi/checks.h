@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common.h"
+#include "logfmt.h"
 
 namespace jax_ep {
 
@@ -232,6 +233,42 @@ inline ffi::Error CheckCastBackResult(const Any& x_fp8, AnyOut& out) {
     return ffi::Error::InvalidArgument("per_token_cast_back: out must have the shape of x_fp8 " +
                                        ShapeString(x_fp8.dimensions()) + ", got " +
                                        ShapeString(out->dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+// LogFMT: x [N,H] bf16 (H % 512 == 0) and the wire u8[N, LogfmtSlotBytes(H)]; sets N and H.
+inline ffi::Error CheckLogfmtEncode(const Any& x, AnyOut& wire, int64_t* N, int64_t* H) {
+  RowsAndWidth(x, N, H);
+  if (x.element_type() != ffi::DataType::BF16 || x.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("x: expected bfloat16 [N, H], got shape " +
+                                       ShapeString(x.dimensions()));
+  }
+  if (*H % kLogfmtHiddenMultiple != 0 || *H == 0) {
+    return ffi::Error::InvalidArgument("x: hidden size " + std::to_string(*H) +
+                                       " must be a positive multiple of 512 for LogFMT");
+  }
+  if (wire->element_type() != ffi::DataType::U8 ||
+      wire->size_bytes() != size_t(*N * LogfmtSlotBytes(*H))) {
+    return ffi::Error::InvalidArgument("wire: expected uint8 [N, 2H + H/32]");
+  }
+  return ffi::Error::Success();
+}
+
+// The wire u8[N, S] (S = 2H + H/32, H % 512 == 0) and out [N,H] f32 | bf16; sets N and H.
+inline ffi::Error CheckLogfmtDecode(const Any& wire, AnyOut& out, int64_t* N, int64_t* H) {
+  int64_t S;
+  RowsAndWidth(wire, N, &S);
+  *H = S * 32 / 65;
+  if (wire.element_type() != ffi::DataType::U8 || wire.dimensions().size() != 2 ||
+      *H % kLogfmtHiddenMultiple != 0 || *H == 0 || LogfmtSlotBytes(*H) != S) {
+    return ffi::Error::InvalidArgument("wire: expected uint8 [N, 2H + H/32] with H % 512 == 0, "
+                                       "got shape " + ShapeString(wire.dimensions()));
+  }
+  const ffi::DataType t = out->element_type();
+  if ((t != ffi::DataType::F32 && t != ffi::DataType::BF16) ||
+      out->element_count() != size_t(*N * *H)) {
+    return ffi::Error::InvalidArgument("out: expected float32 or bfloat16 [N, H]");
   }
   return ffi::Error::Success();
 }

@@ -12,5 +12,7 @@
   X("jax_ep_gather_rows", JaxEpGatherRows, __VA_ARGS__)                \
   X("jax_ep_unpermute", JaxEpUnpermute, __VA_ARGS__)                   \
   X("jax_ep_cast_to_fp8", JaxEpCastToFp8, __VA_ARGS__)                 \
-  X("jax_ep_cast_back", JaxEpCastBack, __VA_ARGS__)                  \
+  X("jax_ep_cast_back", JaxEpCastBack, __VA_ARGS__)                    \
+  X("jax_ep_logfmt_encode", JaxEpLogfmtEncode, __VA_ARGS__)            \
+  X("jax_ep_logfmt_decode", JaxEpLogfmtDecode, __VA_ARGS__)            \
   X("jax_ep_peer_exchange", JaxEpPeerExchange, __VA_ARGS__)

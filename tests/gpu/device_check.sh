@@ -96,7 +96,7 @@ if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
   run_group ops 150 tests/gpu/test_cuda_contract.py tests/gpu/test_cuda_ops.py
   run_group modes 120 tests/gpu/test_cuda_modes.py
   XLA_FLAGS="--xla_gpu_graph_min_graph_size=1" run_group cuda-graphs 45 \
-    tests/gpu/test_cuda_ops.py -k "spec_send or (test_permute_cases and drop) or unpermute_deterministic or fp8_cast_back"
+    tests/gpu/test_cuda_ops.py -k "spec_send or (test_permute_cases and drop) or unpermute_deterministic or fp8_cast_back or logfmt"
 else
   echo "build failed: tests not run" >> "$OUT/pytest_gpu.log"
   test_rc=1

@@ -167,6 +167,27 @@ def test_hybridep_and_low_latency_on_gpu():
     assert diff < 9e-4
 
 
+def test_low_latency_logfmt_combine_on_gpu():
+    """use_logfmt=True through the CUDA LogFMT handlers and this platform's transport: equal to
+    the combine of the rows' LogFMT round trip, and within DeepEP's calc_diff < 1e-5."""
+    T, H, K, E = 16, 1024, 4, 8 * NUM_RANKS
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((NUM_RANKS * T, H)) * 0.1, jnp.bfloat16)
+    idx, w = random_routing(rng, NUM_RANKS * T, K, E, unrouted=0.0)
+
+    def f(x, i, w):
+        recv, _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=T,
+                                                 num_experts=E, axis_name=AXIS)
+        trip = ops.logfmt_decode(ops.logfmt_encode(recv.reshape(-1, H))).reshape(recv.shape)
+        return (jax_ep.low_latency_combine(recv, i, w, h, use_logfmt=True),
+                jax_ep.low_latency_combine(trip, i, w, h).astype(jnp.bfloat16))
+
+    got, want = (np.asarray(a, np.float32) for a in run_ep(f, ep_mesh(NUM_RANKS), x, idx, w))
+    np.testing.assert_array_equal(got, want)
+    ref = np.asarray(x, np.float32) * w.sum(1)[:, None] + 1
+    diff = 1 - 2 * ((got + 1) * ref).sum() / (((got + 1) ** 2).sum() + (ref * ref).sum())
+    assert 0 < diff < 1e-5
+
 def test_moe_layer_trains_on_gpu():
     from flax import nnx
 

@@ -2,9 +2,10 @@
 (impl="xla") on the GPU, and against the CPU handlers where the contract is bitwise.
 
 Bitwise: integer outputs, data movement (permute, gather_rows), FP8 codes and scales, the FP8
-cast back. fp32-accumulation tolerance: unpermute (and gradients). GPU-only semantics: expert
-ids outside [-1, E) are unrouted and counted in the dispatch layout's num_invalid; unpermute
-ignores sorted_indices outside [-1, T). Skipped unless JAX's default device is a GPU.
+cast back, the LogFMT slots and their decoding (vs the CPU handlers: no pure-JAX twin).
+fp32-accumulation tolerance: unpermute (and gradients). GPU-only semantics: expert ids outside
+[-1, E) are unrouted and counted in the dispatch layout's num_invalid; unpermute ignores
+sorted_indices outside [-1, T). Skipped unless JAX's default device is a GPU.
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ def test_every_target_has_its_tests_here():
         "jax_ep_unpermute": [test_unpermute, test_unpermute_matches_cpu_handler],
         "jax_ep_cast_to_fp8": [test_fp8_cast, test_fp8_non_finite_block],
         "jax_ep_cast_back": [test_fp8_cast_back],
+        "jax_ep_logfmt_encode": [test_logfmt_encode_and_decode],
+        "jax_ep_logfmt_decode": [test_logfmt_encode_and_decode],
         "jax_ep_peer_exchange": [test_peer_exchange_one_device],  # more: test_cuda_peer.py
     }
     assert sorted(tested) == sorted(TARGETS)
@@ -609,3 +612,33 @@ def test_fp8_roundtrip_accuracy():
     q, s = run(ops.per_token_cast_to_fp8, x)
     back = run(ops.per_token_cast_back, q, s, dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(back), x, rtol=0.07, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- LogFMT
+
+
+def _logfmt_rows(rng, T, H):
+    """Rows of every LogFMT case: packed (randn * 0.1), mixed, amax >= 1 (raw), zeros,
+    constants, values under the amin clip, bf16 subnormals, NaN and inf."""
+    x = rng.standard_normal((T, H)) * np.where(np.arange(T) % 3 == 0, 0.1, 0.5)[:, None]
+    x *= rng.uniform(0, 1, (T, 1))
+    x[1::7] *= 4.0
+    x[2::9] = 0.0
+    x[3::11] = 0.25
+    x[4::13, ::3] = 2.0 ** -40
+    x[5::17, 1::5] = 1e-39  # a bf16 subnormal
+    x[6::19, 7] = np.nan
+    x[7::23, 9] = -np.inf
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("H", [512, 1536, 7168])
+def test_logfmt_encode_and_decode(H):
+    x = _logfmt_rows(np.random.default_rng(H), 48, H)
+    wire = run(ops.logfmt_encode, x)
+    assert_bitwise(wire, run(ops.logfmt_encode, x, on_cpu=True), "LogFMT slots vs CPU handler")
+    for dtype in (jnp.float32, jnp.bfloat16):
+        out = run(ops.logfmt_decode, wire, dtype=dtype)
+        assert_bitwise(out, run(ops.logfmt_decode, wire, on_cpu=True, dtype=dtype),
+                       f"LogFMT decode to {dtype} vs CPU handler")
+
