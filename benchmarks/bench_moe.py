@@ -12,7 +12,10 @@ give the same loss (no token is dropped), GShard drops the slots past its capaci
 moe_hybridep_compact_routing=True (top-k ids on the wire). A ":impl" suffix picks the experts'
 grouped GEMM (TokenDispatcherConfig.grouped_gemm_impl): "deepep:ragged_dot" is the layer with
 jax.lax.ragged_dot, which XLA:CPU lowers to one dense matmul over every local expert; plain
-names use "auto" (the tiled jax_ep.ops.grouped_matmul on CPU).
+names use "auto" (the tiled jax_ep.ops.grouped_matmul on CPU). An "@cap" suffix sets the layer's
+moe_expert_capacity_factor to --capacity-factor (drops, as MaxText's capacity path does);
+"@cap+pad" also sets moe_pad_expert_input_to_capacity (Megatron's drop-and-pad: every local
+expert's GEMM block padded to its capacity), e.g. --backends deepep,deepep@cap,deepep@cap+pad.
 
 More rows time the layer's expert GEMMs alone (jax_ep.flax.swiglu_experts, forward +
 backward) on the permuted buffer the deepep backend feeds them (N = P*T*min(K, L) rows per
@@ -32,6 +35,15 @@ z_loss (coeff 1e-3), bias (sigmoid scores + expert bias, updated in the step), g
 --baseline names the row the speedup column divides by. Every row is timed round-robin
 (one call of each per round, after each compiled and warmed up), so the ratios hold on a
 shared machine whose speed drifts.
+The "peak MiB/dev" column is the compiled step's memory per device from XLA's memory analysis
+(`jax.jit(step).lower(*args).compile().memory_analysis()`): argument + output + temp - alias
+bytes of one device's program ("temp MiB/dev": its temporaries alone); "n/a" where the row's
+step cannot be lowered (nnx.jit rows) or the backend reports nothing.
+--parts times the deepep layer's step cut after each of its parts (router; + routing plan:
+count exchange and send layout; + dispatch exchange of the rows and weights; + local permute;
++ expert GEMMs; + unpermute; + combine exchange = the whole layer), each prefix's forward +
+backward round-robin with the rest; the differences of consecutive prefixes are the parts'
+costs, printed as a second table with their shares of the whole step.
 """
 
 from __future__ import annotations
@@ -75,12 +87,16 @@ def parse_args(argv=None):
     p.add_argument("--backends", default=",".join(BACKENDS) + ",gshard")
     p.add_argument("--tile-rows", default="64",
                    help="comma-separated tile sizes of the experts-only tiled GEMM rows")
+    p.add_argument("--no-experts-only", action="store_true",
+                   help="skip the experts-only rows (ragged_dot's is slow at large E)")
     p.add_argument("--peer", default="", choices=["", "maxtext"],
                    help="also time this peer's MoE layer side by side")
     p.add_argument("--routers", default="",
                    help=f"comma-separated router options to time, of {', '.join(ROUTERS)}")
     p.add_argument("--seq-len", type=int, default=16,
                    help="tokens per sequence (the seq_aux router's sequences)")
+    p.add_argument("--parts", action="store_true",
+                   help="also time the deepep step's parts (prefixes of the step, see above)")
     p.add_argument("--baseline", default="gshard", help="row the speedup column divides by")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
@@ -126,6 +142,101 @@ def gshard_layer(a, num_ranks):
     return body, cap
 
 
+def memory_per_device(step, args, context):
+    """XLA's memory analysis of the compiled step (one device's program): {"argument",
+    "output", "temp", "alias", "generated_code", "peak" (argument + output + temp - alias),
+    and "xla_peak" where the backend reports peak_memory_in_bytes: on XLA:CPU (jax 0.11.2) that
+    is arguments + outputs only, the same for every row) in bytes, or None where
+    the step cannot be lowered (e.g. an nnx.jit) or the backend reports nothing. The lowering
+    and compilation hit jax's caches when the step ran before with the same arguments."""
+    try:
+        with context():
+            stats = step.lower(*args).compile().memory_analysis()
+    except Exception as e:  # noqa: BLE001 -- a missing analysis leaves the cell "n/a"
+        print(f"  memory analysis unavailable: {type(e).__name__}: {str(e)[:120]}")
+        return None
+    if stats is None:
+        return None
+    get = lambda name: int(getattr(stats, f"{name}_size_in_bytes", 0) or 0)  # noqa: E731
+    mem = {k: get(k) for k in ("argument", "output", "temp", "alias", "generated_code")}
+    mem["peak"] = mem["argument"] + mem["output"] + mem["temp"] - mem["alias"]
+    xla_peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    if xla_peak:
+        mem["xla_peak"] = xla_peak
+    return mem
+
+
+PARTS = ("router", "routing plan", "dispatch exchange", "permute", "expert GEMMs", "unpermute",
+         "combine exchange")
+
+
+def part_calls(a, mesh, layer, x):
+    """The deepep layer's step cut after each of PARTS: name -> (jitted forward + backward of
+    the prefix's loss with respect to the router and expert weights, args, mesh context). Each
+    prefix runs the layer's own code (jax_ep.flax.moe._route, the dispatcher's methods,
+    swiglu_experts with the layer's tiles) up to its part; its loss is mean(out^2) of the part's
+    output (the routing plan: a vanishing multiple of its received ids, to keep it)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ep import internode
+    from jax_ep import transport as tp
+    from jax_ep.flax import moe
+
+    cfg, d = layer.config, layer.dispatcher
+    dcfg = layer.dispatch_config
+    axes = ("data", "expert")
+
+    def sq(v):
+        return jnp.mean(v.astype(jnp.float32) ** 2)
+
+    def body(x, router, w_gate_up, w_down, stop):
+        tokens = x.reshape(-1, x.shape[-1])
+        T = tokens.shape[0]
+        _, probs, ids, _ = moe._route(tokens, router, cfg, None, True)
+        if stop == "router":
+            return jax.lax.pmean(sq(probs), axes)
+        hidden, state = d.dispatch_preprocess2(tokens, T, probs, ids)
+        if stop == "routing plan":
+            handle = internode.routing_plan(
+                state.token_indices, cfg.num_moe_experts, d.axis_name,
+                transport=tp.resolve_transport(dcfg.transport),
+                impl=tp.check_backend(d.backend), capacity=d._capacity(T),
+                num_worst_tokens=d._num_worst_tokens(T))
+            return jax.lax.pmean(sq(probs) + 1e-9 * handle.recv_topk_idx.sum(), axes)
+        received, state = d.dispatch_all_to_all(hidden, state)
+        if stop == "dispatch exchange":
+            return jax.lax.pmean(sq(received[0]) + sq(received[2]), axes)
+        permuted, tpe, pp, state = d.dispatch_postprocess(received, state)
+        if stop == "permute":
+            return jax.lax.pmean(sq(permuted) + sq(pp), axes)
+        out = moe.swiglu_experts(permuted, tpe, w_gate_up, w_down, impl=dcfg.grouped_gemm_impl,
+                                 tile_rows=moe.expert_tile_rows(T, cfg.moe_router_topk,
+                                                                d.num_local_experts))
+        out = (out * pp[:, None]).astype(out.dtype)
+        if stop == "expert GEMMs":
+            return jax.lax.pmean(sq(out), axes)
+        out = d.combine_preprocess(out, state)
+        if stop == "unpermute":
+            return jax.lax.pmean(sq(out), axes)
+        return jax.lax.pmean(sq(d.combine_all_to_all(out, state)), axes)
+
+    spec = P(axes)
+    params = (layer.router[...], layer.w_gate_up[...], layer.w_down[...])
+    calls = {}
+    for stop in PARTS:
+        fn = jax.shard_map(partial(body, stop=stop), mesh=mesh,
+                           in_specs=(spec, P(), P("expert"), P("expert")), out_specs=P())
+
+        def loss(params, x, fn=fn):
+            return fn(x, *params)
+
+        calls[f"to {stop}"] = (jax.jit(jax.value_and_grad(loss)), (params, x),
+                               partial(jax.set_mesh, mesh))
+    return calls
+
+
 def main(argv=None):
     a = parse_args(argv)
     common.force_cpu_devices(a.data * a.expert_parallel)
@@ -153,6 +264,7 @@ def main(argv=None):
 
     def make_layer(backend, router=None):
         name, _, impl = backend.partition(":")
+        name, _, variant = name.partition("@")  # "@cap": --capacity-factor, "@cap+pad": padded
         cfg = jax_ep.TokenDispatcherConfig(
             num_moe_experts=a.experts, moe_router_topk=a.topk,
             moe_flex_dispatcher_backend=name.split("-")[0],
@@ -162,6 +274,12 @@ def main(argv=None):
         if router is not None:
             cfg = MoEConfig(num_moe_experts=a.experts, moe_router_topk=a.topk,
                             moe_router_dtype="fp32", token_dispatcher=cfg, **ROUTERS[router])
+        elif variant:
+            if variant not in ("cap", "cap+pad"):
+                raise SystemExit(f"--backends: {backend!r}: expected @cap or @cap+pad")
+            cfg = MoEConfig(num_moe_experts=a.experts, moe_router_topk=a.topk,
+                            token_dispatcher=cfg, moe_expert_capacity_factor=a.capacity_factor,
+                            moe_pad_expert_input_to_capacity=variant == "cap+pad")
         layer = MoELayer(cfg, a.hidden, a.ffn, rngs=nnx.Rngs(0), mesh=mesh, dtype=dtype,
                          param_dtype=dtype)
         return shard_params(layer, mesh)
@@ -248,7 +366,8 @@ def main(argv=None):
 
     rows = jax.device_put(jax.random.normal(jax.random.key(2), (devices * n_rows, a.hidden),
                                             dtype), NamedSharding(mesh, spec))
-    gemms = [("ragged_dot", None)] + [("tiled", int(t)) for t in a.tile_rows.split(",") if t]
+    gemms = [] if a.no_experts_only else (
+        [("ragged_dot", None)] + [("tiled", int(t)) for t in a.tile_rows.split(",") if t])
     experts_only = []
     for impl, tile_rows in gemms:
         experts_fn = jax.shard_map(partial(experts_loss, impl=impl, tile_rows=tile_rows),
@@ -261,8 +380,20 @@ def main(argv=None):
                        (layer.w_gate_up[...], layer.w_down[...], rows),
                        partial(jax.set_mesh, mesh))
 
+    parts = {}
+    if a.parts:
+        parts = part_calls(a, mesh, make_layer("deepep"), x)
+        calls.update(parts)
+
     timed = common.time_round_robin(calls, warmup=a.warmup, iters=a.iters)
     for name, (t, out) in timed.items():
+        t["memory"] = memory_per_device(*calls[name])
+        if name in parts:
+            t.update(loss=float(out[0]), dropped_fraction=float("nan"),
+                     tokens_per_s=num_tokens / t["median_s"])
+            results["runs"][name] = t
+            print(f"  {name:22s} {t['median_s'] * 1e3:9.1f} ms", flush=True)
+            continue
         if name in experts_only:
             t.update(rows_per_device=n_rows, loss=float("nan"), dropped_fraction=float("nan"),
                      tokens_per_s=num_tokens / t["median_s"])
@@ -281,16 +412,38 @@ def main(argv=None):
 
     runs = results["runs"]
     ref = runs.get(a.baseline, {}).get("median_s")
+    def mib(t, key):
+        mem = t.get("memory")
+        return "n/a" if not mem else f"{mem[key] / 2**20:.2f}"
+
     rows = [[name, t["median_s"] * 1e3, t["min_s"] * 1e3, t["tokens_per_s"],
              ref / t["median_s"] if ref else "n/a",
              "" if math.isnan(t["loss"]) else f"{t['loss']:.6f}",
-             "" if math.isnan(t["dropped_fraction"]) else f"{100 * t['dropped_fraction']:.1f}%"]
-            for name, t in runs.items()]
+             "" if math.isnan(t["dropped_fraction"]) else f"{100 * t['dropped_fraction']:.1f}%",
+             mib(t, "peak"), mib(t, "temp")]
+            for name, t in runs.items() if name not in parts]
     md = common.print_table(
         f"MoELayer forward + backward under jax.jit, mesh (data={a.data}, "
         f"expert={a.expert_parallel}), {num_tokens} tokens, median of {a.iters}",
         ["backend", "step ms", "min ms", "tokens/s", f"speedup vs {a.baseline}", "loss",
-         "dropped slots"], rows)
+         "dropped slots", "peak MiB/dev", "temp MiB/dev"], rows)
+    if parts:
+        whole = runs[f"to {PARTS[-1]}"]["median_s"]
+        prev, prows = 0.0, []
+        for stop in PARTS:
+            t = runs[f"to {stop}"]["median_s"]
+            prows.append([stop, t * 1e3, (t - prev) * 1e3, f"{100 * (t - prev) / whole:.1f}%",
+                          mib(runs[f"to {stop}"], "peak")])
+            prev = t
+        if "deepep" in runs:
+            t = runs["deepep"]["median_s"]
+            prows.append(["(whole deepep row: + counts, aux, nnx)", t * 1e3, (t - prev) * 1e3,
+                          f"{100 * (t - prev) / whole:.1f}%", mib(runs["deepep"], "peak")])
+        md += "\n" + common.print_table(
+            "Parts of the deepep step (forward + backward of the step cut after each part; "
+            f"median of {a.iters}, round-robin)",
+            ["up to and including", "prefix ms", "part ms", "share of the step",
+             "peak MiB/dev"], prows)
     plain = runs.get("router plain", {}).get("median_s")
     if routers and plain:
         rrows = [[n, runs[n]["median_s"] * 1e3, runs[n]["median_s"] / plain]
@@ -307,13 +460,19 @@ def main(argv=None):
     path = common.write_json(os.path.join(a.out, "bench_moe.json"), results)
     with open(os.path.join(a.out, "bench_moe.md"), "w") as f:
         f.write(md)
-    names = list(runs)
+    names = [n for n in runs if n not in parts]
     common.bar_plot(os.path.join(a.out, "bench_moe.png"), names,
                     {"step ms (median)": [runs[n]["median_s"] * 1e3 for n in names]},
                     ylabel="ms per forward + backward step (log)", log=True,
                     title=f"MoELayer train step, {num_tokens} tokens, E={a.experts} K={a.topk} "
                           f"on {devices} emulated CPU devices")
-    print(f"wrote {path}, bench_moe.md, bench_moe.png under {a.out}")
+    common.bar_plot(os.path.join(a.out, "bench_moe_memory.png"), names,
+                    {key: [runs[n]["memory"][key] / 2**20 if runs[n].get("memory") else None
+                           for n in names] for key in ("peak", "temp")},
+                    ylabel="MiB per device (XLA memory analysis, log)", log=True,
+                    title=f"MoELayer train step memory, {num_tokens} tokens, E={a.experts} "
+                          f"K={a.topk}, per device of {devices}")
+    print(f"wrote {path}, bench_moe.md, bench_moe.png, bench_moe_memory.png under {a.out}")
     return results
 
 

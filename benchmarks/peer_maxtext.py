@@ -27,10 +27,12 @@ def layer(a, mesh, dtype, *, capacity_factor=None):
     F = a.ffn, dtype, over the devices of `mesh` with the same ("data", "expert") sizes
     (MaxText's other mesh axes 1), its dense (non-megablox, sparse_matmul=False) path:
     dropless with capacity_factor None, else MaxText's token-dropping capacity path.
+    The weights are placed by MaxText's logical axis rules (expert dim over "expert").
     Returns (params, x [B, S, H] with B*S the benchmark's tokens, loss(params, x) ->
     (mean(y^2), None), MaxText's mesh to call it under); MaxText reports no drop count."""
     import os
 
+    import flax.linen
     import jax
     import jax.numpy as jnp
     import maxtext
@@ -64,6 +66,11 @@ def layer(a, mesh, dtype, *, capacity_factor=None):
             kernel_axes=("embed", None), intermediate_dim=a.ffn, dtype=dtype,
             weight_dtype=dtype, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(routed, nnx.Param, ...)
+    # Place the weights as MaxText's logical axis rules shard them (experts over "expert"), as
+    # its trainer does; left on one device, jit would pick their layout per program (the
+    # dense dropless step took them replicated) and copy them over at every call.
+    params = jax.device_put(params, flax.linen.logical_to_mesh_sharding(
+        nnx.get_partition_spec(params), mt_mesh, cfg.logical_axis_rules))
     x = jax.random.normal(jax.random.key(1), (batch, seq, a.hidden), dtype)
     x = jax.device_put(x, NamedSharding(mt_mesh, P(("data", "expert"))))
 
