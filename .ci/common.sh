@@ -9,7 +9,8 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 
 # The layer-1 suites: the FFI ops against the reference, on every set of handlers.
-LAYER1="tests/test_layout.py tests/test_permute.py tests/test_fp8.py tests/test_ffi_contract.py"
+LAYER1="tests/test_layout.py tests/test_permute.py tests/test_fp8.py tests/test_logfmt.py
+  tests/test_ffi_contract.py"
 # The Python 3.12 stage: the files whose code path differs by JAX version (see .ci/run).
 PY312_FILES="tests/test_ffi_contract.py tests/test_cuda_emu.py tests/test_ragged_transport.py
   tests/test_compiled_program.py tests/test_internode.py tests/test_flax.py tests/test_training.py
