@@ -481,8 +481,7 @@ class MoELayer(nnx.Module):
         hidden = self.router.shape[0]
         if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
             raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")
-        kinds = self.config.moe_router_load_balancing_type
-        if "seq_aux_loss" in ((kinds,) if isinstance(kinds, str) else kinds) and jnp.ndim(x) < 3:
+        if "seq_aux_loss" in self.config.load_balancing_types() and jnp.ndim(x) < 3:
             raise ValueError(f"x: seq_aux_loss needs [batch, seq, hidden_size], got shape "
                              f"{jnp.shape(x)}")
         weights = [self.router[...], self.w_gate_up[...], self.w_down[...]]

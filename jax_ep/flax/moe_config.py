@@ -184,10 +184,15 @@ class MoEConfig:
             _require(coeff == 0, "moe_aux_loss_coeff",
                      "0 with moe_router_load_balancing_type='sinkhorn' (Megatron's rule)", coeff)
         if self.moe_expert_capacity_factor is not None:
-            kinds = (kind,) if isinstance(kind, str) else kind
-            _require("sinkhorn" not in kinds, "moe_router_load_balancing_type",
+            _require("sinkhorn" not in self.load_balancing_types(),
+                     "moe_router_load_balancing_type",
                      f"one of {AUX_LOSS_TYPES + ('none',)} (each entry) with "
                      f"moe_expert_capacity_factor (Megatron's rule)", kind)
+
+    def load_balancing_types(self) -> tuple[str, ...]:
+        """moe_router_load_balancing_type as a tuple (a string type: a tuple of one)."""
+        kind = self.moe_router_load_balancing_type
+        return (kind,) if isinstance(kind, str) else kind
 
     def aux_loss_coeff(self, kind: str) -> float:
         """The coefficient of load-balancing loss `kind` (Megatron's get_aux_loss_coeff): the
