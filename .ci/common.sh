@@ -19,7 +19,10 @@ PY312_FILES="tests/test_ffi_contract.py tests/test_cuda_emu.py tests/test_ragged
   tests/test_expert_tensor_parallel.py::test_etp1_program_gathers_no_rows_and_scatters_nothing"
 
 STAGES_LOG="$PWD/ci-stages.log"
-[ -n "${CI_STAGES_STARTED:-}" ] || { : > "$STAGES_LOG"; export CI_STAGES_STARTED=1; }
+if [ -z "${CI_STAGES_STARTED:-}" ]; then
+  : > "$STAGES_LOG"
+  export CI_STAGES_STARTED=1 CI_T0=$(date +%s)
+fi
 
 stage_start() { STAGE_T0=$(date +%s); }
 stage_end() {  # stage_end NAME: prints and logs the wall time since stage_start
@@ -27,9 +30,24 @@ stage_end() {  # stage_end NAME: prints and logs the wall time since stage_start
   echo "$line"
   echo "$line" >> "$STAGES_LOG"
 }
-stage_summary() {
+stage_summary() {  # the stages (background ones overlap others), then the run's wall time
   echo "== wall time per stage"
   cat "$STAGES_LOG"
-  awk '{ total += $(NF - 1) } END { print "total: " total " s (" int(total / 60) " min)" }' \
-    "$STAGES_LOG"
+  local total=$(( $(date +%s) - CI_T0 ))
+  echo "total: $total s ($(( total / 60 )) min, wall clock from the first stage)"
+}
+
+# in_background NAME LOG COMMAND...: runs COMMAND (a program or a shell function) niced (the foreground stage keeps the cores
+# it needs; the background one takes what they leave idle) as a stage named "NAME
+# (background)", its output in LOG; its pid in BG_PID. finish_background PID LOG: waits for
+# it, failing the run with the end of LOG if it failed.
+in_background() {
+  local name="$1" log="$2"
+  shift 2
+  ( renice -n 10 -p "$BASHPID" > /dev/null; stage_start; "$@" > "$log" 2>&1
+    stage_end "$name (background)" ) > /dev/null &
+  BG_PID=$!
+}
+finish_background() {
+  wait "$1" || { echo "background stage failed (log: $2):"; tail -n 80 "$2"; exit 1; }
 }

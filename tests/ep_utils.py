@@ -9,6 +9,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_ep import reference
+
 AXIS = "ep"
 
 
@@ -107,12 +109,17 @@ def expert_ffn(x, w_in, w_out):
     return jax.nn.gelu(x @ w_in) @ w_out
 
 
+@jax.jit  # one program per shape (run eagerly, each of its ops compiles on its own)
 def dense_moe(x, idx, w, w_in, w_out):
     """Single-device reference: out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t])."""
     all_out = jax.vmap(lambda a, b: expert_ffn(x, a, b))(w_in, w_out)  # [E,T,H]
     valid = idx >= 0
     picked = all_out[jnp.where(valid, idx, 0), jnp.arange(x.shape[0])[:, None]]  # [T,K,H]
     return jnp.sum(jnp.where(valid[..., None], picked * w[..., None], 0.0), axis=1)
+
+
+# reference.indices_to_multihot as one compiled program per shape, for the tests' oracles
+dense_routing = jax.jit(reference.indices_to_multihot, static_argnames="num_experts")
 
 
 def local_experts(recv_x, recv_idx, recv_w, w_in, w_out):
@@ -138,8 +145,8 @@ def layer_vs_dense(layer, twin, mesh, x, token_axes, *, seed=2):
 
     with jax.set_mesh(mesh):
         (got, aux), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, xs)
-    want, want_grads = nnx.value_and_grad(
-        lambda m, x: (lambda y, a: jnp.sum(y * cot) + a)(*dense_forward(m, x)))(twin, x)
+    want, want_grads = nnx.jit(nnx.value_and_grad(
+        lambda m, x: (lambda y, a: jnp.sum(y * cot) + a)(*dense_forward(m, x))))(twin, x)
     return got, aux, grads, want, want_grads
 
 

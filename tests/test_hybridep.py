@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep_utils import AXIS, dense_moe, ep_mesh, hybridep_oracle, random_routing, run_ep, shard
+from ep_utils import (AXIS, dense_moe, dense_routing, ep_mesh, hybridep_oracle, random_routing,
+                      run_ep, shard)
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
@@ -14,8 +15,7 @@ from jax_ep import hybridep, reference
 
 
 def _dense(idx, w, num_experts):
-    rm, pr = reference.indices_to_multihot(jnp.asarray(idx), jnp.asarray(w),
-                                           num_experts=num_experts)
+    rm, pr = dense_routing(jnp.asarray(idx), jnp.asarray(w), num_experts=num_experts)
     return np.asarray(rm), np.asarray(pr)
 
 

@@ -245,6 +245,7 @@ def test_route_and_drop_match_megatron_values_and_gradients(name):
     bias = (np.asarray(jax.random.normal(jax.random.key(1), (E,))) * 0.3
             if c.moe_router_enable_expert_bias else None)
 
+    @jax.jit
     def ours(lg):
         probs, ids = routing.route(lg, c, None if bias is None else jnp.asarray(bias,
                                                                                  jnp.float32))
@@ -271,7 +272,7 @@ def test_route_and_drop_match_megatron_values_and_gradients(name):
         p, i, _ = ours(lg)
         return jnp.sum(jnp.asarray(_scatter(p, i)) * weights.astype(np.float32))
 
-    grad = np.asarray(jax.grad(f)(jnp.asarray(logits, jnp.float32)), np.float64)
+    grad = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(logits, jnp.float32)), np.float64)
     eps = 1e-5
     fd = (np.sum(np_route(logits + eps * direction, c, bias)[0] * weights)
           - np.sum(np_route(logits - eps * direction, c, bias)[0] * weights)) / (2 * eps)
