@@ -379,21 +379,29 @@ def exchange_blocks(src, send_sizes, recv_sizes, *, capacity, axis_name, transpo
     order); elsewhere they are ops.gather_rows with `impl`.
     """
     rank, size = axis_rank_and_size(axis_name)
+    # block p starts at row p*C of the send buffer; every block lands at row rank*C of its peer
+    starts = jnp.arange(size, dtype=jnp.int32) * capacity
+    here = jnp.full((size,), rank * capacity, jnp.int32)
     if transport == "peer" and size > 1:
         rows = jnp.arange(size * capacity, dtype=jnp.int32) if row_map is None else row_map
-        starts = jnp.arange(size, dtype=jnp.int32) * capacity
-        here = jnp.full((size,), rank * capacity, jnp.int32)
         return _peer(src, rows, starts, send_sizes, here, out_rows=size * capacity,
                      axis_name=axis_name, name=name, recv_rows=recv_rows)[0]
     buf = src if row_map is None else ops.gather_rows(src, row_map, impl=impl)
     if size > 1 and not _compact(transport, size):
         buf = _all_to_all(buf, axis_name, size, capacity, name)
     elif size > 1:
-        starts = jnp.arange(size, dtype=jnp.int32) * capacity
-        here = jnp.full((size,), rank * capacity, jnp.int32)
         buf = _ragged(buf, buf.shape[0], starts, send_sizes.astype(jnp.int32), here,
                       recv_sizes.astype(jnp.int32), axis_name, name)
     return buf if recv_rows is None else ops.gather_rows(buf, recv_rows, impl=impl)
+
+
+def _peer_send(src, row_map, plan, num_recv, axis_name, recv_rows=None):
+    """The dispatch of `plan` on "peer": the receivers read src through row_map (no send
+    packing) into the compact receive layout [num_recv, ...], or straight into the recv_rows
+    order (i32[N], -1: a zero row) [N, ...]."""
+    return _peer(src, row_map, plan.send_offsets, plan.send_counts, plan.remote_recv_offsets,
+                 out_rows=num_recv, axis_name=axis_name, name=DISPATCH_NAME,
+                 recv_rows=recv_rows)[0]
 
 
 def receive_buffer(src, row_map, plan, *, num_recv, capacity, axis_name, transport, impl):
@@ -407,9 +415,7 @@ def receive_buffer(src, row_map, plan, *, num_recv, capacity, axis_name, transpo
     _, size = axis_rank_and_size(axis_name)
     if _compact(transport, size):
         if transport == "peer":  # the receivers read src through row_map: no send packing
-            buffer, _ = _peer(src, row_map, plan.send_offsets, plan.send_counts,
-                              plan.remote_recv_offsets, out_rows=num_recv, axis_name=axis_name,
-                              name=DISPATCH_NAME)
+            buffer = _peer_send(src, row_map, plan, num_recv, axis_name)
         else:
             buffer = _ragged(ops.gather_rows(src, row_map, impl=impl), num_recv,
                              plan.send_offsets, plan.send_counts, plan.remote_recv_offsets,
@@ -431,9 +437,7 @@ def receive_rows(src, row_map, plan, recv_rows, *, num_recv, capacity, axis_name
     that order (no receive buffer at all); elsewhere `receive_buffer`, then one gather."""
     _, size = axis_rank_and_size(axis_name)
     if transport == "peer" and size > 1:
-        return _peer(src, row_map, plan.send_offsets, plan.send_counts,
-                     plan.remote_recv_offsets, out_rows=num_recv, axis_name=axis_name,
-                     name=DISPATCH_NAME, recv_rows=recv_rows)[0]
+        return _peer_send(src, row_map, plan, num_recv, axis_name, recv_rows)
     buffer, slot = receive_buffer(src, row_map, plan, num_recv=num_recv, capacity=capacity,
                                   axis_name=axis_name, transport=transport, impl=impl)
     rows = jnp.where(recv_rows >= 0, jnp.take(slot, jnp.clip(recv_rows, 0)), -1)
