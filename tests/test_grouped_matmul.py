@@ -139,3 +139,28 @@ def test_tiled_dots_do_not_grow_with_the_number_of_groups():
     few, many = _dot_shapes(2), _dot_shapes(16)
     assert few and few == many, (few, many)
     assert all(re.fullmatch(r"f32\[(32,\d+|16,8)\]", s) for s in few), few
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_expert_blocks_is_the_grouped_swiglu_of_equal_blocks(dtype):
+    # drop-and-pad's experts: L = 3 blocks of C = 5 rows (zero padding rows among them) as one
+    # batched GEMM per weight give the grouped SwiGLU's values and gradients
+    from jax_ep.flax import swiglu_expert_blocks, swiglu_experts
+    keys = jax.random.split(jax.random.key(7), 4)
+    x = jax.random.normal(keys[0], (15, 8), dtype).at[3:5].set(0).at[14].set(0)
+    wgu = (jax.random.normal(keys[1], (3, 8, 12)) * 0.3).astype(dtype)
+    wd = (jax.random.normal(keys[2], (3, 6, 8)) * 0.3).astype(dtype)
+    cot = jax.random.normal(keys[3], (15, 8), jnp.float32)
+    sizes = jnp.full((3,), 5, jnp.int32)
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(
+            lambda x, a, b: jnp.sum(fn(x, a, b).astype(jnp.float32) * cot), (0, 1, 2)))
+    got = loss(swiglu_expert_blocks)(x, wgu, wd)
+    want = loss(lambda x, a, b: swiglu_experts(x, sizes, a, b, impl="tiled", tile_rows=4))(
+        x, wgu, wd)
+    assert swiglu_expert_blocks(x, wgu, wd).dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=tol, atol=tol)

@@ -694,16 +694,21 @@ def test_pad_expert_blocks_by_hand():
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])
 def test_pad_expert_input_to_capacity_pads_the_gemm_and_changes_no_value(backend, monkeypatch):
     # Megatron's dispatcher_drop_and_pad_test: the same output and gradients as without
-    # padding, every local expert's grouped-GEMM block cap * EP rows.
+    # padding, every local expert's block cap * EP rows, run as one batched GEMM per weight.
     import jax_ep.flax.moe as moe
     seen = []
-    plain_experts = moe.swiglu_experts
+    plain_experts, plain_blocks = moe.swiglu_experts, moe.swiglu_expert_blocks
 
     def recording(tokens, tokens_per_expert, *args, **kwargs):
-        seen.append((tokens.shape[0], tokens_per_expert))
+        seen.append(("grouped", tokens.shape[0]))
         return plain_experts(tokens, tokens_per_expert, *args, **kwargs)
 
+    def recording_blocks(tokens, w_gate_up, w_down):
+        seen.append(("blocks", tokens.shape[0]))
+        return plain_blocks(tokens, w_gate_up, w_down)
+
     monkeypatch.setattr(moe, "swiglu_experts", recording)
+    monkeypatch.setattr(moe, "swiglu_expert_blocks", recording_blocks)
     mesh = _mesh()
     x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 3, H)),
                        NamedSharding(mesh, P(("data", "expert"))))
@@ -731,5 +736,5 @@ def test_pad_expert_input_to_capacity_pads_the_gemm_and_changes_no_value(backend
     np.testing.assert_array_equal(np.asarray(c1), np.asarray(c0))  # the router's kept slots
     # 6 tokens per device, K=2, E=8, factor 0.5: cap = ceil(6*2/8*0.5) = 1, C = 4 * 1 rows for
     # each of the L = 2 local experts.
-    assert seen1 and all(rows == 2 * 4 for rows, _ in seen1)
-    assert all(rows != 2 * 4 for rows, _ in seen0)
+    assert seen1 and all(seen == ("blocks", 2 * 4) for seen in seen1), seen1
+    assert seen0 and all(kind == "grouped" and rows != 2 * 4 for kind, rows in seen0), seen0

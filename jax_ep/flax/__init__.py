@@ -12,6 +12,7 @@ from jax_ep.flax.moe import (
     gate_up_to_etp,
     pad_expert_blocks,
     shard_params,
+    swiglu_expert_blocks,
     swiglu_experts,
     unpad_expert_blocks,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "shard_params",
     "shard_state",
     "shared_dispatcher",
+    "swiglu_expert_blocks",
     "swiglu_experts",
     "unpad_expert_blocks",
 ]
