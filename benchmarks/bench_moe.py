@@ -15,7 +15,7 @@ jax.lax.ragged_dot, which XLA:CPU lowers to one dense matmul over every local ex
 names use "auto" (the tiled jax_ep.ops.grouped_matmul on CPU). An "@cap" suffix sets the layer's
 moe_expert_capacity_factor to --capacity-factor (drops, as MaxText's capacity path does);
 "@cap+pad" also sets moe_pad_expert_input_to_capacity (Megatron's drop-and-pad: every local
-expert's GEMM block padded to its capacity), e.g. --backends deepep,deepep@cap,deepep@cap+pad.
+expert's block padded to its capacity, the equal blocks one batched GEMM per weight), e.g. --backends deepep,deepep@cap,deepep@cap+pad.
 
 More rows time the layer's expert GEMMs alone (jax_ep.flax.swiglu_experts, forward +
 backward) on the permuted buffer the deepep backend feeds them (N = P*T*min(K, L) rows per
