@@ -37,10 +37,10 @@ stage_summary() {  # the stages (background ones overlap others), then the run's
   echo "total: $total s ($(( total / 60 )) min, wall clock from the first stage)"
 }
 
-# in_background NAME LOG COMMAND...: runs COMMAND (a program or a shell function) niced (the foreground stage keeps the cores
-# it needs; the background one takes what they leave idle) as a stage named "NAME
-# (background)", its output in LOG; its pid in BG_PID. finish_background PID LOG: waits for
-# it, failing the run with the end of LOG if it failed.
+# in_background NAME LOG COMMAND...: runs COMMAND (a program or a shell function) niced (the
+# foreground stage keeps the cores it needs; the background one takes what they leave idle)
+# as a stage named "NAME (background)", its output in LOG; its pid in BG_PID.
+# finish_background PID LOG: waits for it, failing the run with the end of LOG if it failed.
 in_background() {
   local name="$1" log="$2"
   shift 2

@@ -79,8 +79,9 @@ class MoEConfig:
         MoELayer pads every local expert's input block to its capacity, P * ceil(T*K/E *
         factor) rows, so each expert computes exactly that many rows (Megatron's
         tokens_per_expert = cap * EP), as one batched GEMM per weight over [L, C, H]
-        (swiglu_expert_blocks; the grouped GEMM with expert tensor parallelism). Padding rows carry probability 0 (zero rows here, real
-        unrouted tokens in Megatron), so outputs and gradients are those without it.
+        (swiglu_expert_blocks; the grouped GEMM with expert tensor parallelism). Padding rows
+        carry probability 0 (zero rows here, real unrouted tokens in Megatron), so outputs and
+        gradients are those without it.
       moe_router_dtype: "fp32", "fp64" or None (the input dtype) for logits, scores and probs.
       token_dispatcher: the dispatcher's TokenDispatcherConfig (backend, transport, buffer
         sizes, ...); its fields num_moe_experts, moe_router_topk, moe_expert_capacity_factor
