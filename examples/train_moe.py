@@ -79,6 +79,10 @@ def parse_args(argv=None):
     p.add_argument("--shared-ffn", type=int, default=None,
                    help="shared expert's FFN hidden size (0: none; default ffn // 2)")
     p.add_argument("--capacity-factor", type=float, default=None)
+    p.add_argument("--pad-to-capacity", action="store_true",
+                   help="moe_pad_expert_input_to_capacity (Megatron's drop-and-pad; needs "
+                        "--capacity-factor): every expert computes its capacity's rows, as "
+                        "one batched GEMM per weight")
     p.add_argument("--fp8-dispatch", action="store_true",
                    help="FP8 tokens on the dispatch wire (moe_fp8_dispatch; --d-model a "
                         "multiple of 128)")
@@ -143,6 +147,8 @@ def parse_args(argv=None):
                 f"{args.grad_accum}")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         p.error("--resume / --save-every: need --checkpoint-dir")
+    if args.pad_to_capacity and args.capacity_factor is None:
+        p.error("--pad-to-capacity: needs --capacity-factor")
     if args.etp < 1 or (args.etp > 1 and args.nodes):
         p.error(f"--etp: expected 1, or an int > 1 without --nodes, got {args.etp}")
     if args.save_every < 0:
@@ -201,7 +207,8 @@ def build_model(args, mesh, jax):
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn,
         moe_shared_expert_intermediate_size=(args.ffn // 2 if args.shared_ffn is None
                                              else args.shared_ffn or None),
-        moe_expert_capacity_factor=args.capacity_factor, moe_router_dtype="fp32",
+        moe_expert_capacity_factor=args.capacity_factor,
+        moe_pad_expert_input_to_capacity=args.pad_to_capacity, moe_router_dtype="fp32",
         moe_router_score_function=args.score_function,
         moe_router_load_balancing_type=args.load_balancing,
         moe_aux_loss_coeff=args.aux_loss_coeff, moe_z_loss_coeff=args.z_loss_coeff,

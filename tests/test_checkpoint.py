@@ -146,6 +146,20 @@ def test_grad_accum_gives_the_big_batch_losses(train_moe, tmp_path):
         train_moe.parse_args(SMALL + ["--batch", "32", "--grad-accum", "3"])
 
 
+def test_pad_to_capacity_trains_as_the_capacity_drop_does(train_moe, tmp_path):
+    # Drop-and-pad (the experts one batched GEMM over equal blocks) changes no value: the same
+    # losses and drops as dropping at that capacity without padding; factor 0.5 drops slots.
+    def run(name, *extra):
+        return [(r["loss"], r["dropped"]) for r in train_moe.train(train_moe.parse_args(
+            SMALL + ["--steps", "3", "--capacity-factor", "0.5", "--out", str(tmp_path / name),
+                     *extra]))]
+    plain, padded = run("plain"), run("padded", "--pad-to-capacity")
+    np.testing.assert_allclose([p[0] for p in padded], [p[0] for p in plain], rtol=1e-5)
+    assert [p[1] for p in padded] == [p[1] for p in plain] and all(p[1] > 0 for p in plain)
+    with pytest.raises(SystemExit):
+        train_moe.parse_args(SMALL + ["--pad-to-capacity"])
+
+
 def test_grad_accum_resets_the_global_aux_loss_tracker_each_step(train_moe, tmp_path):
     records = train_moe.train(train_moe.parse_args(
         SMALL + ["--batch", "16", "--steps", "2", "--grad-accum", "2", "--load-balancing",
