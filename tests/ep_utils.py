@@ -118,8 +118,15 @@ def dense_moe(x, idx, w, w_in, w_out):
     return jnp.sum(jnp.where(valid[..., None], picked * w[..., None], 0.0), axis=1)
 
 
-# reference.indices_to_multihot as one compiled program per shape, for the tests' oracles
-dense_routing = jax.jit(reference.indices_to_multihot, static_argnames="num_experts")
+_multihot = jax.jit(reference.indices_to_multihot, static_argnames="num_experts")
+
+
+def dense_routing(idx, w, num_experts):
+    """The oracles' dense routing: topk_idx [T,K], weights [T,K] -> numpy (routing_map
+    bool[T,E], probs f32[T,E]) of reference.indices_to_multihot, one compiled program per
+    shape (run eagerly, each of its ops would compile on its own)."""
+    return tuple(np.asarray(a) for a in _multihot(jnp.asarray(idx), jnp.asarray(w),
+                                                  num_experts=num_experts))
 
 
 def local_experts(recv_x, recv_idx, recv_w, w_in, w_out):

@@ -14,13 +14,8 @@ import jax_ep
 from jax_ep import hybridep, reference
 
 
-def _dense(idx, w, num_experts):
-    rm, pr = dense_routing(jnp.asarray(idx), jnp.asarray(w), num_experts=num_experts)
-    return np.asarray(rm), np.asarray(pr)
-
-
 def _run(mesh, x, idx, w, num_experts, num_permuted, pad_multiple, compact, backend="deepep"):
-    rm, pr = _dense(idx, w, num_experts)
+    rm, pr = dense_routing(idx, w, num_experts)
 
     def body(x, a, b):
         kw = dict(topk_idx=a) if compact else dict(routing_map=a)
@@ -41,7 +36,7 @@ def test_matches_allgather_oracle(num_ranks, T, num_permuted, pad, compact):
     rng = np.random.default_rng(T * num_ranks + (pad or 0))
     x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
     idx, w = random_routing(rng, num_ranks * T, K, E)
-    rm, pr = _dense(idx, w, E)
+    rm, pr = dense_routing(idx, w, E)
     px, pp, tpe, dropped, _ = _run(ep_mesh(num_ranks), x, idx, w, E, num_permuted, pad, compact)
     want = hybridep_oracle(x, rm, pr, num_ranks, num_permuted, pad)
     L = E // num_ranks
@@ -82,7 +77,7 @@ def test_gradients_match_dense_reference(compact):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
     idx, w = random_routing(rng, num_ranks * T, K, E)
-    rm, pr = _dense(idx, w, E)
+    rm, pr = dense_routing(idx, w, E)
     scale = rng.standard_normal((E, H)).astype(np.float32)  # expert e: y = x * scale[e]
     cot = rng.standard_normal(x.shape).astype(np.float32)
     mesh = ep_mesh(num_ranks)
@@ -219,7 +214,7 @@ def test_zero_tokens_dispatch_combine_and_gradients(compact, backend, num_ranks)
     x = np.zeros((0, H), np.float32)
     idx = np.zeros((0, K), np.int32)
     w = np.zeros((0, K), np.float32)
-    rm, pr = _dense(idx, w, E)
+    rm, pr = dense_routing(idx, w, E)
 
     def body(x, a, b):
         kw = dict(topk_idx=a) if compact else dict(routing_map=a)
@@ -261,7 +256,7 @@ def test_default_num_permuted_tokens_is_the_no_drop_worst_case(compact, pad):
     px, pp, tpe, dropped, y = _run(ep_mesh(num_ranks), x, idx, w, E, None, pad, compact)
     n = num_ranks * padded * (min(K, L) if compact else L) + L * ((pad or 1) - 1)
     assert px.shape == (num_ranks * n, H) and not dropped.any()
-    rm, pr = _dense(idx, w, E)
+    rm, pr = dense_routing(idx, w, E)
     for d, (wx, wp, wt, wd) in enumerate(hybridep_oracle(x, rm, pr, num_ranks, n, pad)):
         np.testing.assert_array_equal(px[d * n:(d + 1) * n], wx)
         np.testing.assert_array_equal(pp[d * n:(d + 1) * n], wp)
