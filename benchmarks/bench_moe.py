@@ -15,7 +15,10 @@ jax.lax.ragged_dot, which XLA:CPU lowers to one dense matmul over every local ex
 names use "auto" (the tiled jax_ep.ops.grouped_matmul on CPU). An "@cap" suffix sets the layer's
 moe_expert_capacity_factor to --capacity-factor (drops, as MaxText's capacity path does);
 "@cap+pad" also sets moe_pad_expert_input_to_capacity (Megatron's drop-and-pad: every local
-expert's block padded to its capacity, the equal blocks one batched GEMM per weight), e.g. --backends deepep,deepep@cap,deepep@cap+pad.
+expert's block padded to its capacity, the equal blocks one batched GEMM per weight), e.g.
+--backends deepep,deepep@cap,deepep@cap+pad. "@bounded" sets the dispatcher's
+dropless_buffer_factor to --buffer-factor: dropless, with buffers of --buffer-factor times
+the balanced load in a step whose routing fits them, the worst-case ones otherwise.
 
 More rows time the layer's expert GEMMs alone (jax_ep.flax.swiglu_experts, forward +
 backward) on the permuted buffer the deepep backend feeds them (N = P*T*min(K, L) rows per
@@ -84,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--expert-parallel", type=int, default=4, help="size of the expert axis")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity")
+    p.add_argument("--buffer-factor", type=float, default=1.25,
+                   help="dropless_buffer_factor of the @bounded rows")
     p.add_argument("--backends", default=",".join(BACKENDS) + ",gshard")
     p.add_argument("--tile-rows", default="64",
                    help="comma-separated tile sizes of the experts-only tiled GEMM rows")
@@ -265,18 +270,21 @@ def main(argv=None):
     def make_layer(backend, router=None):
         name, _, impl = backend.partition(":")
         name, _, variant = name.partition("@")  # "@cap": --capacity-factor, "@cap+pad": padded
+        bounded = variant == "bounded"  # dropless, --buffer-factor buffers where they fit
         cfg = jax_ep.TokenDispatcherConfig(
             num_moe_experts=a.experts, moe_router_topk=a.topk,
             moe_flex_dispatcher_backend=name.split("-")[0],
             moe_hybridep_compact_routing=name.endswith("-compact"),
             moe_permute_fusion=name != "alltoall", moe_share_token_dispatcher=False,
-            grouped_gemm_impl=impl or "auto")
+            grouped_gemm_impl=impl or "auto",
+            dropless_buffer_factor=a.buffer_factor if bounded else None)
         if router is not None:
             cfg = MoEConfig(num_moe_experts=a.experts, moe_router_topk=a.topk,
                             moe_router_dtype="fp32", token_dispatcher=cfg, **ROUTERS[router])
-        elif variant:
+        elif variant and not bounded:
             if variant not in ("cap", "cap+pad"):
-                raise SystemExit(f"--backends: {backend!r}: expected @cap or @cap+pad")
+                raise SystemExit(f"--backends: {backend!r}: expected @cap, @cap+pad or "
+                                 f"@bounded")
             cfg = MoEConfig(num_moe_experts=a.experts, moe_router_topk=a.topk,
                             token_dispatcher=cfg, moe_expert_capacity_factor=a.capacity_factor,
                             moe_pad_expert_input_to_capacity=variant == "cap+pad")
@@ -344,7 +352,9 @@ def main(argv=None):
 
             def loss(state, x, graphdef=graphdef):
                 y, aux = nnx.merge(graphdef, state)(x)
-                return jnp.mean(y.astype(jnp.float32) ** 2), aux["num_dropped"]
+                # @bounded rows: also the devices that fell back to the worst-case buffers
+                return jnp.mean(y.astype(jnp.float32) ** 2), (
+                    aux["num_dropped"], aux.get("buffer_overflow", -1))
 
             step = jax.jit(jax.value_and_grad(loss, has_aux=True))
             args = (state, x)
@@ -401,6 +411,10 @@ def main(argv=None):
             print(f"  {name} {t['median_s'] * 1e3:9.1f} ms", flush=True)
             continue
         (value, dropped), _ = out
+        if isinstance(dropped, tuple):  # the jax_ep layer rows: (dropped, buffer_overflow)
+            dropped, overflow = dropped
+            if int(overflow) >= 0:
+                t["buffer_overflow"] = int(overflow)
         dropped = float("nan") if dropped is None else int(dropped)  # MaxText: no count
         t.update(extras[name], loss=float(value), dropped_slots=dropped,
                  dropped_fraction=dropped / (num_tokens * a.topk),
@@ -408,7 +422,9 @@ def main(argv=None):
         results["runs"][name] = t
         print(f"  {name:22s} {t['median_s'] * 1e3:9.1f} ms/step  {t['tokens_per_s']:9.0f} "
               f"tokens/s  loss {t['loss']:.6f}  dropped {t['dropped_fraction']:.1%}  "
-              f"(first call {t['compile_s']:.1f} s)", flush=True)
+              f"(first call {t['compile_s']:.1f} s)"
+              + (f"  fell back on {t['buffer_overflow']} devices" if "buffer_overflow" in t
+                 else ""), flush=True)
 
     runs = results["runs"]
     ref = runs.get(a.baseline, {}).get("median_s")

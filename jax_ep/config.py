@@ -89,6 +89,15 @@ class TokenDispatcherConfig:
         block padding. What does not fit is dropped and counted in num_dropped. An explicit
         num_worst_tokens / num_permuted_tokens wins over it. Memory per buffer: README.md,
         "Buffer sizes". Not with moe_deepep_async_dispatch.
+      dropless_buffer_factor: None (default) or a positive float f: dropless, with the
+        buffers of ragged_buffer_factor=f in the common step. The layer (jax_ep.flax.MoELayer,
+        MoEFlexTokenDispatcher.bounded_forward) dispatches into the bounded buffers and, in
+        a step where they would drop a row on any device, runs dispatch, experts and combine
+        again with the no-drop worst-case buffers (a lax.cond every device takes alike; its
+        aux "buffer_overflow" is 1 then). No token is dropped; the common step moves,
+        permutes and multiplies about f times the balanced load instead of the worst case.
+        Not with ragged_buffer_factor, num_worst_tokens, num_permuted_tokens,
+        moe_expert_capacity_factor or moe_deepep_async_dispatch.
       grouped_gemm_impl: the experts' grouped GEMM, jax_ep.ops.grouped_matmul's impl:
         "auto" (tiled on CPU, jax.lax.ragged_dot on GPU/TPU), "tiled" or "ragged_dot".
       moe_fp8_dispatch: move the dispatched tokens as FP8 codes plus per-128-channel f32
@@ -122,6 +131,7 @@ class TokenDispatcherConfig:
     num_permuted_tokens: int | None = None
     num_overlap_chunks: int = 2
     ragged_buffer_factor: float | None = None
+    dropless_buffer_factor: float | None = None
     grouped_gemm_impl: str = "auto"
     moe_fp8_dispatch: bool = False
 
@@ -143,7 +153,8 @@ class TokenDispatcherConfig:
         _require(_positive_int(self.moe_router_topk) and self.moe_router_topk
                  <= self.num_moe_experts, "moe_router_topk",
                  f"an int in [1, num_moe_experts={self.num_moe_experts}]", self.moe_router_topk)
-        for name in ("moe_expert_capacity_factor", "ragged_buffer_factor"):
+        for name in ("moe_expert_capacity_factor", "ragged_buffer_factor",
+                     "dropless_buffer_factor"):
             f = getattr(self, name)
             is_real = isinstance(f, numbers.Real) and not isinstance(f, (bool, np.bool_))
             _require(f is None or (is_real and math.isfinite(f) and f > 0), name,
@@ -152,6 +163,15 @@ class TokenDispatcherConfig:
                  "ragged_buffer_factor", "None with moe_deepep_async_dispatch=True (the "
                  "chunked overlap sizes its buffers per chunk for no drop)",
                  self.ragged_buffer_factor)
+        for name in ("ragged_buffer_factor", "num_worst_tokens", "num_permuted_tokens",
+                     "moe_expert_capacity_factor"):
+            _require(self.dropless_buffer_factor is None or getattr(self, name) is None,
+                     "dropless_buffer_factor", f"None with {name} set (it bounds the buffers "
+                     f"itself and keeps every token)", self.dropless_buffer_factor)
+        _require(self.dropless_buffer_factor is None or not self.moe_deepep_async_dispatch,
+                 "dropless_buffer_factor", "None with moe_deepep_async_dispatch=True (the "
+                 "chunked overlap sizes its buffers per chunk for no drop)",
+                 self.dropless_buffer_factor)
         _require(self.num_worst_tokens is None or not self.moe_deepep_async_dispatch,
                  "num_worst_tokens", "None with moe_deepep_async_dispatch=True (the chunked "
                  "overlap sizes its buffers per chunk for no drop)", self.num_worst_tokens)

@@ -95,6 +95,21 @@ def test_overlap_padded_blocks_and_ragged_dot_match_dense(extra):
     assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("factor, fell_back", [(8.0, 0), (0.25, 8)])
+def test_dropless_buffer_factor_matches_dense_on_both_branches(factor, fell_back):
+    # The branch is chosen over the expert and tensor axes (the tensor all-gathers run inside
+    # it): 0.25 of the balanced load always overflows, 8x never does.
+    mesh = jax.make_mesh((2, 2, 2), AXES)
+    layer, twin = _layer_pair(_config(2, dropless_buffer_factor=factor), mesh)
+    x = jax.random.normal(jax.random.key(3), (8, 6, H))
+    got, aux, (grads, dx), want, (want_grads, want_dx) = _vs_dense(layer, twin, mesh, x)
+    assert int(aux["buffer_overflow"]) == fell_back
+    assert int(aux["num_dropped"]) == 0
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(dx, want_dx, rtol=2e-5, atol=2e-6)
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])
 def test_empty_batch_gives_empty_output_and_zero_gradients(backend):
     mesh = jax.make_mesh((2, 2, 2), AXES)

@@ -52,6 +52,7 @@ def test_config_has_every_pytorch_field_with_its_default():
     ("moe_expert_capacity_factor", float("inf")), ("moe_expert_capacity_factor", float("nan")),
     ("moe_router_topk", 2.0), ("num_moe_experts", np.bool_(True)),
     ("ragged_buffer_factor", 0.0), ("ragged_buffer_factor", float("inf")),
+    ("dropless_buffer_factor", 0.0), ("dropless_buffer_factor", -1.0),
     ("grouped_gemm_impl", "cublas")])
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -338,6 +339,71 @@ def test_ragged_buffer_factor_bounds_buffers_and_reports_drops(backend):
     # the 32 those rows hold (16 more). hybridep: 16 of the 64 pairs (48 dropped).
     assert int(aux_bound["num_dropped"]) == 2 * (32 if backend == "deepep" else 48)
     assert np.isfinite(np.asarray(y_bound)).all()
+
+
+@pytest.mark.parametrize("other", [dict(ragged_buffer_factor=2.0), dict(num_worst_tokens=8),
+                                   dict(num_permuted_tokens=8),
+                                   dict(moe_expert_capacity_factor=1.0),
+                                   dict(moe_deepep_async_dispatch=True)])
+def test_dropless_buffer_factor_refuses_what_bounds_or_splits_the_buffers(other):
+    with pytest.raises(ValueError, match="dropless_buffer_factor.*" + next(iter(other))):
+        jax_ep.TokenDispatcherConfig(dropless_buffer_factor=1.5, **other)
+    jax_ep.TokenDispatcherConfig(**other)  # each is fine alone
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overflows(
+        backend, monkeypatch):
+    # T = 16 tokens per device, E = 8, K = 2, P = 4 (L = 2): the balanced load is 32 slots
+    # per rank. Factor 2 bounds the permuted buffer to 64 slots, a quarter of the deepep worst
+    # case (64 received rows x 2 local experts = 128) and half of hybridep's (P*T*min(K, L) =
+    # 128); the random router fits in it. With every token on experts 0 and 1 (rank 0 gets 4x
+    # the balanced load) it does not, and the layer runs the worst-case buffers instead.
+    from jax_ep.flax import moe
+    mesh = _mesh()
+    x = jax.device_put(jax.random.normal(jax.random.key(3), (16, 8, 16)),
+                       NamedSharding(mesh, P(("data", "expert"))))
+    cot = jax.random.normal(jax.random.key(4), (16, 8, 16))
+    expert_rows = []
+    real_experts = moe.swiglu_experts
+
+    def recording_experts(tokens, *args, **kwargs):
+        expert_rows.append(tokens.shape[0])
+        return real_experts(tokens, *args, **kwargs)
+    monkeypatch.setattr(moe, "swiglu_experts", recording_experts)
+
+    def run(skewed, **extra):
+        cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                           moe_flex_dispatcher_backend=backend,
+                                           moe_permute_fusion=True, **extra)
+        layer = MoELayer(cfg, 16, 32, rngs=nnx.Rngs(0), mesh=mesh)
+        if skewed:
+            layer.router[...] = jnp.zeros_like(layer.router[...]).at[:, :2].set(1.0)
+        shard_params(layer, mesh)
+
+        def loss(layer, x):
+            y, aux = layer(x)
+            return jnp.sum(y * cot), aux
+
+        expert_rows.clear()
+        with jax.set_mesh(mesh):
+            (value, aux), grads = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1),
+                                                             has_aux=True))(layer, x)
+        return value, aux, grads, sorted(set(expert_rows))
+
+    worst_rows = 128
+    for skewed in (False, True):
+        want, want_aux, want_grads, rows = run(skewed)
+        assert rows == [worst_rows]
+        got, aux, grads, rows = run(skewed, dropless_buffer_factor=2.0)
+        assert rows == [64, worst_rows]  # both branches traced: bounded and worst case
+        assert int(aux["buffer_overflow"]) == (8 if skewed else 0)  # devices that fell back
+        assert int(aux["num_dropped"]) == int(want_aux["num_dropped"]) == 0
+        np.testing.assert_array_equal(aux["tokens_per_expert"], want_aux["tokens_per_expert"])
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(grads[1], want_grads[1], rtol=1e-5, atol=1e-6)
+        assert_param_grads_close(grads[0], want_grads[0], rtol=1e-5, atol=1e-6)
+    assert "buffer_overflow" not in want_aux
 
 
 def test_dispatcher_methods_match_functional_ops():

@@ -374,6 +374,75 @@ class MoEFlexTokenDispatcher(nnx.Module):
         hidden = self.combine_all_to_all(hidden, state)
         return self.combine_postprocess(hidden, state)
 
+    def bounded_forward(self, hidden_states, token_probs, token_indices, experts, params, axes):
+        """config.dropless_buffer_factor f: token_permutation2 -> experts ->
+        token_unpermutation with the buffers of ragged_buffer_factor=f, and where those drop a
+        row on any device of `axes`, the whole of it again with the no-drop worst-case buffers
+        (lax.cond on the drops summed over `axes`, so every device takes the same branch:
+        `axes` must hold every mesh axis the collectives inside span, the expert axis and any
+        tensor axis of `experts`). The backward takes the same branch: the bounded path's
+        saved vjp, or the worst-case path recomputed (forward and backward) inside the cond,
+        so a step saves the bounded path's residuals only and no branch fills zeros for the
+        other's.
+
+        hidden_states [T,H], token_probs / token_indices [T,K]; experts: (rows [N,H],
+        tokens_per_expert i32[L], permuted_probs [N], params) -> [N,H]; params: the arrays it
+        is differentiated in (the expert weights; `experts` must close over no other traced
+        value it needs gradients of). Returns (y [T,H] in the input's shape, overflow i32[]:
+        1 where the worst-case buffers ran, else 0); no token is dropped.
+        """
+        cfg = self.config
+        if cfg.dropless_buffer_factor is None:
+            raise ValueError("bounded_forward: needs config.dropless_buffer_factor, got None")
+
+        def twin(**fields):
+            return MoEFlexTokenDispatcher(self.num_local_experts, self.local_expert_indices,
+                                          dataclasses.replace(cfg, dropless_buffer_factor=None,
+                                                              **fields), self.axis_name)
+        bounded, worst = twin(ragged_buffer_factor=cfg.dropless_buffer_factor), twin()
+        num_tokens = hidden_states.shape[0]
+
+        def path(dispatcher, hidden, probs, indices, params):
+            rows, tokens_per_expert, rows_probs, state = dispatcher.token_permutation2(
+                hidden, num_tokens, probs, indices)
+            y = dispatcher.token_unpermutation(
+                experts(rows, tokens_per_expert, rows_probs, params), state)
+            return y, state.num_dropped
+
+        def worst_case(hidden, probs, indices, params):
+            return path(worst, hidden, probs, indices, params)[0]
+
+        def choose(y, dropped, hidden, probs, indices, params):
+            """The bounded path's y, or the worst case's where any device of `axes` dropped."""
+            overflow = jax.lax.psum(dropped, axes) > 0
+            y = jax.lax.cond(overflow, worst_case, lambda *_: y, hidden, probs, indices, params)
+            return (y, overflow.astype(jnp.int32)), overflow
+
+        @jax.custom_vjp
+        def run(hidden, probs, indices, params):
+            y, dropped = path(bounded, hidden, probs, indices, params)
+            return choose(y, dropped, hidden, probs, indices, params)[0]
+
+        def run_fwd(hidden, probs, indices, params):
+            y, vjp_bounded, dropped = jax.vjp(
+                lambda h, p, w: path(bounded, h, p, indices, w), hidden, probs, params,
+                has_aux=True)
+            out, overflow = choose(y, dropped, hidden, probs, indices, params)
+            return out, (vjp_bounded, overflow, hidden, probs, indices, params)
+
+        def run_bwd(residuals, cotangents):
+            vjp_bounded, overflow, hidden, probs, indices, params = residuals
+
+            def worst_case_vjp(dy):
+                return jax.vjp(lambda h, p, w: worst_case(h, p, indices, w), hidden, probs,
+                               params)[1](dy)
+            d_hidden, d_probs, d_params = jax.lax.cond(overflow, worst_case_vjp, vjp_bounded,
+                                                       cotangents[0])
+            return d_hidden, d_probs, None, d_params
+
+        run.defvjp(run_fwd, run_bwd)
+        return run(hidden_states, token_probs, token_indices, params)
+
     def overlapped_forward(self, hidden_states, token_probs, token_indices, local_kernel):
         """moe_deepep_async_dispatch: dispatch -> local_kernel -> combine over
         config.num_overlap_chunks token chunks (deepep family; see
