@@ -352,7 +352,7 @@ def main(argv=None):
 
             def loss(state, x, graphdef=graphdef):
                 y, aux = nnx.merge(graphdef, state)(x)
-                # @bounded rows: also the devices that fell back to the worst-case buffers
+                # @bounded rows: also whether the step fell back to the worst-case buffers
                 return jnp.mean(y.astype(jnp.float32) ** 2), (
                     aux["num_dropped"], aux.get("buffer_overflow", -1))
 
@@ -423,8 +423,8 @@ def main(argv=None):
         print(f"  {name:22s} {t['median_s'] * 1e3:9.1f} ms/step  {t['tokens_per_s']:9.0f} "
               f"tokens/s  loss {t['loss']:.6f}  dropped {t['dropped_fraction']:.1%}  "
               f"(first call {t['compile_s']:.1f} s)"
-              + (f"  fell back on {t['buffer_overflow']} devices" if "buffer_overflow" in t
-                 else ""), flush=True)
+              + (f"  fell back: {'yes' if t['buffer_overflow'] else 'no'}"
+                 if "buffer_overflow" in t else ""), flush=True)
 
     runs = results["runs"]
     ref = runs.get(a.baseline, {}).get("median_s")

@@ -79,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--shared-ffn", type=int, default=None,
                    help="shared expert's FFN hidden size (0: none; default ffn // 2)")
     p.add_argument("--capacity-factor", type=float, default=None)
+    p.add_argument("--dropless-buffer-factor", type=float, default=None,
+                   help="TokenDispatcherConfig.dropless_buffer_factor: no drops, buffers of this "
+                        "times the balanced load in the steps whose routing fits them")
     p.add_argument("--pad-to-capacity", action="store_true",
                    help="moe_pad_expert_input_to_capacity (Megatron's drop-and-pad; needs "
                         "--capacity-factor): every expert computes its capacity's rows, as "
@@ -149,6 +152,8 @@ def parse_args(argv=None):
         p.error("--resume / --save-every: need --checkpoint-dir")
     if args.pad_to_capacity and args.capacity_factor is None:
         p.error("--pad-to-capacity: needs --capacity-factor")
+    if args.dropless_buffer_factor is not None and args.capacity_factor is not None:
+        p.error("--dropless-buffer-factor: drops nothing, so not with --capacity-factor")
     if args.etp < 1 or (args.etp > 1 and args.nodes):
         p.error(f"--etp: expected 1, or an int > 1 without --nodes, got {args.etp}")
     if args.save_every < 0:
@@ -221,7 +226,7 @@ def build_model(args, mesh, jax):
         token_dispatcher=jax_ep.TokenDispatcherConfig(
             moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
             grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,
-            transport=args.transport,
+            transport=args.transport, dropless_buffer_factor=args.dropless_buffer_factor,
             expert_axis_name=EXPERT_AXES if args.nodes else "expert"))
 
     class Block(nnx.Module):
@@ -273,7 +278,8 @@ def _step_aux(micro_auxes):
                 load_balancing_loss=sum(a["load_balancing_loss"] for a in micro_auxes)
                 / len(micro_auxes),
                 **{k: sum(a[k] for a in micro_auxes) for k in (
-                    "rows_across_nodes", "flat_rows_across_nodes") if k in micro_auxes[0]})
+                    "rows_across_nodes", "flat_rows_across_nodes", "buffer_overflow")
+                   if k in micro_auxes[0]})
 
 
 def train(args):
@@ -365,6 +371,8 @@ def train(args):
             "tokens_per_expert", "load_ratio", "num_dropped", "load_balancing_loss")}
         stats["crossed"] = jnp.stack([sum(a.get(k, 0) for a in auxes)
                                       for k in ("rows_across_nodes", "flat_rows_across_nodes")])
+        # --dropless-buffer-factor: per layer, micro-batches that ran the worst-case buffers
+        stats["fell_back"] = jnp.stack([a.get("buffer_overflow", 0) for a in auxes])
         return sum(ces) / len(ces), stats
 
     records = []
@@ -392,6 +400,7 @@ def train(args):
                                 load=stats["tokens_per_expert"],
                                 load_ratio=stats["load_ratio"],
                                 dropped_per_layer=stats["num_dropped"], dropped=dropped,
+                                fell_back_per_layer=stats["fell_back"],
                                 balance_loss=stats["load_balancing_loss"]))
             if args.nodes:
                 two_hop, flat = stats["crossed"]
@@ -470,6 +479,11 @@ def report(records, args, tokens_per_step):
           f"{tokens_per_step / np.median(steady):,.0f} tokens/s (median step "
           f"{np.median(steady) * 1e3:.1f} ms); dropped tokens in the last step: "
           f"{records[-1]['dropped']}")
+    if args.dropless_buffer_factor is not None:
+        fell_back = np.array([r["fell_back_per_layer"] for r in records]) > 0  # [steps, layers]
+        print(f"steps whose routing overflowed the {args.dropless_buffer_factor:g}x buffers "
+              f"(the worst-case buffers ran) per layer: "
+              f"{fell_back.sum(axis=0).tolist()} of {len(records)}")
     for layer, row in enumerate(load):
         share = row / max(row.sum(), 1)
         shares = (" ".join(f"{s:.2f}" for s in share) if len(share) <= 16 else

@@ -160,6 +160,25 @@ def test_pad_to_capacity_trains_as_the_capacity_drop_does(train_moe, tmp_path):
         train_moe.parse_args(SMALL + ["--pad-to-capacity"])
 
 
+def test_dropless_buffer_factor_trains_as_the_worst_case_buffers(train_moe, tmp_path):
+    # Bounded buffers where the routing fits them, the worst-case ones where it does not: the
+    # same losses and nothing dropped either way. T = 16 tokens per device, K = 2, P = 4: at
+    # factor 1 the permuted buffer holds exactly the balanced 32 slots per rank, which this
+    # router's imbalance overflows in every step; factor 2's 64 fit.
+    def run(name, *extra):
+        return train_moe.train(train_moe.parse_args(
+            SMALL + ["--steps", "3", "--out", str(tmp_path / name), *extra]))
+    plain = [r["loss"] for r in run("plain")]
+    for factor, fell_back in (("1.0", 1), ("2.0", 0)):
+        records = run(factor, "--dropless-buffer-factor", factor)
+        np.testing.assert_allclose([r["loss"] for r in records], plain, rtol=1e-5)
+        assert all(r["dropped"] == 0 for r in records)
+        assert [r["fell_back_per_layer"] for r in records] == [[fell_back]] * 3
+    with pytest.raises(SystemExit):
+        train_moe.parse_args(SMALL + ["--dropless-buffer-factor", "1.5", "--capacity-factor",
+                                      "1.0"])
+
+
 def test_grad_accum_resets_the_global_aux_loss_tracker_each_step(train_moe, tmp_path):
     records = train_moe.train(train_moe.parse_args(
         SMALL + ["--batch", "16", "--steps", "2", "--grad-accum", "2", "--load-balancing",

@@ -379,8 +379,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
         token_unpermutation with the buffers of ragged_buffer_factor=f, and where those drop a
         row on any device of `axes`, the whole of it again with the no-drop worst-case buffers
         (lax.cond on the drops summed over `axes`, so every device takes the same branch:
-        `axes` must hold every mesh axis the collectives inside span, the expert axis and any
-        tensor axis of `experts`). The backward takes the same branch: the bounded path's
+        `axes` must hold every axis of the mesh, since the peer transport's exchanges meet all
+        of the process's devices, not one expert group's). The backward takes the same branch: the bounded path's
         saved vjp, or the worst-case path recomputed (forward and backward) inside the cond,
         so a step saves the bounded path's residuals only and no branch fills zeros for the
         other's.

@@ -332,10 +332,9 @@ class MoELayer(nnx.Module):
       With a (node, local) expert axis also "rows_across_nodes" i32[] (rows the two-hop
         dispatch sends over the node axis, global, before drops) and "flat_rows_across_nodes"
         i32[] (what the flat exchange would send).
-      With TokenDispatcherConfig.dropless_buffer_factor also "buffer_overflow" i32[]: the
-        devices whose expert group's routing did not fit the bounded buffers this step
-        (dispatch, experts and combine then ran with the worst-case ones there); 0 in the
-        common step.
+      With TokenDispatcherConfig.dropless_buffer_factor also "buffer_overflow" i32[]: 1 in a
+        step whose routing did not fit the bounded buffers on some device (dispatch, experts
+        and combine then ran with the worst-case ones on every device), else 0.
     """
 
     def __init__(self, config, hidden_size: int, ffn_hidden_size: int | None = None, *,
@@ -462,7 +461,7 @@ class MoELayer(nnx.Module):
             weighted_experts = partial(self._padded_experts,
                                        weighted_experts if self.tensor_axis else weighted_blocks,
                                        tokens.shape[0])
-        flags = {}  # per-device i32[] aux entries, summed over the mesh with the counts
+        overflow = None  # dropless_buffer_factor: 1 where the worst-case buffers ran
         if dcfg.moe_deepep_async_dispatch and d.backend != "hybridep":
             def local_kernel(recv_x, recv_idx, recv_w):
                 routing_map, rprobs = d.local_multihot(recv_idx, recv_w)
@@ -474,12 +473,12 @@ class MoELayer(nnx.Module):
                 return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
             y, dropped = d.overlapped_forward(tokens, probs, ids, local_kernel)
         elif dcfg.dropless_buffer_factor is not None:
-            # The branch is chosen per expert(-and-tensor) group: its collectives span those.
+            # Every device takes the same branch (the peer transport's exchanges meet all
+            # the process's devices, not only one expert group's).
             def experts_of(rows, tokens_per_expert, rows_probs, weights):
                 return _weighted(experts(rows, tokens_per_expert, *weights), rows_probs)
-            y, flags["buffer_overflow"] = d.bounded_forward(
-                tokens, probs, ids, experts_of, (w_gate_up, w_down),
-                tuple(a for a in axes if a != self.data_axis))
+            y, overflow = d.bounded_forward(tokens, probs, ids, experts_of,
+                                            (w_gate_up, w_down), axes)
             dropped = jnp.zeros((), jnp.int32)
         else:
             permuted, tpe, pp, state = d.token_permutation2(tokens, tokens.shape[0], probs, ids)
@@ -490,10 +489,10 @@ class MoELayer(nnx.Module):
         E = cfg.num_moe_experts
         counts = jnp.zeros((E,), jnp.int32).at[jnp.where(ids < 0, E, ids).reshape(-1)].add(
             1, mode="drop")  # dropped slots (-1) count nowhere
-        counts, dropped, *summed = _sum_over(axes, counts, dropped + dropped_per_expert.sum(),
-                                             *flags.values())
+        counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
         aux = _aux(cfg, balancing, z, counts, dropped)
-        aux.update(zip(flags, summed))
+        if overflow is not None:
+            aux["buffer_overflow"] = overflow
         if not isinstance(dcfg.expert_axis_name, str):
             aux.update(zip(("rows_across_nodes", "flat_rows_across_nodes"), _sum_over(
                 axes, *_rows_across_nodes(ids, E, dcfg.expert_axis_name))))
