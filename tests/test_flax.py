@@ -351,22 +351,50 @@ def test_dropless_buffer_factor_refuses_what_bounds_or_splits_the_buffers(other)
     jax_ep.TokenDispatcherConfig(**other)  # each is fine alone
 
 
+def test_dropless_buffer_factor_refuses_the_layers_capacity_factor():
+    dispatcher = jax_ep.TokenDispatcherConfig(dropless_buffer_factor=1.5)
+    with pytest.raises(ValueError, match="dropless_buffer_factor.*moe_expert_capacity_factor"):
+        MoEConfig(num_moe_experts=8, moe_expert_capacity_factor=1.0,
+                  token_dispatcher=dispatcher)
+    with pytest.raises(ValueError, match="dropless_buffer_factor.*moe_expert_capacity_factor"):
+        MoEConfig.from_dict(dict(num_moe_experts=8, moe_expert_capacity_factor=1.0,
+                                 dropless_buffer_factor=1.5))
+
+
+def _expert_pair_inputs(pairs):
+    """Tokens [16, 8, 16] whose router (see _pin_router) picks experts pairs[t] (t over the
+    128 tokens in order; H dims 0..7 are the experts' logits, 10 on the pair, noise below)."""
+    noise = 0.01 * jax.random.normal(jax.random.key(6), (128, 16))
+    rows = jnp.arange(128)
+    x = noise.at[rows, pairs[:, 0]].set(10.0).at[rows, pairs[:, 1]].set(10.0)
+    return x.reshape(16, 8, 16)
+
+
+def _pin_router(layer):
+    """Router [16, 8] = identity on H dims 0..7: a token's logit for expert e is x[e]."""
+    layer.router[...] = jnp.eye(16, 8)
+
+
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])
 def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overflows(
         backend, monkeypatch):
     # T = 16 tokens per device, E = 8, K = 2, P = 4 (L = 2): the balanced load is 32 slots
     # per rank. Factor 2 bounds the permuted buffer to 64 slots, half the worst case (deepep:
-    # 64 received rows x 2 local experts; hybridep: P*T*min(K, L)); the random router fits in
-    # it. With every token on experts 0 and 1 (rank 0 gets 4x the balanced load) it does
-    # not, and the layer runs the worst-case buffers instead. With only the first data
-    # slice's tokens on experts 0 and 1 (the second's spread over experts 2..7) one expert
-    # group overflows and the other fits: every device must still take the same branch, or
-    # the peer transport's exchanges (which meet all 8 devices) would wait for ever.
+    # 64 received rows x 2 local experts; hybridep: P*T*min(K, L)). The random router fits
+    # in it. With every token on experts 0 and 1 (rank 0 gets 128 slots) it does not, and
+    # the layer runs the worst-case buffers instead. With the first data slice's tokens on
+    # experts 0 and 1 and the second's spread evenly (32 slots per rank) one expert group
+    # overflows and the other fits: every device must still take the same branch, or the
+    # peer transport's exchanges (which meet all 8 devices) would wait for ever.
     from jax_ep.flax import moe
     mesh = _mesh()
-    x = jnp.abs(jax.random.normal(jax.random.key(3), (16, 8, 16)))
-    inputs = {"random": x * jnp.sign(jax.random.normal(jax.random.key(5), x.shape)),
-              "skewed": x, "one data slice skewed": x.at[8:].multiply(-1.0)}
+    t = jnp.arange(128)
+    on_rank0 = jnp.stack([jnp.zeros_like(t), jnp.ones_like(t)], axis=1)
+    spread = jnp.stack([2 * t % 8, (2 * t + 1) % 8], axis=1)
+    inputs = {"random": jax.random.normal(jax.random.key(3), (16, 8, 16)),
+              "skewed": _expert_pair_inputs(on_rank0),
+              "one data slice skewed": _expert_pair_inputs(
+                  jnp.where((t < 64)[:, None], on_rank0, spread))}
     cot = jax.random.normal(jax.random.key(4), (16, 8, 16))
     expert_rows = []
     real_experts = moe.swiglu_experts
@@ -382,7 +410,7 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
                                            moe_permute_fusion=True, **extra)
         layer = MoELayer(cfg, 16, 32, rngs=nnx.Rngs(0), mesh=mesh)
         if routing != "random":
-            layer.router[...] = (0.01 * layer.router[...]).at[:, :2].set(1.0)
+            _pin_router(layer)
         shard_params(layer, mesh)
 
         def loss(layer, x):
@@ -396,6 +424,10 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
                                                              has_aux=True))(layer, xs)
         return value, aux, grads, sorted(set(expert_rows))
 
+    # The bounded buffers alone (ragged_buffer_factor) drop rank 0's 64 slots past 64 in
+    # each overflowing data slice, and nothing in the even one.
+    for routing, drops in (("random", 0), ("skewed", 128), ("one data slice skewed", 64)):
+        assert int(run(routing, ragged_buffer_factor=2.0)[1]["num_dropped"]) == drops
     worst_rows = 128
     for routing, fell_back in (("random", 0), ("skewed", 1), ("one data slice skewed", 1)):
         want, want_aux, want_grads, rows = run(routing)

@@ -374,22 +374,23 @@ class MoEFlexTokenDispatcher(nnx.Module):
         hidden = self.combine_all_to_all(hidden, state)
         return self.combine_postprocess(hidden, state)
 
-    def bounded_forward(self, hidden_states, token_probs, token_indices, experts, params, axes):
+    def bounded_forward(self, hidden_states, token_probs, token_indices, experts, params):
         """config.dropless_buffer_factor f: token_permutation2 -> experts ->
         token_unpermutation with the buffers of ragged_buffer_factor=f, and where those drop a
-        row on any device of `axes`, the whole of it again with the no-drop worst-case buffers
-        (lax.cond on the drops summed over `axes`, so every device takes the same branch:
-        `axes` must hold every axis of the mesh, since the peer transport's exchanges meet all
-        of the process's devices, not one expert group's). The backward takes the same branch: the bounded path's
-        saved vjp, or the worst-case path recomputed (forward and backward) inside the cond,
-        so a step saves the bounded path's residuals only and no branch fills zeros for the
-        other's.
+        row on any device, the whole of it again with the no-drop worst-case buffers (a
+        lax.cond on the drops summed over every manual axis of the enclosing shard_map, so
+        all devices take the same branch: the peer transport's exchanges meet all of the
+        process's devices, not one expert group's). The backward takes the same branch: the
+        bounded path's saved vjp, or the worst-case path recomputed (forward and backward)
+        inside the cond, so a step saves the bounded path's residuals only and no branch
+        fills zeros for the other's.
 
         hidden_states [T,H], token_probs / token_indices [T,K]; experts: (rows [N,H],
         tokens_per_expert i32[L], permuted_probs [N], params) -> [N,H]; params: the arrays it
         is differentiated in (the expert weights; `experts` must close over no other traced
         value it needs gradients of). Returns (y [T,H] in the input's shape, overflow i32[]:
-        1 where the worst-case buffers ran, else 0); no token is dropped.
+        1 where the worst-case buffers ran, else 0, num_dropped i32[]: the rows the branch
+        taken dropped, 0 unless the worst case itself is bounded).
         """
         cfg = self.config
         if cfg.dropless_buffer_factor is None:
@@ -401,6 +402,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
                                                               **fields), self.axis_name)
         bounded, worst = twin(ragged_buffer_factor=cfg.dropless_buffer_factor), twin()
         num_tokens = hidden_states.shape[0]
+        axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
 
         def path(dispatcher, hidden, probs, indices, params):
             rows, tokens_per_expert, rows_probs, state = dispatcher.token_permutation2(
@@ -409,14 +411,12 @@ class MoEFlexTokenDispatcher(nnx.Module):
                 experts(rows, tokens_per_expert, rows_probs, params), state)
             return y, state.num_dropped
 
-        def worst_case(hidden, probs, indices, params):
-            return path(worst, hidden, probs, indices, params)[0]
-
         def choose(y, dropped, hidden, probs, indices, params):
-            """The bounded path's y, or the worst case's where any device of `axes` dropped."""
+            """The bounded path's y, or the worst case's where any device dropped."""
             overflow = jax.lax.psum(dropped, axes) > 0
-            y = jax.lax.cond(overflow, worst_case, lambda *_: y, hidden, probs, indices, params)
-            return (y, overflow.astype(jnp.int32)), overflow
+            y, dropped = jax.lax.cond(overflow, partial(path, worst), lambda *_: (y, dropped),
+                                      hidden, probs, indices, params)
+            return (y, overflow.astype(jnp.int32), dropped), overflow
 
         @jax.custom_vjp
         def run(hidden, probs, indices, params):
@@ -434,7 +434,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
             vjp_bounded, overflow, hidden, probs, indices, params = residuals
 
             def worst_case_vjp(dy):
-                return jax.vjp(lambda h, p, w: worst_case(h, p, indices, w), hidden, probs,
+                return jax.vjp(lambda h, p, w: path(worst, h, p, indices, w)[0], hidden, probs,
                                params)[1](dy)
             d_hidden, d_probs, d_params = jax.lax.cond(overflow, worst_case_vjp, vjp_bounded,
                                                        cotangents[0])

@@ -473,13 +473,10 @@ class MoELayer(nnx.Module):
                 return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
             y, dropped = d.overlapped_forward(tokens, probs, ids, local_kernel)
         elif dcfg.dropless_buffer_factor is not None:
-            # Every device takes the same branch (the peer transport's exchanges meet all
-            # the process's devices, not only one expert group's).
             def experts_of(rows, tokens_per_expert, rows_probs, weights):
                 return _weighted(experts(rows, tokens_per_expert, *weights), rows_probs)
-            y, overflow = d.bounded_forward(tokens, probs, ids, experts_of,
-                                            (w_gate_up, w_down), axes)
-            dropped = jnp.zeros((), jnp.int32)
+            y, overflow, dropped = d.bounded_forward(tokens, probs, ids, experts_of,
+                                                     (w_gate_up, w_down))
         else:
             permuted, tpe, pp, state = d.token_permutation2(tokens, tokens.shape[0], probs, ids)
             y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
