@@ -98,8 +98,9 @@ class TokenDispatcherConfig:
         permutes buffers of about f times the balanced load instead of the worst case (the
         two-hop mode's node-hop buffer stays at its worst case, as ragged_buffer_factor
         leaves it), a step that falls back runs both, and the program holds both branches'
-        buffers (more peak memory than the worst case alone). Not with ragged_buffer_factor, num_worst_tokens, num_permuted_tokens,
-        moe_expert_capacity_factor or moe_deepep_async_dispatch.
+        buffers (more peak memory than the worst case alone). Not with ragged_buffer_factor,
+        num_worst_tokens, num_permuted_tokens, moe_expert_capacity_factor or
+        moe_deepep_async_dispatch.
       grouped_gemm_impl: the experts' grouped GEMM, jax_ep.ops.grouped_matmul's impl:
         "auto" (tiled on CPU, jax.lax.ragged_dot on GPU/TPU), "tiled" or "ragged_dot".
       moe_fp8_dispatch: move the dispatched tokens as FP8 codes plus per-128-channel f32
@@ -161,22 +162,15 @@ class TokenDispatcherConfig:
             is_real = isinstance(f, numbers.Real) and not isinstance(f, (bool, np.bool_))
             _require(f is None or (is_real and math.isfinite(f) and f > 0), name,
                      "None or a positive finite float", f)
-        _require(self.ragged_buffer_factor is None or not self.moe_deepep_async_dispatch,
-                 "ragged_buffer_factor", "None with moe_deepep_async_dispatch=True (the "
-                 "chunked overlap sizes its buffers per chunk for no drop)",
-                 self.ragged_buffer_factor)
+        for name in ("ragged_buffer_factor", "dropless_buffer_factor", "num_worst_tokens"):
+            _require(getattr(self, name) is None or not self.moe_deepep_async_dispatch, name,
+                     "None with moe_deepep_async_dispatch=True (the chunked overlap sizes its "
+                     "buffers per chunk for no drop)", getattr(self, name))
         for name in ("ragged_buffer_factor", "num_worst_tokens", "num_permuted_tokens",
                      "moe_expert_capacity_factor"):
             _require(self.dropless_buffer_factor is None or getattr(self, name) is None,
                      "dropless_buffer_factor", f"None with {name} set (it bounds the buffers "
                      f"itself and keeps every token)", self.dropless_buffer_factor)
-        _require(self.dropless_buffer_factor is None or not self.moe_deepep_async_dispatch,
-                 "dropless_buffer_factor", "None with moe_deepep_async_dispatch=True (the "
-                 "chunked overlap sizes its buffers per chunk for no drop)",
-                 self.dropless_buffer_factor)
-        _require(self.num_worst_tokens is None or not self.moe_deepep_async_dispatch,
-                 "num_worst_tokens", "None with moe_deepep_async_dispatch=True (the chunked "
-                 "overlap sizes its buffers per chunk for no drop)", self.num_worst_tokens)
         _require(not self.moe_fp8_dispatch or not self.moe_deepep_async_dispatch,
                  "moe_fp8_dispatch", "False with moe_deepep_async_dispatch=True (the chunked "
                  "overlap moves rows in their own dtype)", self.moe_fp8_dispatch)
