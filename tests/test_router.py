@@ -317,7 +317,7 @@ def test_drop_policies_by_hand():
 
 def test_expert_bias_update_is_megatrons_sign_rule():
     bias = jnp.asarray([0.5, 0.0, -0.25, 1.0])
-    got = routing.updated_expert_bias(bias, jnp.asarray([3, 1, 2, 2]), 0.1)
+    got = routing.get_updated_expert_bias(jnp.asarray([3, 1, 2, 2]), bias, 0.1)
     np.testing.assert_allclose(np.asarray(got), [0.4, 0.1, -0.25, 1.0], rtol=1e-6)
 
 
@@ -361,7 +361,7 @@ def test_moe_config_from_dict_names_unknown_fields_or_warns():
 @pytest.mark.parametrize("field,value", [
     ("num_moe_experts", None), ("moe_router_topk", 9), ("moe_router_score_function", "relu"),
     ("moe_router_load_balancing_type", "switch"), ("moe_token_drop_policy", "random"),
-    ("moe_router_topk_scaling_factor", 0.0), ("moe_aux_loss_coeff", -1.0),
+    ("moe_router_topk_scaling_factor", -1.0), ("moe_aux_loss_coeff", -1.0),
     ("moe_z_loss_coeff", float("nan")), ("moe_expert_capacity_factor", 0.0),
     ("moe_pad_expert_input_to_capacity", True), ("moe_router_dtype", "bf16"),
     ("moe_router_enable_expert_bias", True), ("moe_router_pre_softmax", 1),
@@ -371,12 +371,120 @@ def test_moe_config_rejects_bad_values_naming_the_field(field, value):
         MoEConfig(**dict(dict(num_moe_experts=E), **{field: value}))
 
 
-@pytest.mark.parametrize("groups,top", [(3, 1), (4, 3), (4, 5), (8, 1)])
+@pytest.mark.parametrize("groups,top", [(3, 1), (4, 3), (4, 5), (8, 1), (None, 2)])
 def test_moe_config_checks_the_groups(groups, top):
-    # 8 experts, top-2: 3 does not divide 8; 3 does not divide K; 5 > 4 groups; 1 group of 1
-    # expert holds fewer than K experts.
+    # 8 experts, top-2: 3 does not divide 8; 3 > K (its groups would score K // 3 = 0
+    # experts); 5 > 4 groups; 1 group of 1 expert holds fewer than K experts; group_topk
+    # without num_groups.
     with pytest.raises(ValueError, match="moe_router_(num_groups|group_topk)"):
         _cfg(moe_router_num_groups=groups, moe_router_group_topk=top)
+
+
+def test_group_topk_need_not_divide_topk():
+    # Megatron's TestGroupLimitedRouter: K = 4 over 8 groups of 2, 3 groups kept; a group
+    # scores its top K // 3 = 1 expert. Token 0's best single experts are in groups 0, 1 and 5;
+    # group 7's pair sums higher but its best expert is lower.
+    c = MoEConfig(num_moe_experts=16, moe_router_topk=4, moe_router_num_groups=8,
+                  moe_router_group_topk=3, moe_router_score_function="sigmoid")
+    row = np.full((1, 16), -4.0)
+    row[0, [0, 1, 2, 10, 14, 15]] = [3.0, 2.0, 2.5, 2.8, 1.9, 1.9]
+    probs, ids = routing.route(jnp.asarray(row, jnp.float32), c)
+    assert sorted(np.asarray(ids)[0].tolist()) == [0, 1, 2, 10]
+    want, top = np_route(row, c)
+    np.testing.assert_allclose(np.asarray(probs)[0], want[0, np.asarray(ids)[0]], rtol=1e-6)
+    assert top[0, np.asarray(ids)[0]].all()
+    with pytest.raises(ValueError, match="num_tokens=2"):
+        routing.group_limited_topk(jnp.zeros((1, 16)), 4, 2, 16, 8, 3)
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("use_pre_softmax", [True, False])
+@pytest.mark.parametrize("topk", [1, 2])
+def test_topk_routing_with_score_function_as_megatrons(score_function, use_pre_softmax, topk):
+    # Megatron's test_topk_routing_precomputed_indices_equivalence, and the sparse results
+    # against the float64 model.
+    if score_function != "softmax" and use_pre_softmax:
+        pytest.skip("pre_softmax only applies to softmax scoring")
+    logits = jnp.asarray(np.random.default_rng(123).normal(size=(64, 8)), jnp.float32)
+    kwargs = dict(use_pre_softmax=use_pre_softmax, score_function=score_function, fused=False)
+    probs_ref, map_ref = routing.topk_routing_with_score_function(logits, topk, **kwargs)
+    _, top = routing.topk_routing_with_score_function(logits, topk, dense_output=True, **kwargs)
+    probs_pre, map_pre = routing.topk_routing_with_score_function(
+        logits, topk, precomputed_indices=top, **kwargs)
+    np.testing.assert_array_equal(np.asarray(map_ref), np.asarray(map_pre))
+    np.testing.assert_allclose(np.asarray(probs_ref), np.asarray(probs_pre), rtol=1e-6)
+    alt = jax.lax.top_k(-logits, topk)[1]  # bottom-k: disjoint from the top-k
+    _, map_alt = routing.topk_routing_with_score_function(logits, topk,
+                                                          precomputed_indices=alt, **kwargs)
+    want_alt = np.zeros((64, 8), bool)
+    np.put_along_axis(want_alt, np.asarray(alt), True, axis=1)
+    np.testing.assert_array_equal(np.asarray(map_alt), want_alt)
+    c = MoEConfig(num_moe_experts=8, moe_router_topk=topk, moe_router_score_function=score_function,
+                  moe_router_pre_softmax=use_pre_softmax or (topk == 1
+                                                             and score_function == "softmax"))
+    if c.moe_router_pre_softmax == use_pre_softmax:
+        want_probs, want_map = np_route(np.asarray(logits, np.float64), c)
+        np.testing.assert_array_equal(np.asarray(map_ref), want_map)
+        np.testing.assert_allclose(np.asarray(probs_ref), want_probs, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="router_replay"):
+        routing.topk_routing_with_score_function(logits, topk, router_replay=object())
+    with pytest.raises(ValueError, match="score_function"):
+        routing.topk_routing_with_score_function(logits, topk, score_function="relu")
+
+
+def test_router_gating_linear_is_megatrons():
+    rng = np.random.default_rng(0)
+    x, w, b = (rng.normal(size=shape) for shape in ((2, 3, 16), (8, 16), (8,)))
+    got = routing.router_gating_linear(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
+                                       jnp.asarray(b, jnp.bfloat16), jnp.float32)
+    xb, wb, bb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (x, w, b))
+    assert got.dtype == jnp.float32 and got.shape == (2, 3, 8)
+    np.testing.assert_allclose(np.asarray(got), xb @ wb.T + bb, rtol=1e-5, atol=1e-5)
+    assert routing.router_gating_linear(jnp.asarray(x), jnp.asarray(w), None,
+                                        jnp.float32).shape == (2, 3, 8)
+
+
+def test_moe_config_follows_megatrons_normalisations():
+    # negative capacity factor: dropless; scaling factor 0: no scaling; num_groups alone and
+    # pre-softmax with sigmoid scores: accepted and without effect; top-1 softmax needs
+    # pre-softmax (a softmax over one logit is 1).
+    assert _cfg(moe_expert_capacity_factor=-1.0).moe_expert_capacity_factor is None
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(6, E)), jnp.float32)
+    plain = routing.route(logits, _cfg(moe_router_score_function="sigmoid"))
+    for fields in (dict(moe_router_topk_scaling_factor=0.0), dict(moe_router_num_groups=4),
+                   dict(moe_router_pre_softmax=True)):
+        got = routing.route(logits, _cfg(moe_router_score_function="sigmoid", **fields))
+        for a, b in zip(got, plain):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="moe_router_pre_softmax"):
+        MoEConfig(num_moe_experts=E, moe_router_topk=1)
+    MoEConfig(num_moe_experts=E, moe_router_topk=1, moe_router_load_balancing_type="sinkhorn")
+
+
+def test_scores_are_float32_for_bf16_logits():
+    # Megatron computes the scores in float32 and casts only the probs back: an expert bias
+    # below bf16's spacing near 0.5 still decides, and near-equal bf16 logits keep their order.
+    c = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_router_score_function="sigmoid",
+                  moe_router_enable_expert_bias=True)
+    _, ids = routing.route(jnp.zeros((1, 4), jnp.bfloat16), c,
+                           jnp.asarray([0.0, 0.0, 1e-3, 1e-3], jnp.float32))
+    assert sorted(np.asarray(ids)[0].tolist()) == [2, 3]
+    c1 = MoEConfig(num_moe_experts=4, moe_router_topk=1, moe_router_score_function="sigmoid")
+    probs, ids = routing.route(jnp.asarray([[3.0, 3.03125, -5.0, -5.0]], jnp.bfloat16), c1)
+    assert np.asarray(ids)[0, 0] == 1 and probs.dtype == jnp.bfloat16
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(16, E)).astype(np.float32)
+    bf16 = jnp.asarray(logits, jnp.bfloat16)
+    for fields in (dict(), dict(moe_router_pre_softmax=True),
+                   dict(moe_router_score_function="sqrtsoftplus")):
+        c = _cfg(**fields)
+        probs, ids = routing.route(bf16, c)
+        want, _ = np_route(np.asarray(bf16.astype(jnp.float32), np.float64), c)
+        got = np.take_along_axis(want, np.asarray(ids), 1)
+        # the float64 model's probs rounded once to bf16, as Megatron's final cast
+        np.testing.assert_array_equal(np.asarray(probs, np.float32),
+                                      np.asarray(jnp.asarray(got, jnp.float32)
+                                                 .astype(jnp.bfloat16), np.float32))
 
 
 # ----------------------------------------------------------------- the layer on a 2 x 4 mesh
@@ -674,6 +782,86 @@ def test_global_aux_loss_keeps_megatrons_running_mean_over_micro_batches():
     assert float(layer.ga_steps[...]) == 0 and not np.asarray(
         layer.global_tokens_per_expert[...]).any()
     assert MoELayer(_cfg(), H, 32, rngs=nnx.Rngs(0), mesh=mesh).ga_steps is None
+
+
+def np_padded_losses(logits, valid, c: MoEConfig, num_devices, seq_len):
+    """Megatron's losses with a padding mask (valid = ~padding_mask) over the global tokens
+    [N,E] of num_devices ranks: compute_routing_scores_for_aux_loss zeroes the padding tokens'
+    scores and routing; get_tokens_per_expert_and_token_count counts the valid tokens (the
+    per-sequence loss: the rank's valid tokens / its sequences); z_loss_func is the mean over
+    valid tokens. Returns ({type: loss}, z_loss, the masked plain top-k counts [E])."""
+    scores = np_aux_scores(logits, c) * valid[:, None]
+    _, top = np_topk(np_aux_scores(logits, c), c.moe_router_topk)
+    routed = np.zeros(logits.shape)
+    np.put_along_axis(routed, top, 1.0, axis=1)
+    routed *= valid[:, None]
+    num_experts, k = logits.shape[1], c.moe_router_topk
+
+    def switch(s, r, n):
+        return np.sum(s.sum(0) * r.sum(0)) * num_experts / (k * n * n) if n else 0.0
+
+    per_rank = list(zip(*(np.split(a, num_devices) for a in (scores, routed, valid))))
+    losses = {"aux_loss": np.mean([switch(s, r, v.sum()) for s, r, v in per_rank])}
+    seqs = []
+    for s, r, v in per_rank:
+        mean_tokens = v.sum() / (len(v) // seq_len)
+        seqs += [switch(a, b, mean_tokens) for a, b in zip(np.split(s, len(v) // seq_len),
+                                                          np.split(r, len(v) // seq_len))]
+    losses["seq_aux_loss"] = np.mean(seqs)
+    losses["global_aux_loss"] = switch(scores, routed, valid.sum())
+    lse = np.log(np.exp(logits).sum(-1))
+    return losses, np.sum(lse ** 2 * valid) / max(valid.sum(), 1), routed.sum(0)
+
+
+def test_padding_mask_leaves_padding_out_of_every_loss_and_count():
+    # Megatron's padding_mask (True = padding): still routed and computed, counted nowhere.
+    # 8 devices x 2 sequences of 3; device 2 has one padded sequence, device 5 only padding.
+    c = _cfg(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+             moe_aux_loss_coeff=[1e-2, 0.1, 0.05], moe_z_loss_coeff=1e-3,
+             token_dispatcher=jax_ep.TokenDispatcherConfig(moe_permute_fusion=True))
+    mesh = _mesh()
+    layer, twin = _layer(c, mesh)
+    plain, _ = _layer(c, mesh)
+    x = jax.random.normal(jax.random.key(2), (16, 3, H))
+    mask = np.zeros((16, 3), bool)
+    mask[0, 2] = mask[1, 1:] = mask[4] = mask[10:12] = True
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+    ms = jax.device_put(mask, NamedSharding(mesh, P(("data", "expert"))))
+    with jax.set_mesh(mesh):
+        y, aux = nnx.jit(lambda m, x, p: m(x, padding_mask=p))(layer, xs, ms)
+        y_plain, aux_plain = nnx.jit(lambda m, x: m(x))(plain, xs)
+        aux_grads = nnx.jit(nnx.grad(lambda m, x, p: m(x, padding_mask=p)[1]["aux_loss"]))(
+            layer, xs, ms)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_plain))  # outputs unchanged
+    W = np.asarray(twin.router[...], np.float64)
+    xf, valid = np.asarray(x, np.float64).reshape(-1, H), ~mask.reshape(-1)
+
+    def np_aux(W):
+        losses, z, _ = np_padded_losses(xf @ W, valid, c, 8, 3)
+        return sum(np_types(c)[k] * v for k, v in losses.items()) + 1e-3 * z, losses, z
+
+    total, losses, z = np_aux(W)
+    for kind, value in losses.items():
+        np.testing.assert_allclose(float(aux["load_balancing_losses"][kind]), value, rtol=1e-5,
+                                   err_msg=kind)
+        assert abs(float(aux_plain["load_balancing_losses"][kind]) - value) > 1e-4 * value
+    np.testing.assert_allclose(float(aux["z_loss"]), z, rtol=1e-5)
+    np.testing.assert_allclose(float(aux["aux_loss"]), total, rtol=1e-5)
+    np.testing.assert_allclose(float(dense_forward(twin, x, 8, padding_mask=mask)[1]), total,
+                               rtol=1e-5)
+    routed = np.zeros((48, E))
+    np.put_along_axis(routed, np_route(xf @ W, c)[1].argsort(1)[:, -K:], 1.0, axis=1)
+    np.testing.assert_array_equal(np.asarray(aux["tokens_per_expert"]),
+                                  (routed * valid[:, None]).sum(0))
+    np.testing.assert_allclose(np.asarray(layer.global_tokens_per_expert[...]),  # two calls
+                               2 * np_padded_losses(xf @ W, valid, c, 8, 3)[2])
+    direction = np.asarray(jax.random.normal(jax.random.key(4), W.shape), np.float64)
+    fd = (np_aux(W + 1e-5 * direction)[0] - np_aux(W - 1e-5 * direction)[0]) / 2e-5
+    np.testing.assert_allclose(np.sum(np.asarray(aux_grads.router[...]) * direction), fd,
+                               rtol=2e-3, atol=1e-9)
+    for bad in (mask[:, :2], mask.astype(np.int32)):
+        with pytest.raises(ValueError, match="padding_mask"):
+            layer(x, padding_mask=bad)
 
 
 # ----------------------------------------------------------------- drop and pad

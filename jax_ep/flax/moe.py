@@ -172,7 +172,7 @@ def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True):
     dropped i32[E]: slots each expert dropped to the capacity factor)."""
     dcfg = cfg.token_dispatcher
     dtype = router_dtype(cfg.dispatcher_config(), tokens.dtype)
-    logits = tokens.astype(dtype) @ router.astype(dtype)
+    logits = routing.router_gating_linear(tokens, router.T, None, dtype)
     probs, ids = routing.route(logits, cfg, expert_bias, training)
     if dcfg.moe_benchmark_static_routing:  # forced balance: token t takes (t*K + k) mod E
         k = cfg.moe_router_topk
@@ -192,49 +192,70 @@ def _sum_over(axes, *values):
     return jax.lax.psum(tuple(_ffi.make_varying(v, frozenset(axes)) for v in values), axes)
 
 
-def _switch(scores, routed, top_k):
-    """The switch loss of each token set: scores f32[S,N,E], routed i32[S,N,E] -> f32[S],
-    E / (K * N^2) * sum_e (sum_n scores) * (sum_n routed); 0 for an empty set."""
-    n = max(scores.shape[1], 1)
-    return (scores.sum(axis=1) * routed.sum(axis=1)).sum(axis=-1) * (
-        scores.shape[-1] / (top_k * n * n))
+def _switch(score_sums, counts, num_tokens, top_k):
+    """Megatron's switch_load_balancing_loss_func (coefficient 1) of S token sets: score_sums
+    f32[S,E] (each set's scores summed over its tokens), counts [S,E] (its routed slots per
+    expert), num_tokens f32[S] (its tokens) -> f32[S], E / (K * n^2) * sum_e score_sums *
+    counts; 0 for a set of no tokens."""
+    n = jnp.maximum(num_tokens, 1.0)
+    return (score_sums * counts).sum(axis=-1) * (score_sums.shape[-1] / (top_k * n * n))
 
 
-def _balancing_loss(kind, scores, routed, seq_len, cfg: MoEConfig, axes, num_devices, tracker):
+def _set_sums(scores, routed, tokens, size):
+    """Sums over sets of `size` consecutive tokens: scores f32[M,E], routed i32[M,E], tokens
+    f32[M] (1 a token, 0 padding) -> ([S,E], [S,E], f32[S]), S = M / size."""
+    E = scores.shape[-1]
+    return (scores.reshape(-1, size, E).sum(axis=1), routed.reshape(-1, size, E).sum(axis=1),
+            tokens.reshape(-1, size).sum(axis=1))
+
+
+def _balancing_loss(kind, scores, routed, tokens, seq_len, cfg: MoEConfig, axes, num_devices,
+                    tracker):
     """One load-balancing loss (unscaled) over every token of the mesh `axes` (see _losses),
-    and for "global_aux_loss" the tracker's new counts: scores f32[D*N,E], routed i32[D*N,E];
-    tracker (f32[E] counts summed over this step's earlier micro-batches, f32[] their number)."""
-    E, K = cfg.num_moe_experts, cfg.moe_router_topk
+    and for "global_aux_loss" the tracker's new counts: scores f32[D*N,E], routed i32[D*N,E]
+    and tokens f32[D*N] (padding: 0 in all three); tracker (f32[E] counts summed over this
+    step's earlier micro-batches, f32[] their number)."""
+    K = cfg.moe_router_topk
     if kind == "global_aux_loss":  # Megatron: the expert counts a running mean over micro-batches
-        s, r, n = _sum_over(axes, scores.sum(axis=0), routed.sum(axis=0),
-                            jnp.asarray(scores.shape[0], jnp.float32))
+        s, r, n = _sum_over(axes, *(a[0] for a in _set_sums(scores, routed, tokens,
+                                                            max(scores.shape[0], 1))))
         counts = tracker[0] + r
-        n = jnp.maximum(n, 1.0)
-        return jnp.sum(s * counts / (tracker[1] + 1.0)) * E / (K * n * n), counts
+        return _switch(s[None], (counts / (tracker[1] + 1.0))[None], n, K)[0], counts
     size = scores.shape[0] // num_devices if kind == "aux_loss" else seq_len
-    sets = _switch(scores.reshape(-1, size, E), routed.reshape(-1, size, E),
-                   K) if size else jnp.zeros((0,), jnp.float32)
+    sets = jnp.zeros((0,), jnp.float32)
+    if size:
+        score_sums, counts, n = _set_sums(scores, routed, tokens, size)
+        if kind == "seq_aux_loss":  # Megatron: each sequence counts its device's mean tokens
+            per_device = n.reshape(num_devices, -1)
+            n = jnp.repeat(per_device.mean(axis=1), per_device.shape[1])
+        sets = _switch(score_sums, counts, n, K)
     total, count = _sum_over(axes, sets.sum(), jnp.asarray(sets.shape[0], jnp.float32))
     return total / jnp.maximum(count, 1.0), None
 
 
-def _losses(logits, seq_len, cfg: MoEConfig, axes, num_devices=1, tracker=None):
+def _losses(logits, seq_len, cfg: MoEConfig, axes, num_devices=1, tracker=None, valid=None):
     """The unscaled losses over every token of the mesh `axes`: logits [D*N, E] are the tokens
     of num_devices devices (D blocks of N, each a whole number of sequences of seq_len tokens;
     D = 1 inside shard_map). Returns ({kind: f32[]} for each of cfg.aux_losses(), z_loss f32[],
     the global_aux_loss tracker's new counts f32[E] or None). tracker: the layer's
-    (global_tokens_per_expert f32[E], ga_steps f32[]) when global_aux_loss is on."""
+    (global_tokens_per_expert f32[E], ga_steps f32[]) when global_aux_loss is on. valid
+    bool[D*N] or None: False for padding tokens, which no loss counts (Megatron's padding_mask:
+    their scores and routing are zeroed, the token counts are the valid tokens')."""
+    tokens = jnp.ones(logits.shape[:1], jnp.float32) if valid is None else \
+        valid.astype(jnp.float32)
     balancing, counts = {}, None
     if cfg.aux_losses():  # as Megatron: a loss at coefficient 0 is not computed
         scores, routed = routing.switch_loss_terms(logits, cfg)
+        if valid is not None:
+            scores, routed = scores * tokens[:, None], routed * valid[:, None]
         for kind in cfg.aux_losses():
-            balancing[kind], new = _balancing_loss(kind, scores, routed, seq_len, cfg, axes,
-                                                   num_devices, tracker)
+            balancing[kind], new = _balancing_loss(kind, scores, routed, tokens, seq_len, cfg,
+                                                   axes, num_devices, tracker)
             counts = counts if new is None else new
     z = jnp.zeros((), jnp.float32)
     if cfg.moe_z_loss_coeff is not None:
-        total, count = _sum_over(axes, routing.z_loss_terms(logits).sum(),
-                                 jnp.asarray(logits.shape[0], jnp.float32))
+        total, count = _sum_over(axes, (routing.z_loss_terms(logits) * tokens).sum(),
+                                 tokens.sum())
         z = total / jnp.maximum(count, 1.0)
     return balancing, z, counts
 
@@ -313,8 +334,14 @@ class MoELayer(nnx.Module):
       deterministic: NNX's eval flag (`model.eval()` sets it True, `model.train()` False):
         Megatron's `not module.training`. In eval, sinkhorn routing takes the top-k of the
         activation, and the global_aux_loss tracker is read but not added to.
-    __call__(x [..., H]) -> (y [..., H] in the compute dtype, aux), aux over every token of the
-    mesh (summed over the data, expert and tensor axes, or the axes of your shard_map):
+    __call__(x [..., H], padding_mask=None) -> (y [..., H] in the compute dtype, aux).
+    padding_mask: None or bool[...] of x's shape without H, True for padding tokens (Megatron's
+    MoELayer / Router argument): they are still routed and computed, but no loss counts them
+    (their scores and routing are zeroed in the load-balancing losses, whose token counts are
+    the valid tokens', and the z-loss is the mean over valid tokens) and neither do
+    "tokens_per_expert" (so neither does the expert-bias update) nor the global_aux_loss
+    tracker. aux is over every token of the mesh (summed over the data, expert and tensor
+    axes, or the axes of your shard_map):
       "aux_loss" f32[]: moe_aux_loss_coeff * load_balancing_loss + moe_z_loss_coeff * z_loss,
         the term to add to the training loss (already scaled).
       "load_balancing_loss" f32[]: unscaled, by moe_router_load_balancing_type: "aux_loss" the
@@ -327,8 +354,9 @@ class MoELayer(nnx.Module):
       "load_balancing_losses" {type: f32[]}: each computed type's unscaled loss.
       "z_loss" f32[]: unscaled mean over tokens of logsumexp(logits)^2 (0 without a coeff).
       "tokens_per_expert" i32[E]: (token, expert) slots each expert got, after the capacity
-        drop, summed over the mesh. "load_ratio" f32[]: max / mean of it (Megatron's overload
-        factor; 0 for an empty batch). "num_dropped" i32[]: slots dropped to the capacity.
+        drop, summed over the mesh (padding tokens not counted). "load_ratio" f32[]: max /
+        mean of it (Megatron's overload factor; 0 for an empty batch). "num_dropped" i32[]:
+        slots dropped to the capacity.
       With a (node, local) expert axis also "rows_across_nodes" i32[] (rows the two-hop
         dispatch sends over the node axis, global, before drops) and "flat_rows_across_nodes"
         i32[] (what the flat exchange would send).
@@ -411,8 +439,8 @@ class MoELayer(nnx.Module):
         if self.expert_bias is None:
             raise ValueError("update_expert_bias: the layer has no expert bias "
                              "(MoEConfig.moe_router_enable_expert_bias=False)")
-        self.expert_bias[...] = routing.updated_expert_bias(
-            self.expert_bias[...], tokens_per_expert, self.config.moe_router_bias_update_rate)
+        self.expert_bias[...] = routing.get_updated_expert_bias(
+            tokens_per_expert, self.expert_bias[...], self.config.moe_router_bias_update_rate)
 
     def reset_global_aux_loss_tracker(self):
         """Zeroes the global_aux_loss tracker (Megatron's reset_global_aux_loss_tracker): call
@@ -433,16 +461,17 @@ class MoELayer(nnx.Module):
         axes = (self.data_axis,) + axes if self.data_axis else axes
         return axes + (self.tensor_axis,) if self.tensor_axis else axes
 
-    def _local(self, x, router, w_gate_up, w_down, shared, expert_bias, tracker):
-        """The per-device body (inside shard_map): x [..., H] local tokens. Returns (y, aux,
-        the global_aux_loss tracker's new counts f32[E] or None)."""
+    def _local(self, x, router, w_gate_up, w_down, shared, expert_bias, tracker, padding):
+        """The per-device body (inside shard_map): x [..., H] local tokens, padding bool[...]
+        or None. Returns (y, aux, the global_aux_loss tracker's new counts f32[E] or None)."""
         cfg, dcfg = self.config, self.dispatch_config
         tokens = x.reshape(-1, x.shape[-1])
+        valid = None if padding is None else ~padding.reshape(-1)
         logits, probs, ids, dropped_per_expert = _route(tokens, router, cfg, expert_bias,
                                                         not self.deterministic)
         axes = self._token_axes()
         balancing, z, tracked = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, axes,
-                                        tracker=tracker)
+                                        tracker=tracker, valid=valid)
         d = self.dispatcher
         experts = partial(swiglu_experts, impl=dcfg.grouped_gemm_impl, tile_rows=expert_tile_rows(
             tokens.shape[0] * cfg.expert_tensor_parallel_size, cfg.moe_router_topk,
@@ -484,8 +513,9 @@ class MoELayer(nnx.Module):
         if shared is not None:
             y = y + _swiglu(tokens, *shared)
         E = cfg.num_moe_experts
-        counts = jnp.zeros((E,), jnp.int32).at[jnp.where(ids < 0, E, ids).reshape(-1)].add(
-            1, mode="drop")  # dropped slots (-1) count nowhere
+        counted = ids >= 0 if valid is None else (ids >= 0) & valid[:, None]
+        counts = jnp.zeros((E,), jnp.int32).at[jnp.where(counted, ids, E).reshape(-1)].add(
+            1, mode="drop")  # dropped slots (-1) and padding tokens count nowhere
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
         aux = _aux(cfg, balancing, z, counts, dropped)
         if overflow is not None:
@@ -511,7 +541,7 @@ class MoELayer(nnx.Module):
         return unpad_expert_blocks(weighted_experts(padded, sizes, padded_probs), slots,
                                    rows.shape[0])
 
-    def __call__(self, x):
+    def __call__(self, x, padding_mask=None):
         hidden = self.router.shape[0]
         if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
             raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")
@@ -526,7 +556,7 @@ class MoELayer(nnx.Module):
         shared = tuple(weights[3:]) or None
         bias = None if self.expert_bias is None else self.expert_bias[...]
         tracker = self._tracker()
-        params = (*weights[:3], shared, bias, tracker)
+        params = (*weights[:3], shared, bias, tracker, _checked_padding_mask(padding_mask, x))
         axis = self.dispatch_config.expert_axis_name
         try:
             jax.lax.axis_size(axis)
@@ -573,9 +603,10 @@ class MoELayer(nnx.Module):
         shared_spec = None if params[3] is None else (P(), P())
         bias_spec = None if params[4] is None else P()
         tracker_spec = None if params[5] is None else (P(), P())
+        padding_spec = None if params[6] is None else tokens_spec
         t = self.tensor_axis
         in_specs = (tokens_spec, P(), P(axis, None, t), P(axis, t, None), shared_spec, bias_spec,
-                    tracker_spec)
+                    tracker_spec, padding_spec)
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P(), P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
@@ -584,6 +615,18 @@ class MoELayer(nnx.Module):
 # help(MoELayer) shows __init__'s signature (nnx.Module's metaclass hides it otherwise).
 MoELayer.__signature__ = inspect.signature(MoELayer.__init__).replace(
     parameters=list(inspect.signature(MoELayer.__init__).parameters.values())[1:])
+
+
+def _checked_padding_mask(padding_mask, x):
+    """padding_mask: None, or bool of x's shape without the hidden axis (True: a padding token,
+    Megatron's convention) -> itself; else ValueError."""
+    if padding_mask is None:
+        return None
+    if jnp.shape(padding_mask) != jnp.shape(x)[:-1] or jnp.result_type(padding_mask) != bool:
+        raise ValueError(f"padding_mask: expected None or bool{list(jnp.shape(x)[:-1])} (x's "
+                         f"shape without the hidden axis; True marks padding), got "
+                         f"{jnp.result_type(padding_mask)}{list(jnp.shape(padding_mask))}")
+    return jnp.asarray(padding_mask)
 
 
 def _rows_across_nodes(ids, num_experts, axes):
@@ -644,13 +687,13 @@ def _laid_out(mesh, args, specs):
     return tuple(place(a, spec) for a, spec in zip(args, specs))
 
 
-def dense_forward(layer: MoELayer, x, num_devices=None):
+def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     """Single-device reference of `layer` (no expert parallelism): the oracle the layer is
     tested against. x [B, ..., H] is taken as num_devices equal blocks of the batch (default:
     the devices of the layer's token mesh axes, 1 without a mesh), each routed, dropped to
-    capacity and counted in the losses as that device does. w_gate_up is read in the layout of
-    config.expert_tensor_parallel_size column shards (`gate_up_from_etp`). Returns (y [..., H],
-    aux_loss f32[], the layer's aux["aux_loss"])."""
+    capacity and counted in the losses as that device does; padding_mask as the layer's.
+    w_gate_up is read in the layout of config.expert_tensor_parallel_size column shards
+    (`gate_up_from_etp`). Returns (y [..., H], aux_loss f32[], the layer's aux["aux_loss"])."""
     cfg = layer.config
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
@@ -667,8 +710,9 @@ def dense_forward(layer: MoELayer, x, num_devices=None):
     logits, probs, ids, _ = jax.vmap(
         lambda t: _route(t, router, cfg, bias, not layer.deterministic))(blocks)
     logits, probs, ids = (a.reshape(-1, a.shape[-1]) for a in (logits, probs, ids))
+    padding = _checked_padding_mask(padding_mask, x)
     balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,
-                              layer._tracker())
+                              layer._tracker(), None if padding is None else ~padding.reshape(-1))
     every = jax.vmap(lambda a, b: _swiglu(tokens, a, b))(w_gate_up, w_down)  # [E,T,H]
     picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
     y = jnp.sum(_weighted(picked, probs), axis=1)  # dropped slots have probs 0

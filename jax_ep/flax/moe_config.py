@@ -52,12 +52,14 @@ class MoEConfig:
         that hidden size (None: none).
       moe_router_score_function: "softmax", "sigmoid" or "sqrtsoftplus" (Megatron core 0.18's
         sqrt(softplus(logits))). moe_router_pre_softmax: softmax over all E logits before top-k
-        (else top-k of the logits, softmax over the K chosen). Sigmoid and sqrtsoftplus scores
-        are renormalised over the K chosen (when K > 1).
-      moe_router_topk_scaling_factor: the top-k probs times this (None: 1).
+        (else top-k of the logits, softmax over the K chosen; must be True when K = 1 with
+        softmax scores, Megatron's rule; ignored with sigmoid / sqrtsoftplus, as Megatron).
+        Sigmoid and sqrtsoftplus scores are renormalised over the K chosen (when K > 1).
+      moe_router_topk_scaling_factor: the top-k probs times this (None or 0: 1, as Megatron).
       moe_router_num_groups, moe_router_group_topk: node-limited routing (DeepSeek-V3): E
         experts in that many contiguous groups, a group scored by the sum of its top
-        K / group_topk scores, top-K among the best group_topk groups only.
+        K // group_topk scores, top-K among the best group_topk groups only (group_topk in
+        [1, min(num_groups, K)]; num_groups alone routes without groups, as Megatron).
       moe_router_enable_expert_bias: aux-loss-free balancing (sigmoid / sqrtsoftplus only, as
         Megatron): a
         non-trainable f32[E] bias added to the scores for the top-k choice only, updated by
@@ -72,9 +74,10 @@ class MoEConfig:
         sinkhorn (Megatron's rule: only the plain string does). Kept as tuples.
         moe_aux_loss_coeff: the weight (0: that loss is off, not computed).
       moe_z_loss_coeff: weight of the router z-loss mean(logsumexp(logits)^2) (None: off).
-      moe_expert_capacity_factor: None = no drop; else each expert keeps at most
-        ceil(T*K/E * factor) of a device's T tokens, chosen by moe_token_drop_policy:
-        "probs" (the highest probabilities) or "position" (the first in token order).
+      moe_expert_capacity_factor: None (or negative, made None as Megatron) = no drop; else
+        each expert keeps at most ceil(T*K/E * factor) of a device's T tokens, chosen by
+        moe_token_drop_policy: "probs" (the highest probabilities) or "position" (the first in
+        token order).
       moe_pad_expert_input_to_capacity: Megatron's drop-and-pad (needs a capacity factor): the
         MoELayer pads every local expert's input block to its capacity, P * ceil(T*K/E *
         factor) rows, so each expert computes exactly that many rows (Megatron's
@@ -82,7 +85,8 @@ class MoEConfig:
         (swiglu_expert_blocks; the grouped GEMM with expert tensor parallelism). Padding rows
         carry probability 0 (zero rows here, real unrouted tokens in Megatron), so outputs and
         gradients are those without it.
-      moe_router_dtype: "fp32", "fp64" or None (the input dtype) for logits, scores and probs.
+      moe_router_dtype: "fp32", "fp64" or None (the input dtype) for the logits and the probs;
+        the scores between them are computed in at least float32 (Megatron's precision).
       token_dispatcher: the dispatcher's TokenDispatcherConfig (backend, transport, buffer
         sizes, ...); its fields num_moe_experts, moe_router_topk, moe_expert_capacity_factor
         and moe_router_dtype are replaced by this config's (see `dispatcher_config`).
@@ -129,12 +133,14 @@ class MoEConfig:
         for name in ("moe_router_pre_softmax", "moe_router_enable_expert_bias",
                      "moe_pad_expert_input_to_capacity"):
             _require(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
-        _require(not self.moe_router_pre_softmax or self.moe_router_score_function == "softmax",
-                 "moe_router_pre_softmax", "False unless moe_router_score_function='softmax'",
+        _require(K != 1 or self.moe_router_pre_softmax or self.sinkhorn
+                 or self.moe_router_score_function != "softmax", "moe_router_pre_softmax",
+                 "True when moe_router_topk is 1 with softmax scores (Megatron's rule: a "
+                 "softmax over one logit is 1, and the router would get no gradient)",
                  self.moe_router_pre_softmax)
         s = self.moe_router_topk_scaling_factor
-        _require(s is None or _real(s, strict=True), "moe_router_topk_scaling_factor",
-                 "None or a positive float", s)
+        _require(s is None or _real(s), "moe_router_topk_scaling_factor",
+                 "None or a float >= 0 (0 scales nothing, as Megatron)", s)
         self._check_groups()
         _require(not self.moe_router_enable_expert_bias
                  or self.moe_router_score_function != "softmax", "moe_router_enable_expert_bias",
@@ -147,8 +153,10 @@ class MoEConfig:
         z = self.moe_z_loss_coeff
         _require(z is None or _real(z), "moe_z_loss_coeff", "None or a float >= 0", z)
         f = self.moe_expert_capacity_factor
+        if isinstance(f, (int, float)) and not isinstance(f, bool) and f < 0:
+            object.__setattr__(self, "moe_expert_capacity_factor", f := None)  # Megatron: dropless
         _require(f is None or _real(f, strict=True), "moe_expert_capacity_factor",
-                 "None or a positive finite float", f)
+                 "None, a negative number (dropless) or a positive finite float", f)
         _require(not self.moe_pad_expert_input_to_capacity or f is not None,
                  "moe_pad_expert_input_to_capacity", "False without moe_expert_capacity_factor",
                  self.moe_pad_expert_input_to_capacity)
@@ -218,16 +226,17 @@ class MoEConfig:
     def _check_groups(self):
         E, K = self.num_moe_experts, self.moe_router_topk
         groups, top = self.moe_router_num_groups, self.moe_router_group_topk
-        _require((groups is None) == (top is None), "moe_router_group_topk",
-                 "set together with moe_router_num_groups (both or neither)", top)
-        if groups is None:
+        _require(groups is not None or not top, "moe_router_group_topk",
+                 "None unless moe_router_num_groups is set (Megatron's rule)", top)
+        if not top:  # as Megatron, moe_router_num_groups alone routes without groups
             return
         _require(_int(groups) and E % groups == 0, "moe_router_num_groups",
                  f"a positive divisor of num_moe_experts={E}", groups)
-        _require(_int(top) and top <= groups and K % top == 0
-                 and K <= top * (E // groups), "moe_router_group_topk",
-                 f"an int in [1, moe_router_num_groups={groups}] dividing moe_router_topk={K}, "
-                 f"whose groups hold at least K experts", top)
+        _require(_int(top) and top <= min(groups, K) and K <= top * (E // groups),
+                 "moe_router_group_topk",
+                 f"an int in [1, min(moe_router_num_groups={groups}, moe_router_topk={K})] whose "
+                 f"groups hold at least K experts (a group scores its top K // group_topk "
+                 f"experts: 0 of them above K)", top)
 
     def dispatcher_config(self) -> TokenDispatcherConfig:
         """The TokenDispatcherConfig the layer's dispatcher uses: token_dispatcher with the

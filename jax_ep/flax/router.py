@@ -1,7 +1,8 @@
 """Megatron-Core's router on one device's tokens (pure functions, no communication): score
 functions, sinkhorn, pre-softmax, top-k scaling, expert bias, node-limited (group) top-k, the
-capacity drop and the per-token pieces of the load-balancing and z losses. The MoE layer sums the pieces over
-the mesh (`jax_ep.flax.moe`)."""
+capacity drop and the per-token pieces of the load-balancing and z losses, with Megatron's
+moe_utils names where it has them. The MoE layer sums the pieces over the mesh
+(`jax_ep.flax.moe`)."""
 
 from __future__ import annotations
 
@@ -11,29 +12,26 @@ import jax.numpy as jnp
 from jax_ep import deepep, ops
 from jax_ep.flax.moe_config import MoEConfig
 
-__all__ = ["capacity_drop", "group_limited_topk", "route", "sinkhorn", "switch_loss_terms",
-           "updated_expert_bias", "z_loss_terms"]
+__all__ = ["capacity_drop", "get_updated_expert_bias", "group_limited_topk", "route",
+           "router_gating_linear", "sinkhorn", "switch_loss_terms",
+           "topk_routing_with_score_function", "z_loss_terms"]
 
 
-def group_limited_topk(scores, top_k, num_groups, group_topk):
-    """Node-limited top-k (DeepSeek-V3): scores [T,E] -> (values [T,K], ids i32[T,K]). The E
-    experts form num_groups contiguous groups; a group scores the sum of its top
-    K // group_topk scores; only the best group_topk groups stay eligible."""
-    T, E = scores.shape
-    grouped = scores.reshape(T, num_groups, E // num_groups)
-    group_score = jax.lax.top_k(grouped, top_k // group_topk)[0].sum(axis=-1)  # [T,G]
+def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
+    """Node-limited top-k (DeepSeek-V3; Megatron's group_limited_topk, same arguments): scores
+    [num_tokens, num_experts] -> (values [T,topk], ids i32[T,topk]). The experts form
+    num_groups contiguous groups; a group scores the sum of its top topk // group_topk scores;
+    only the best group_topk groups stay eligible (the others' scores -inf)."""
+    if scores.shape != (num_tokens, num_experts):
+        raise ValueError(f"group_limited_topk: scores must be [num_tokens={num_tokens}, "
+                         f"num_experts={num_experts}], got {scores.shape}")
+    grouped = scores.reshape(num_tokens, num_groups, num_experts // num_groups)
+    group_score = jax.lax.top_k(grouped, topk // group_topk)[0].sum(axis=-1)  # [T,G]
     _, best = jax.lax.top_k(group_score, group_topk)
-    eligible = jnp.zeros((T, num_groups), bool).at[jnp.arange(T)[:, None], best].set(True)
-    masked = jnp.where(jnp.repeat(eligible, E // num_groups, axis=1), scores, -jnp.inf)
-    values, ids = jax.lax.top_k(masked, top_k)
-    return values, ids
-
-
-def _topk(scores, cfg: MoEConfig):
-    if cfg.moe_router_group_topk:
-        return group_limited_topk(scores, cfg.moe_router_topk, cfg.moe_router_num_groups,
-                                  cfg.moe_router_group_topk)
-    return jax.lax.top_k(scores, cfg.moe_router_topk)
+    eligible = jnp.zeros((num_tokens, num_groups), bool).at[
+        jnp.arange(num_tokens)[:, None], best].set(True)
+    masked = jnp.where(jnp.repeat(eligible, num_experts // num_groups, axis=1), scores, -jnp.inf)
+    return jax.lax.top_k(masked, topk)
 
 
 def _unnormalised_scores(logits, score_function):
@@ -82,32 +80,85 @@ def _sinkhorn_route(logits, cfg: MoEConfig, training):
     return jnp.take_along_axis(act, ids, axis=1), ids
 
 
+def router_gating_linear(inp, weight, bias, router_dtype):
+    """Megatron's router_gating_linear: inp [..., H], weight [E, H] (torch's Linear layout), bias
+    [E] or None -> logits [..., E] = inp @ weight^T + bias, computed in router_dtype."""
+    logits = inp.astype(router_dtype) @ weight.astype(router_dtype).T
+    return logits if bias is None else logits + bias.astype(router_dtype)
+
+
+def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_groups=None,
+                                     group_topk=None, scaling_factor=None,
+                                     score_function="softmax", expert_bias=None, fused=False,
+                                     router_replay=None, dense_output=False,
+                                     precomputed_indices=None):
+    """Megatron's topk_routing_with_score_function (same arguments and results): logits [T,E]
+    -> (routing_probs [T,E], routing_map bool[T,E]), or with dense_output=True (probs [T,topk],
+    top_indices i32[T,topk]). As Megatron, the scores are computed in float32 whatever the
+    logits' dtype (float64 logits: in float64): softmax (use_pre_softmax: over all E before
+    the top-k; else over the topk logits chosen), sigmoid or sqrtsoftplus (renormalised over
+    the topk chosen when topk > 1; expert_bias shifts the choice, not the probs), times
+    scaling_factor (None or 0: none), cast to the logits' dtype. num_groups / group_topk:
+    group-limited top-k. precomputed_indices i32[T,topk]: the experts, the probs computed at
+    them. fused is accepted and has no effect (XLA fuses); router_replay must be None."""
+    if router_replay is not None:
+        raise ValueError("router_replay: not supported in jax_ep (pass None)")
+    if logits.ndim != 2:
+        raise ValueError(f"logits: expected [num_tokens, num_experts], got {logits.shape}")
+    num_tokens, num_experts = logits.shape
+    wide = jnp.promote_types(logits.dtype, jnp.float32)
+
+    def choose(scores):
+        if precomputed_indices is not None:
+            ids = jnp.asarray(precomputed_indices, jnp.int32)
+            return jnp.take_along_axis(scores, ids, axis=1), ids
+        if group_topk:
+            return group_limited_topk(scores, topk, num_tokens, num_experts, num_groups,
+                                      group_topk)
+        return jax.lax.top_k(scores, topk)
+
+    if score_function == "softmax":
+        if use_pre_softmax:
+            probs, ids = choose(jax.nn.softmax(logits.astype(wide), axis=-1))
+        else:
+            top, ids = choose(logits)
+            probs = jax.nn.softmax(top.astype(wide), axis=-1)
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        scores = _unnormalised_scores(logits.astype(wide), score_function)
+        if expert_bias is not None and precomputed_indices is None:
+            _, ids = choose(scores + expert_bias.astype(wide))
+            top = jnp.take_along_axis(scores, ids, axis=1)
+        else:
+            top, ids = choose(scores)
+        probs = top / (top.sum(axis=-1, keepdims=True) + 1e-20) if topk > 1 else top
+    else:
+        raise ValueError(f"score_function: expected 'softmax', 'sigmoid' or 'sqrtsoftplus', "
+                         f"got {score_function!r}")
+    if scaling_factor:
+        probs = probs * scaling_factor
+    probs, ids = probs.astype(logits.dtype), ids.astype(jnp.int32)
+    if dense_output:
+        return probs, ids
+    rows = jnp.arange(num_tokens)[:, None]
+    return (jnp.zeros_like(logits).at[rows, ids].set(probs),
+            jnp.zeros(logits.shape, bool).at[rows, ids].set(True))
+
+
 def route(logits, cfg: MoEConfig, expert_bias=None, training=True):
-    """Megatron's topk_softmax_with_capacity before the drop: logits [T,E] (router dtype) ->
-    (probs [T,K] in the logits' dtype, ids i32[T,K]). expert_bias f32[E] (sigmoid /
+    """The layer's routing before the capacity drop: logits [T,E] (router dtype) -> (probs
+    [T,K] in the logits' dtype, ids i32[T,K]): sinkhorn (Megatron's sinkhorn_load_balancing),
+    else `topk_routing_with_score_function` with cfg's fields. expert_bias f32[E] (sigmoid /
     sqrtsoftplus) shifts the scores for the choice of experts, not the probs. training:
     Megatron's module.training, read by sinkhorn routing only."""
     if cfg.sinkhorn:
         probs, ids = _sinkhorn_route(logits, cfg, training)
         return probs.astype(logits.dtype), ids.astype(jnp.int32)
-    if cfg.moe_router_score_function == "softmax":
-        if cfg.moe_router_pre_softmax:
-            probs, ids = _topk(jax.nn.softmax(logits, axis=-1), cfg)
-        else:
-            top, ids = _topk(logits, cfg)
-            probs = jax.nn.softmax(top, axis=-1)
-    else:
-        scores = _unnormalised_scores(logits, cfg.moe_router_score_function)
-        if expert_bias is not None:
-            _, ids = _topk(scores + expert_bias.astype(scores.dtype), cfg)
-            top = jnp.take_along_axis(scores, ids, axis=1)
-        else:
-            top, ids = _topk(scores, cfg)
-        probs = top / (top.sum(axis=-1, keepdims=True) + 1e-20) if cfg.moe_router_topk > 1 \
-            else top
-    if cfg.moe_router_topk_scaling_factor:
-        probs = probs * cfg.moe_router_topk_scaling_factor
-    return probs.astype(logits.dtype), ids.astype(jnp.int32)
+    return topk_routing_with_score_function(
+        logits, cfg.moe_router_topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+        num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
+        scaling_factor=cfg.moe_router_topk_scaling_factor,
+        score_function=cfg.moe_router_score_function, expert_bias=expert_bias,
+        dense_output=True)
 
 
 def capacity_drop(probs, ids, cfg: MoEConfig):
@@ -150,10 +201,11 @@ def z_loss_terms(logits):
     return jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
 
 
-def updated_expert_bias(expert_bias, tokens_per_expert, update_rate):
-    """Aux-loss-free balancing (Megatron's get_updated_expert_bias): each expert's bias f32[E]
-    moves by update_rate towards balance, up when it got fewer than the mean of
-    tokens_per_expert [E] (global counts), down when more, unchanged at the mean."""
+def get_updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_rate):
+    """Aux-loss-free balancing (Megatron's get_updated_expert_bias, same arguments, given the
+    global counts: the all-reduce is the layer's): each expert's bias f32[E] moves by
+    expert_bias_update_rate towards balance, up when it got fewer than the mean of
+    tokens_per_expert [E], down when more, unchanged at the mean."""
     counts = jax.lax.stop_gradient(tokens_per_expert).astype(jnp.float32)
     offset = counts.mean() - counts
-    return expert_bias + jnp.sign(offset) * update_rate
+    return expert_bias + jnp.sign(offset) * expert_bias_update_rate
