@@ -9,7 +9,7 @@ mesh axis. Layers: `jax_ep.ops` (local kernels) -> `jax_ep.transport` -> the mod
 from jax_ep import ops, reference, transport
 from jax_ep._ffi import WITH_CUDA
 from jax_ep.all_to_all import all_to_all_single, all_to_all_single_equal
-from jax_ep.buffer import Buffer, Config, EventOverlap, UCCLBuffer
+from jax_ep.buffer import Buffer, Config, EventHandle, EventOverlap, UCCLBuffer, topk_idx_t
 from jax_ep.config import TokenDispatcherConfig
 from jax_ep.deepep import (
     DispatchHandle,
@@ -33,6 +33,7 @@ __all__ = [
     "Buffer",
     "Config",
     "DispatchHandle",
+    "EventHandle",
     "EventOverlap",
     "HybridEPHandle",
     "InternodeHandle",
@@ -53,5 +54,6 @@ __all__ = [
     "ops",
     "reference",
     "required_capacity",
+    "topk_idx_t",
     "transport",
 ]

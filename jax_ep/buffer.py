@@ -15,6 +15,9 @@ Arguments that have no effect under XLA (accepted so that ported calls run uncha
 | `low_latency_mode`, `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl` | `Buffer(...)` | both modes are always available; XLA picks the links |
 | `explicitly_destroy` | `Buffer(...)` | nothing to release (`destroy()` does nothing) |
 | `is_intranode` | `Buffer(...)` | kept as an attribute; `UCCLBuffer` sets it from the group |
+| `use_fabric` | `Buffer(...)` | XLA allocates the buffers (no fabric memory API to pick) |
+| `enable_shrink` | `Buffer(...)` | no rank is ever masked (every rank runs the compiled program); the mask methods require it, as in DeepEP |
+| `comm` | `Buffer(...)` | DeepEP's MPI communicator for a missing `group`; `group` (the axis name) is required here |
 | `config` | `dispatch`, `combine` | no SM / chunk tuning (`Config` is a plain record) |
 | `previous_event`, `async_finish`, `allocate_on_comm_stream` | normal-mode methods | XLA orders and schedules the collectives; results are `EventOverlap()` |
 | `async_finish`, `return_recv_hook` | low-latency methods | as above; the hook is a callable returning None |
@@ -39,21 +42,93 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_ep import deepep, low_latency, ops, transport as tp
-from jax_ep._checks import check_positive, check_shape
+from jax_ep._checks import check_positive, check_rank, check_shape
 from jax_ep.all_to_all import all_to_all_single_equal
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "UCCLBuffer"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "UCCLBuffer", "topk_idx_t"]
+
+#: The dtype of topk_idx (DeepEP's `deep_ep.topk_idx_t`, torch.int64 there): int32 here, the
+#: ids every dispatch works in and which needs no jax_enable_x64 (int64 ids are accepted too
+#: and narrowed, ids outside [-1, E) staying invalid).
+topk_idx_t = jnp.int32
+
+# DeepEP's compile-time constants behind Config's size hints (csrc/legacy/config.hpp,
+# csrc/kernels/legacy/compiled.cuh and internode.cu): ranks of one NVLink domain, the most
+# top-k slots and scales a token carries, its SourceMeta bytes and sizeof(topk_idx_t).
+_NUM_MAX_NVL_PEERS = 8
+_NUM_MAX_TOPK = 128
+_NUM_MAX_SCALES = 128
+_SOURCE_META_BYTES = 8
+_TOPK_IDX_BYTES = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """DeepEP's performance-tuning record (`deep_ep.Config`); it has no effect under XLA."""
+    """DeepEP's performance-tuning record (`deep_ep.Config`); it has no effect under XLA. Its
+    size hints give the bytes DeepEP's buffers would take for it (to pass as Buffer sizes)."""
 
     num_sms: int = 20
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """DeepEP's NVLink buffer bytes for this config (csrc/legacy/config.hpp, same formula):
+        num_sms / 2 channels x min(P, 8) NVLink ranks, each num_max_nvl_chunked_recv_tokens
+        tokens of hidden_bytes + 8 (source meta) + 128 * (8 + 4) (top-k ids and weights) +
+        128 * 4 (scales) bytes, plus (2 * max(P / 8, 1) + 3) int counters, rounded up to 128.
+        A value for `Buffer(num_nvl_bytes=...)`, which has no effect under XLA."""
+        hidden_bytes = check_positive(hidden_bytes, "hidden_bytes", allow_zero=True)
+        num_ranks = self._check_ranks(num_ranks)
+        num_rdma_ranks = max(num_ranks // _NUM_MAX_NVL_PEERS, 1)
+        slots = self.num_sms // 2 * min(num_ranks, _NUM_MAX_NVL_PEERS)
+        counters = slots * (2 * num_rdma_ranks + 3) * 4
+        tokens = slots * self.num_max_nvl_chunked_recv_tokens * _token_bytes(hidden_bytes)
+        return _align_up(counters + tokens, 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """DeepEP's RDMA buffer bytes for this config (csrc/legacy/config.hpp, same formula):
+        0 for P <= 8 (one NVLink domain), else num_sms / 2 channels x P / 8 RDMA ranks, each a
+        send and a receive buffer of num_max_rdma_chunked_recv_tokens (rounded up to a
+        multiple of num_max_rdma_chunked_send_tokens, as DeepEP's Config does) tokens of
+        hidden_bytes + 8 + 128 * (8 + 4) + 128 * 4 + 16 bytes, plus 2 * (2 * 8 + 2) int
+        counters, rounded up to 128. A value for `Buffer(num_rdma_bytes=...)` (no effect)."""
+        hidden_bytes = check_positive(hidden_bytes, "hidden_bytes", allow_zero=True)
+        num_ranks = self._check_ranks(num_ranks)
+        if num_ranks <= _NUM_MAX_NVL_PEERS:
+            return 0
+        send = check_positive(self.num_max_rdma_chunked_send_tokens,
+                              "num_max_rdma_chunked_send_tokens")
+        recv_tokens = _align_up(self.num_max_rdma_chunked_recv_tokens, send)
+        slots = self.num_sms // 2 * (num_ranks // _NUM_MAX_NVL_PEERS)
+        counters = slots * (_NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
+        tokens = slots * recv_tokens * 2 * (_token_bytes(hidden_bytes) + 16)
+        return _align_up(counters + tokens, 128)
+
+    def _check_ranks(self, num_ranks):
+        """num_ranks as DeepEP's size hints accept it: below 8 or a multiple of 8, and beyond 8
+        ranks an even num_sms (DeepEP runs one channel per two SMs)."""
+        num_ranks = check_positive(num_ranks, "num_ranks")
+        if num_ranks >= _NUM_MAX_NVL_PEERS and num_ranks % _NUM_MAX_NVL_PEERS:
+            raise ValueError(f"num_ranks: DeepEP's buffers take fewer than "
+                             f"{_NUM_MAX_NVL_PEERS} ranks or a multiple of "
+                             f"{_NUM_MAX_NVL_PEERS}, got {num_ranks}")
+        if num_ranks > _NUM_MAX_NVL_PEERS and self.num_sms % 2:
+            raise ValueError(f"num_sms: must be even with more than {_NUM_MAX_NVL_PEERS} ranks "
+                             f"(DeepEP runs a channel per pair of SMs), got {self.num_sms}")
+        return num_ranks
+
+
+def _align_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _token_bytes(hidden_bytes: int) -> int:
+    """Bytes of one token slot of DeepEP's normal-mode buffers: its row (hidden_bytes), source
+    meta, top-k ids (topk_idx_t, 8 bytes each) and weights, and scales, at their maxima."""
+    return (hidden_bytes + _SOURCE_META_BYTES + _NUM_MAX_TOPK * (_TOPK_IDX_BYTES + 4)
+            + _NUM_MAX_SCALES * 4)
 
 
 class EventHandle:
@@ -83,6 +158,12 @@ def _no_hook():
     return None
 
 
+def _check_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
 def _check_group(group):
     """The expert axis: a name, or a (node_axis, local_axis) pair (DeepEP's internode mode:
     the normal-mode methods run the two-hop dispatch/combine)."""
@@ -109,8 +190,12 @@ class Buffer:
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, is_intranode: bool = False):
+                 explicitly_destroy: bool = False, is_intranode: bool = False,
+                 use_fabric: bool = False, enable_shrink: bool = False, comm=None):
         self.group = _check_group(group)
+        self.use_fabric = _check_bool(use_fabric, "use_fabric")
+        self.enable_shrink = _check_bool(enable_shrink, "enable_shrink")
+        self.comm = comm
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -141,6 +226,39 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Does nothing: low-latency buffers are zero-initialised on every call."""
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """DeepEP's shrink mode masks (mask=True) or unmasks a failed rank out of the
+        low-latency calls. Every rank runs the compiled program under XLA, so no rank is ever
+        masked: unmasking does nothing and masking raises a ValueError naming `mask`.
+        Requires enable_shrink=True, as in DeepEP."""
+        self._require_shrink("low_latency_update_mask_buffer")
+        check_positive(rank_to_mask, "rank_to_mask", allow_zero=True)
+        if _check_bool(mask, "mask"):
+            raise ValueError(f"mask: masking rank {rank_to_mask} is not supported under XLA "
+                             "(every rank runs the compiled program, none can be skipped); "
+                             "only mask=False, which does nothing, is accepted")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """mask_status i32[num_ranks] -> the mask status i32[num_ranks] (1 = masked): all zero,
+        no rank is ever masked under XLA. DeepEP writes it into mask_status; arrays are
+        immutable, so it is returned in mask_status's shape instead. Requires
+        enable_shrink=True, as in DeepEP."""
+        self._require_shrink("low_latency_query_mask_buffer")
+        check_rank(mask_status, 1, "mask_status")
+        if jnp.dtype(mask_status.dtype) != jnp.dtype(jnp.int32):
+            raise ValueError(f"mask_status: expected int32, got {mask_status.dtype}")
+        return jnp.zeros(mask_status.shape, jnp.int32)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Does nothing: no rank is ever masked under XLA. Requires enable_shrink=True, as in
+        DeepEP."""
+        self._require_shrink("low_latency_clean_mask_buffer")
+
+    def _require_shrink(self, method: str) -> None:
+        if not self.enable_shrink:
+            raise ValueError(f"enable_shrink: {method} needs Buffer(..., enable_shrink=True), "
+                             "as in DeepEP")
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -355,7 +473,9 @@ class UCCLBuffer(Buffer):
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, is_intranode: bool = False):
+                 explicitly_destroy: bool = False, is_intranode: bool = False,
+                 use_fabric: bool = False, enable_shrink: bool = False, comm=None):
         super().__init__(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
                          num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
-                         explicitly_destroy, is_intranode=isinstance(group, str))
+                         explicitly_destroy, isinstance(group, str), use_fabric, enable_shrink,
+                         comm)

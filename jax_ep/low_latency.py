@@ -60,7 +60,8 @@ class LowLatencyHandle:
       only; peer also reads the slots where they are and writes the per-expert layout).
     hidden: H of the dispatched rows (jax_ep.Buffer sizes its combine buffer from it).
     cumulative_local_expert_recv_stats i32[L] | None: set by jax_ep.Buffer.low_latency_dispatch
-      (the stats it was given plus this dispatch's recv_count)."""
+      (the stats it was given plus this dispatch's recv_count).
+    handle[i] and tuple unpacking read it as DeepEP's 5-tuple handle (see __getitem__)."""
 
     src_info: jax.Array
     layout_range: jax.Array
@@ -80,6 +81,40 @@ class LowLatencyHandle:
     transport: str = "all_to_all"
     hidden: int | None = None
     cumulative_local_expert_recv_stats: jax.Array | None = None
+
+    def __len__(self) -> int:
+        """5: the handle also reads as DeepEP's tuple (see __getitem__)."""
+        return len(_DEEPEP_HANDLE)
+
+    def __getitem__(self, index):
+        """DeepEP's 5-tuple handle (src_info, layout_range, num_max_dispatch_tokens_per_rank,
+        hidden, num_experts), by int index or slice (tuple unpacking works too): src_info
+        i32[L,P*Tmax]; layout_range in DeepEP's layout, int64 [L,P] = begin << 32 | count,
+        which needs jax_enable_x64 (else a ValueError: use handle.layout_range, i32[L,P,2])."""
+        positions = range(len(self))[index]
+        if isinstance(positions, range):
+            return tuple(self._deepep_item(i) for i in positions)
+        return self._deepep_item(positions)
+
+    def __iter__(self):
+        return (self._deepep_item(i) for i in range(len(self)))
+
+    def _deepep_item(self, position):
+        name = _DEEPEP_HANDLE[position]
+        if name != "layout_range":
+            return getattr(self, name)
+        if not jax.config.jax_enable_x64:
+            raise ValueError("handle[1]: DeepEP's packed layout_range (int64 begin << 32 | "
+                             "count) needs jax_enable_x64; enable it (jax.config.update("
+                             "'jax_enable_x64', True)) or use handle.layout_range, i32[L,P,2] "
+                             "of (begin, count)")
+        begin, count = self.layout_range[..., 0], self.layout_range[..., 1]
+        return (begin.astype(jnp.int64) << 32) | count.astype(jnp.int64)
+
+
+# The fields DeepEP's low-latency handle tuple holds, in its order.
+_DEEPEP_HANDLE = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden",
+                  "num_experts")
 
 
 def _exchange(src, row_map, h, name, forward=True, recv_rows=None):

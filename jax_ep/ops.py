@@ -355,38 +355,62 @@ _unpermute_weighted.defvjp(_unpermute_weighted_fwd, _unpermute_weighted_bwd)
 # ----------------------------------------------------------------------------- FP8
 
 
-def _check_fp8_hidden(hidden):
-    if hidden % reference.FP8_BLOCK:
-        raise ValueError(f"x: hidden size {hidden} must be a multiple of 128 for the FP8 cast")
-
-
 def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     """x [T,H] f32/bf16/f16 -> (x_fp8 float8_e4m3fn[T,H], scales): per token and 128 channels,
-    scale_inv = max(1e-4, amax) / 448 (next power of two with round_scale); scales f32[T,H/128],
-    or with use_ue8m0 (requires round_scale) exponent bytes packed i32[T,H/512]."""
+    scale_inv = max(1e-4, amax) / 448 (next power of two with round_scale); scales f32[T,G],
+    G = ceil(H/128), or with use_ue8m0 (requires round_scale) exponent bytes packed
+    i32[T,ceil(G/4)] (i32[T,H/512] when H % 512 == 0). Any H: x is zero-padded to whole
+    128-channel blocks, cast, and the codes sliced back to H, as in DeepEP's tests/utils.py."""
     _check_impl(impl)
     check_rank(x, 2, "x")
     check_float(x, "x")
-    _check_fp8_hidden(x.shape[1])
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0: requires round_scale=True (UE8M0 scales are powers of two)")
     if impl == "xla":
         return _typed_like_ffi(reference.per_token_cast_to_fp8(
             x, round_scale=round_scale, use_ue8m0=use_ue8m0), x)
     num_tokens, hidden = x.shape
-    groups = hidden // reference.FP8_BLOCK
-    scales = (_sds((num_tokens, -(-groups // 4)), jnp.int32) if use_ue8m0
-              else _sds((num_tokens, groups), jnp.float32))
+    width = reference.fp8_scale_width(hidden, use_ue8m0)
+    scales = _sds((num_tokens, width), jnp.int32 if use_ue8m0 else jnp.float32)
     if x.size == 0:
         return _typed_like_ffi((jnp.zeros(x.shape, jnp.float8_e4m3fn),
                                 jnp.zeros(scales.shape, scales.dtype)), x)
-    results = (_sds(x.shape, jnp.float8_e4m3fn), scales)
-    return tuple(_ffi.call("jax_ep_cast_to_fp8", results, x, round_scale=bool(round_scale),
-                           use_ue8m0=bool(use_ue8m0)))
+    padded = reference.pad_to_fp8_blocks(x)
+    results = (_sds(padded.shape, jnp.float8_e4m3fn), scales)
+    codes, scales = _ffi.call("jax_ep_cast_to_fp8", results, padded, round_scale=bool(round_scale),
+                              use_ue8m0=bool(use_ue8m0))
+    return codes[:, :hidden], scales
+
+
+def _fp8_scale_rows(scales, num_tokens, hidden, use_ue8m0):
+    """The scales of a cast back of x_fp8 [T, hidden], in any shape holding their T*W elements
+    (DeepEP's utils view them as [T, -1]) -> (scales [T,W], whether they are packed UE8M0).
+    int32 scales are packed UE8M0 even without use_ue8m0 (DeepEP's per_token_cast_back reads
+    them so): W = ceil(G/4), G = ceil(hidden/128); float scales become f32 [T,G]."""
+    if not hasattr(scales, "dtype"):
+        raise ValueError(f"scales: expected an array, got {type(scales).__name__}")
+    is_int32 = jnp.dtype(scales.dtype) == jnp.dtype(jnp.int32)
+    packed = bool(use_ue8m0) or is_int32
+    if packed and not is_int32:
+        raise ValueError(f"scales: use_ue8m0=True expects packed UE8M0 int32 scales, got "
+                         f"{scales.dtype}")
+    if not packed and not jnp.issubdtype(scales.dtype, jnp.floating):
+        raise ValueError(f"scales: expected float scales or packed UE8M0 int32 scales, got "
+                         f"{scales.dtype}")
+    width = reference.fp8_scale_width(hidden, packed)
+    if jnp.size(scales) != num_tokens * width:
+        kind = "packed UE8M0 int32" if packed else "float"
+        raise ValueError(f"scales: expected {num_tokens * width} {kind} scales ([{num_tokens}, "
+                         f"{width}] for x_fp8 of shape ({num_tokens}, {hidden})), got shape "
+                         f"{tuple(jnp.shape(scales))}")
+    rows = jnp.reshape(scales, (num_tokens, width))
+    return (rows if packed else rows.astype(jnp.float32)), packed
 
 
 def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, impl="ffi"):
-    """Inverse of per_token_cast_to_fp8: x_fp8 float8_e4m3fn[T,H], scales -> [T,H] `dtype`.
+    """Inverse of per_token_cast_to_fp8: x_fp8 float8_e4m3fn[T,H] (any H), scales -> [T,H]
+    `dtype`. scales: f32 [T,G] or packed UE8M0 i32 [T,ceil(G/4)], G = ceil(H/128), in any shape
+    with that many elements; int32 scales are UE8M0 even with use_ue8m0=False (DeepEP's rule).
     Differentiable (both impls): d x_fp8 = g * scale (in float8_e4m3fn), d scales = the sum of
     g * x_fp8 over each 128-channel group (f32); integer UE8M0 scales get no cotangent."""
     _check_impl(impl)
@@ -394,10 +418,7 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
     if x_fp8.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"x_fp8: expected float8_e4m3fn, got {x_fp8.dtype}")
     num_tokens, hidden = x_fp8.shape
-    _check_fp8_hidden(hidden)
-    groups = hidden // reference.FP8_BLOCK
-    want = (num_tokens, -(-groups // 4)) if use_ue8m0 else (num_tokens, groups)
-    check_shape(scales, want, "scales")
+    scales, use_ue8m0 = _fp8_scale_rows(scales, num_tokens, hidden, use_ue8m0)
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                                 jnp.dtype(jnp.float16)):
         raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
@@ -406,7 +427,8 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
             x_fp8, scales, use_ue8m0=use_ue8m0, dtype=dtype), x_fp8, scales)
     if x_fp8.size == 0:
         return _ffi.vary_like(jnp.zeros(x_fp8.shape, dtype), x_fp8, scales)
-    return _cast_back(x_fp8, scales, bool(use_ue8m0), jnp.dtype(dtype))
+    out = _cast_back(reference.pad_to_fp8_blocks(x_fp8), scales, use_ue8m0, jnp.dtype(dtype))
+    return out[:, :hidden]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -205,16 +205,33 @@ def _unpack_ue8m0(words, groups):
     return jax.lax.bitcast_convert_type(exps << 23, jnp.float32)
 
 
+def fp8_scale_width(hidden, use_ue8m0):
+    """Scales per token of a [T, hidden] FP8 cast: G = ceil(hidden / 128) f32 scales, or with
+    use_ue8m0 ceil(G / 4) int32 words of packed exponent bytes."""
+    groups = -(-hidden // FP8_BLOCK)
+    return -(-groups // 4) if use_ue8m0 else groups
+
+
+def pad_to_fp8_blocks(x):
+    """x [T,H] -> [T, 128*ceil(H/128)]: zero channels appended up to whole 128-channel blocks,
+    as DeepEP's per_token_cast_to_fp8 / per_token_cast_back pad (x itself when none are)."""
+    extra = -x.shape[1] % FP8_BLOCK
+    return jnp.pad(x, ((0, 0), (0, extra))) if extra else x
+
+
 def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False):
-    """x [T,H] -> (x_fp8 float8_e4m3fn[T,H], scales f32[T,H/128] | i32[T,H/512] with use_ue8m0).
+    """x [T,H] -> (x_fp8 float8_e4m3fn[T,H], scales f32[T,G] | i32[T,ceil(G/4)] with use_ue8m0),
+    G = ceil(H/128): x is zero-padded to whole 128-channel blocks (a zero never raises an
+    amax) and the codes are sliced back to H, as in DeepEP's tests/utils.py.
     Per token and 128 channels: scale_inv = max(1e-4, amax) / 448 (next power of two with
     round_scale), x_fp8 = x * (448 * (1 / amax)), which is what PyTorch computes for DeepEP's
     reference `x * (448.0 / x_amax)` (x * (1 / scale_inv) with round_scale, exact for a power
     of two). A block holding an inf or NaN is poisoned:
     NaN scale_inv (UE8M0 byte 0xff) and NaN codes."""
     num_tokens, hidden = x.shape
-    groups = hidden // FP8_BLOCK
-    blocks = x.astype(jnp.float32).reshape(num_tokens, groups, FP8_BLOCK)
+    padded = pad_to_fp8_blocks(x)
+    groups = padded.shape[1] // FP8_BLOCK
+    blocks = padded.astype(jnp.float32).reshape(num_tokens, groups, FP8_BLOCK)
     amax = jnp.maximum(jnp.abs(blocks).max(axis=-1), FP8_MIN_AMAX)
     # amax * fl32(1/448): what XLA makes of `amax / 448` and what PyTorch's CUDA division by
     # a scalar computes for DeepEP's `x_amax / 448.0`; written out so no rewrite is relied on.
@@ -227,15 +244,20 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False):
     x_fp8 = jnp.where(finite[..., None], blocks * multiplier[..., None],
                       jnp.nan).astype(jnp.float8_e4m3fn)
     scales = _pack_ue8m0(scale_inv) if use_ue8m0 else scale_inv
-    return x_fp8.reshape(num_tokens, hidden), scales
+    return x_fp8.reshape(num_tokens, groups * FP8_BLOCK)[:, :hidden], scales
 
 
 def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16):
-    """Inverse of per_token_cast_to_fp8: x_fp8 [T,H], scales -> [T,H] of `dtype`."""
+    """Inverse of per_token_cast_to_fp8: x_fp8 [T,H], scales -> [T,H] of `dtype`.
+    scales may have any shape holding the T*W scales in row-major order (DeepEP's utils view
+    them as [T, -1]); int32 scales are packed UE8M0 even without use_ue8m0, as DeepEP's
+    per_token_cast_back reads them. H need not be a multiple of 128 (padded, then sliced)."""
     num_tokens, hidden = x_fp8.shape
-    groups = hidden // FP8_BLOCK
-    scale_inv = _unpack_ue8m0(scales, groups) if use_ue8m0 else scales.astype(jnp.float32)
-    blocks = x_fp8.astype(jnp.float32).reshape(num_tokens, groups, FP8_BLOCK)
+    use_ue8m0 = use_ue8m0 or jnp.dtype(scales.dtype) == jnp.dtype(jnp.int32)
+    rows = scales.reshape(num_tokens, fp8_scale_width(hidden, use_ue8m0))
+    groups = fp8_scale_width(hidden, False)
+    scale_inv = _unpack_ue8m0(rows, groups) if use_ue8m0 else rows.astype(jnp.float32)
+    blocks = pad_to_fp8_blocks(x_fp8).astype(jnp.float32).reshape(num_tokens, groups, FP8_BLOCK)
     out = blocks * scale_inv[..., None]
     out = jnp.where(jnp.isnan(out), jnp.float32(jnp.nan), out)  # one NaN, as the handlers store
-    return out.reshape(num_tokens, hidden).astype(dtype)
+    return out.reshape(num_tokens, groups * FP8_BLOCK)[:, :hidden].astype(dtype)

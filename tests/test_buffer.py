@@ -22,7 +22,9 @@ _EMPTY = inspect.Parameter.empty
 _INIT = [("group", _EMPTY), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
          ("low_latency_mode", False), ("num_qps_per_rank", 24),
          ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
-         ("explicitly_destroy", False), ("is_intranode", False)]
+         ("explicitly_destroy", False), ("is_intranode", False),
+         # DeepEP's newer keywords, after the SPEC's nine (is_intranode stays the 9th).
+         ("use_fabric", False), ("enable_shrink", False), ("comm", None)]
 _STREAM = [("previous_event", None), ("async_finish", False),
            ("allocate_on_comm_stream", False)]
 SIGNATURES = {
@@ -48,6 +50,9 @@ SIGNATURES = {
                                  ("hidden", _EMPTY), ("num_experts", _EMPTY)],
     "reset_rdma_buffer": [],
     "destroy": [],
+    "low_latency_update_mask_buffer": [("rank_to_mask", _EMPTY), ("mask", False)],
+    "low_latency_query_mask_buffer": [("mask_status", _EMPTY)],
+    "low_latency_clean_mask_buffer": [],
 }
 STATIC_SIGNATURES = {
     "capture": [],
@@ -112,6 +117,163 @@ def test_inert_pieces():
         jax_ep.Buffer(("data", "node", "local"))
     assert jax_ep.Buffer(("node", "local")).group == ("node", "local")
     assert not jax_ep.UCCLBuffer(("node", "local")).is_intranode
+
+
+def test_deepep_init_keywords_and_positional_order():
+    """use_fabric / enable_shrink / comm (DeepEP's tests and newest Buffer) are accepted after
+    the SPEC's nine parameters and kept as attributes; the 9th positional is is_intranode."""
+    comm = object()
+    buf = jax_ep.Buffer(AXIS, 0, 0, False, 24, True, False, False, True, True, True, comm)
+    assert (buf.is_intranode, buf.use_fabric, buf.enable_shrink, buf.comm) == (
+        True, True, True, comm)
+    buf = jax_ep.Buffer(AXIS, num_rdma_bytes=1 << 20, low_latency_mode=True,
+                        num_qps_per_rank=4, use_fabric=True, enable_shrink=True)
+    assert (buf.use_fabric, buf.enable_shrink, buf.comm, buf.is_intranode) == (
+        True, True, None, False)
+    default = jax_ep.Buffer(AXIS)
+    assert (default.use_fabric, default.enable_shrink, default.comm) == (False, False, None)
+    uccl = jax_ep.UCCLBuffer(AXIS, use_fabric=True, enable_shrink=True, comm=comm)
+    assert (uccl.is_intranode, uccl.use_fabric, uccl.enable_shrink, uccl.comm) == (
+        True, True, True, comm)
+    assert not jax_ep.UCCLBuffer(("node", "local"), enable_shrink=True).is_intranode
+    with pytest.raises(ValueError, match="^use_fabric: expected a bool, got 1$"):
+        jax_ep.Buffer(AXIS, use_fabric=1)
+    with pytest.raises(ValueError, match="^enable_shrink: expected a bool, got 'yes'$"):
+        jax_ep.UCCLBuffer(AXIS, enable_shrink="yes")
+
+
+def test_top_level_deepep_names():
+    assert jax_ep.EventHandle is jax_ep.buffer.EventHandle
+    assert jax_ep.EventOverlap(jax_ep.EventHandle()).event is not None
+    assert jnp.dtype(jax_ep.topk_idx_t) == jnp.int32
+    assert {"EventHandle", "topk_idx_t"} <= set(jax_ep.__all__)
+    # DeepEP's `topk_idx.to(deep_ep.topk_idx_t)`: ids of that dtype go through the layout and
+    # the dispatch.
+    num_ranks, T, K, E = 2, 4, 2, 8
+    rng = np.random.default_rng(21)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    idx = idx.astype(np.int64).astype(jax_ep.topk_idx_t)
+    x = rng.standard_normal((num_ranks * T, 8)).astype(np.float32)
+    buf = jax_ep.Buffer(AXIS)
+
+    def body(x, idx, w):
+        per_rank, _, per_expert, _, _ = buf.get_dispatch_layout(idx, E)
+        _, ri, _, _, _, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                         num_tokens_per_expert=per_expert)
+        return per_rank, ri
+
+    per_rank, ri = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    assert idx.dtype == np.int32 and ri.dtype == jnp.int32
+    want = [[((row >= 0) & (row // (E // num_ranks) == p)).any() for p in range(num_ranks)]
+            for row in idx]
+    want = np.asarray(want).reshape(num_ranks, T, num_ranks).sum(axis=1).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(per_rank), want)
+
+
+def _deepep_nvl_hint(cfg, hidden_bytes, num_ranks):
+    """csrc/legacy/config.hpp get_nvl_buffer_size_hint, term by term (topk_idx_t int64,
+    SourceMeta 8 bytes, at most 8 NVLink peers)."""
+    num_rdma_ranks, num_nvl_ranks = max(num_ranks // 8, 1), min(num_ranks, 8)
+    ch, recv = cfg.num_sms // 2, cfg.num_max_nvl_chunked_recv_tokens
+    n = ch * num_nvl_ranks * (2 * num_rdma_ranks + 3) * 4
+    n += ch * num_nvl_ranks * recv * hidden_bytes
+    n += ch * num_nvl_ranks * recv * 8
+    n += ch * num_nvl_ranks * recv * 128 * 8
+    n += ch * num_nvl_ranks * recv * 128 * 4
+    n += ch * num_nvl_ranks * recv * 128 * 4
+    return (n + 127) // 128 * 128
+
+
+def _deepep_rdma_hint(cfg, hidden_bytes, num_ranks):
+    """csrc/legacy/config.hpp get_rdma_buffer_size_hint, term by term (the receive chunk
+    rounded up to a multiple of the send chunk, as DeepEP's Config constructor does)."""
+    if num_ranks <= 8:
+        return 0
+    send = cfg.num_max_rdma_chunked_send_tokens
+    recv = (cfg.num_max_rdma_chunked_recv_tokens + send - 1) // send * send
+    rdma, ch = num_ranks // 8, cfg.num_sms // 2
+    n = ch * rdma * (8 * 2 + 2) * 2 * 4
+    n += ch * rdma * recv * hidden_bytes * 2
+    n += ch * rdma * recv * 8 * 2
+    n += ch * rdma * recv * 128 * 8 * 2
+    n += ch * rdma * recv * 128 * 4 * 2
+    n += ch * rdma * recv * 128 * 4 * 2
+    n += ch * rdma * recv * 16 * 2
+    return (n + 127) // 128 * 128
+
+
+def test_config_buffer_size_hints_are_deepeps():
+    # By hand: Config() (20 SMs -> 10 channels), hidden 7168 bf16 = 14336 bytes, a token slot
+    # 14336 + 8 + 128 * 12 + 128 * 4 = 16392 bytes. NVL, 8 ranks: 10 * 8 * 5 * 4 = 1600 counter
+    # bytes + 10 * 8 * 256 * 16392 = 335708160, rounded up to 128: 335709824.
+    # RDMA, 16 ranks: 2 RDMA ranks, receive chunk 256 -> 258 (a multiple of 6); 10 * 2 * 18 *
+    # 2 * 4 = 2880 + 10 * 2 * 258 * 2 * (16392 + 16) = 169330560, rounded up: 169333504.
+    cfg = jax_ep.Config()
+    assert cfg.get_nvl_buffer_size_hint(14336, 8) == 335709824
+    assert cfg.get_rdma_buffer_size_hint(14336, 16) == 169333504
+    assert cfg.get_rdma_buffer_size_hint(14336, 8) == 0   # one NVLink domain: no RDMA buffer
+    configs = [jax_ep.Config(), jax_ep.Config(24, 8, 256), jax_ep.Config(24, 36, 288, 20, 128),
+               jax_ep.Config(20, 20, 560, 12, 128), jax_ep.Config(16, 6, 256, 7, 100)]
+    for cfg in configs:
+        for hidden_bytes in (0, 2 * 7168, 2 * 4096 + 4, 7168 + 7168 // 128 * 4):
+            for num_ranks in (1, 2, 4, 7, 8, 16, 24, 64, 160):
+                assert cfg.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) == \
+                    _deepep_nvl_hint(cfg, hidden_bytes, num_ranks), (cfg, hidden_bytes, num_ranks)
+                assert cfg.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) == \
+                    _deepep_rdma_hint(cfg, hidden_bytes, num_ranks), (cfg, hidden_bytes, num_ranks)
+    cfg = jax_ep.Config()
+    for hint in (cfg.get_nvl_buffer_size_hint, cfg.get_rdma_buffer_size_hint):
+        with pytest.raises(ValueError, match="^num_ranks: DeepEP's buffers take fewer than 8 "
+                                             "ranks or a multiple of 8, got 12$"):
+            hint(14336, 12)
+        with pytest.raises(ValueError, match="^num_ranks: expected an int > 0, got 0$"):
+            hint(14336, 0)
+        with pytest.raises(ValueError, match="^hidden_bytes: expected an int >= 0, got -2$"):
+            hint(-2, 8)
+        with pytest.raises(ValueError, match="^num_sms: must be even with more than 8 ranks"):
+            getattr(jax_ep.Config(num_sms=21), hint.__name__)(14336, 16)
+    assert jax_ep.Config(num_sms=21).get_nvl_buffer_size_hint(14336, 8) == _deepep_nvl_hint(
+        jax_ep.Config(num_sms=21), 14336, 8)   # an odd num_sms is fine within one domain
+    with pytest.raises(ValueError, match="^num_max_rdma_chunked_send_tokens: expected an int "
+                                         "> 0, got 0$"):
+        jax_ep.Config(20, 6, 256, 0, 256).get_rdma_buffer_size_hint(14336, 16)
+
+
+def test_shrink_mask_api():
+    """DeepEP's shrink mode masks failed ranks; every rank runs an XLA program, so none is ever
+    masked: the query returns zeros, unmasking and cleaning do nothing, masking raises. All
+    three need enable_shrink=True, as DeepEP asserts."""
+    buf = jax_ep.Buffer(AXIS, low_latency_mode=True, enable_shrink=True)
+    status = buf.low_latency_query_mask_buffer(jnp.ones((4,), jnp.int32))
+    assert status.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(status), [0, 0, 0, 0])
+    assert buf.low_latency_update_mask_buffer(3) is None
+    assert buf.low_latency_update_mask_buffer(0, mask=False) is None
+    assert buf.low_latency_clean_mask_buffer() is None
+    with pytest.raises(ValueError, match="^mask: masking rank 2 is not supported under XLA"):
+        buf.low_latency_update_mask_buffer(2, mask=True)
+    with pytest.raises(ValueError, match="^mask: expected a bool, got 1$"):
+        buf.low_latency_update_mask_buffer(2, 1)
+    with pytest.raises(ValueError, match="^rank_to_mask: expected an int >= 0, got -1$"):
+        buf.low_latency_update_mask_buffer(-1)
+    with pytest.raises(ValueError, match="^mask_status: expected int32, got float32$"):
+        buf.low_latency_query_mask_buffer(jnp.zeros((4,), jnp.float32))
+    with pytest.raises(ValueError, match="^mask_status: expected a rank-1 array"):
+        buf.low_latency_query_mask_buffer(jnp.zeros((2, 2), jnp.int32))
+    plain = jax_ep.Buffer(AXIS, low_latency_mode=True)
+    for call in (lambda: plain.low_latency_update_mask_buffer(0),
+                 lambda: plain.low_latency_query_mask_buffer(jnp.zeros((4,), jnp.int32)),
+                 plain.low_latency_clean_mask_buffer):
+        with pytest.raises(ValueError, match=r"^enable_shrink: low_latency_\w+_mask_buffer needs "
+                                             r"Buffer\(\.\.\., enable_shrink=True\)"):
+            call()
+
+    # Inside shard_map (where DeepEP's test queries it between calls): zeros on every rank.
+    def body(x):
+        return buf.low_latency_query_mask_buffer(jnp.zeros((4,), jnp.int32))[None] + x
+
+    got = run_ep(body, ep_mesh(4), np.zeros((4, 4), np.int32))
+    np.testing.assert_array_equal(np.asarray(got), np.zeros((4, 4), np.int32))
 
 
 def test_normal_mode_equals_functional_api():

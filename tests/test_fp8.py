@@ -3,7 +3,8 @@
 FFI against the pure-JAX reference (codes and scales bitwise; on AVX-512 CPUs for both the
 AVX-512 and the portable handler loops), hand-computed e4m3 codes, scales and UE8M0 words,
 every rounding tie of the e4m3 grid, all 256 codes cast back, round trips within FP8 error,
-jit / vmap / shard_map, argument errors.
+DeepEP's utils conventions (H not a multiple of 128, int32 scales read as UE8M0, scales in any
+shape), jit / vmap / shard_map, argument errors.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from _helpers import cuda_contract, jit_op, ref
-from jax_ep import _jax_ep, ops
+from jax_ep import _jax_ep, ops, reference
 
 F32, BF16, F16 = np.float32, ml_dtypes.bfloat16, np.float16
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -80,6 +81,31 @@ def _cast_both(x, **kw):
     got = ops.per_token_cast_to_fp8(jnp.asarray(x), **kw)
     want = ref(ops.per_token_cast_to_fp8, jnp.asarray(x), **kw)
     return got, want
+
+
+def _pad_blocks(a):
+    """a [T,H] -> [T, 128*ceil(H/128)] with zero channels appended (DeepEP's utils pad)."""
+    return np.pad(a, ((0, 0), (0, -a.shape[1] % 128)))
+
+
+def _pack_ue8m0_model(scale):
+    """Power-of-two scales f32[T,G] -> int32 [T, ceil(G/4)]: their exponent bytes, zero-padded
+    to whole words, four per int32 little-endian."""
+    exps = (scale.view(np.uint32) >> 23).astype(np.uint8)
+    exps = np.pad(exps, ((0, 0), (0, -exps.shape[1] % 4)))
+    return np.ascontiguousarray(exps).view("<i4")
+
+
+def _deepep_cast_back_model(q, scales):
+    """DeepEP's tests/utils.py per_token_cast_back in numpy, kept in f32: pad the codes to whole
+    128-channel blocks, read int32 scales as UE8M0 bytes (byte << 23 as f32), view the scales
+    as [T, -1, 1], multiply, slice back to H."""
+    T, H = q.shape
+    codes_f32 = _pad_blocks(np.asarray(q).view(E4M3).astype(np.float32))
+    s = np.asarray(scales)
+    if s.dtype == np.int32:
+        s = (s.view(np.uint8).astype(np.int32) << 23).view(np.float32)
+    return (codes_f32.reshape(T, -1, 128) * s.reshape(T, -1, 1)).reshape(T, -1)[:, :H]
 
 
 # ----------------------------------------------------------------------------- FFI vs reference
@@ -430,6 +456,125 @@ def test_cast_back_known_values(impl):
     assert out.dtype == jnp.bfloat16   # the default dtype
 
 
+# ------------------------------------------------------------------ DeepEP's utils conventions
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+@pytest.mark.parametrize("H", [200, 1, 129, 500, 700])
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_cast_pads_hidden_to_whole_blocks(rng, impl, H, round_scale, use_ue8m0):
+    """Any H, as DeepEP's per_token_cast_to_fp8 (tests/utils.py): x zero-padded to whole
+    128-channel blocks, cast, codes sliced back to H; scales [T, ceil(H/128)] (packed:
+    [T, ceil(G/4)]). Codes and scales bitwise equal to the numpy model of the padded x."""
+    T = 5
+    x = _scaled_input(rng, T, 128 * -(-H // 128), np.float32)[:, :H]
+    q, s = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(x), round_scale=round_scale,
+                  use_ue8m0=use_ue8m0, impl=impl)
+    want_codes, want_scale = _cast_model(_pad_blocks(x), round_scale)
+    G = -(-H // 128)
+    assert q.shape == (T, H) and q.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(codes(q), want_codes[:, :H])
+    if use_ue8m0:
+        assert s.dtype == jnp.int32 and s.shape == (T, -(-G // 4))
+        np.testing.assert_array_equal(np.asarray(s), _pack_ue8m0_model(want_scale))
+    else:
+        assert s.dtype == jnp.float32 and s.shape == (T, G)
+        np.testing.assert_array_equal(np.asarray(s), want_scale)
+    # The cast back of a partial last block: codes times their group's scale, sliced to H.
+    back = jit_op(ops.per_token_cast_back, q, s, use_ue8m0=use_ue8m0, dtype=jnp.float32,
+                  impl=impl)
+    want_back = (_pad_blocks(codes(q)).view(E4M3).astype(np.float32).reshape(T, G, 128)
+                 * want_scale[..., None]).reshape(T, -1)[:, :H]
+    assert back.shape == (T, H)
+    np.testing.assert_array_equal(np.asarray(back), want_back)
+
+
+def test_deepep_cast_200_channels_known_values():
+    """H = 200 by hand: group 0 holds channels 0..127 (amax 896 -> scale 2), group 1 the 72
+    channels 128..199 (amax 1 -> scale 1/448; the 56 padding zeros change nothing)."""
+    x = np.zeros((1, 200), np.float32)
+    x[0, 0], x[0, 1] = 896.0, -6.0
+    x[0, 128], x[0, 199] = 1.0, -0.5
+    for impl in ("ffi", "xla"):
+        q, s = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(x), impl=impl)
+        np.testing.assert_array_equal(np.asarray(s), [[2.0, np.float32(1.0) / np.float32(448)]])
+        c = codes(q)[0]
+        assert c.shape == (200,)
+        # 448, -3 (scale 2); 448, -224 (scale 1/448)
+        np.testing.assert_array_equal(c[[0, 1, 128, 199]], [0x7E, 0xC4, 0x7E, 0xF6])
+        assert not np.delete(c, [0, 1, 128, 199]).any()
+        back = jit_op(ops.per_token_cast_back, q, s, dtype=jnp.float32, impl=impl)
+        np.testing.assert_array_equal(np.asarray(back)[0, [0, 1]], [896.0, -6.0])
+        np.testing.assert_allclose(np.asarray(back)[0, [128, 199]], [1.0, -0.5], rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+@pytest.mark.parametrize("H", [512, 500, 200])
+def test_int32_scales_are_ue8m0_without_the_flag(rng, impl, H):
+    """DeepEP's per_token_cast_back reads int32 scales as packed UE8M0 with no flag: so does
+    ours (use_ue8m0 left False), bitwise equal to use_ue8m0=True and, where DeepEP's utils can
+    take the shapes (G % 4 == 0: H = 512, 500), to its formula in numpy."""
+    T = 6
+    x = _scaled_input(rng, T, 128 * -(-H // 128), np.float32)[:, :H]
+    q, s = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(x), round_scale=True, use_ue8m0=True,
+                  impl=impl)
+    implied = jit_op(ops.per_token_cast_back, q, s, dtype=jnp.float32, impl=impl)
+    flagged = jit_op(ops.per_token_cast_back, q, s, use_ue8m0=True, dtype=jnp.float32, impl=impl)
+    np.testing.assert_array_equal(np.asarray(implied), np.asarray(flagged))
+    G = -(-H // 128)
+    scale = np.asarray(s).view(np.uint8).reshape(T, -1)[:, :G].astype(np.uint32) << 23
+    want = (_pad_blocks(codes(q)).view(E4M3).astype(np.float32).reshape(T, G, 128)
+            * scale.view(np.float32)[..., None]).reshape(T, -1)[:, :H]
+    np.testing.assert_array_equal(np.asarray(implied), want)
+    if G % 4 == 0:
+        np.testing.assert_array_equal(np.asarray(implied), _deepep_cast_back_model(q, s))
+    bf16 = jit_op(ops.per_token_cast_back, q, s, impl=impl)   # the default dtype
+    np.testing.assert_array_equal(np.asarray(bf16), want.astype(BF16))
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_scales_in_any_shape_with_the_right_count(rng, impl):
+    """DeepEP's utils view the scales as [T, -1]: the low-latency test passes the received
+    scales [L, P*Tmax, H/512] viewed as (-1, H/128) for codes viewed as (-1, H). Any shape
+    holding the T*W scales in row-major order gives the [T, W] result."""
+    T, H = 8, 512
+    x = _scaled_input(rng, T, H, np.float32)
+    q, s = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(x), impl=impl)            # f32 [8, 4]
+    qu, su = jit_op(ops.per_token_cast_to_fp8, jnp.asarray(x), round_scale=True,
+                    use_ue8m0=True, impl=impl)                                       # i32 [8, 1]
+    want = np.asarray(jit_op(ops.per_token_cast_back, q, s, dtype=jnp.float32, impl=impl))
+    want_u = np.asarray(jit_op(ops.per_token_cast_back, qu, su, dtype=jnp.float32, impl=impl))
+    np.testing.assert_array_equal(want, _deepep_cast_back_model(q, s))
+    np.testing.assert_array_equal(want_u, _deepep_cast_back_model(qu, su))
+    for shape in [(32,), (16, 2), (2, 4, 4)]:
+        got = jit_op(ops.per_token_cast_back, q, s.reshape(shape), dtype=jnp.float32, impl=impl)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    for shape in [(8,), (2, H // 128), (2, 2, 2)]:   # (2, 4): DeepEP's view(-1, hidden // 128)
+        got = jit_op(ops.per_token_cast_back, qu, su.reshape(shape), dtype=jnp.float32,
+                     impl=impl)
+        np.testing.assert_array_equal(np.asarray(got), want_u)
+    with pytest.raises(ValueError, match=r"^scales: expected 32 float scales \(\[8, 4\] for "
+                                         r"x_fp8 of shape \(8, 512\)\), got shape \(4, 4\)"):
+        ops.per_token_cast_back(q, s[:4], impl=impl)
+    with pytest.raises(ValueError, match=r"^scales: expected 8 packed UE8M0 int32 scales "
+                                         r"\(\[8, 1\] .*got shape \(9,\)"):
+        ops.per_token_cast_back(qu, jnp.zeros((9,), jnp.int32), impl=impl)
+
+
+def test_reference_reads_deepeps_scales_too(rng):
+    """jax_ep.reference.per_token_cast_back (the oracle, called directly) takes the same
+    int32-means-UE8M0 rule and scale shapes as ops."""
+    T, H = 4, 200
+    x = _scaled_input(rng, T, 256, np.float32)[:, :H]
+    q, s = reference.per_token_cast_to_fp8(jnp.asarray(x), round_scale=True, use_ue8m0=True)
+    assert q.shape == (T, H) and s.shape == (T, 1)
+    back = reference.per_token_cast_back(q, s.reshape(-1), dtype=jnp.float32)
+    scale = np.asarray(s).view(np.uint8).reshape(T, 4)[:, :2].astype(np.uint32) << 23
+    want = (_pad_blocks(codes(q)).view(E4M3).astype(np.float32).reshape(T, 2, 128)
+            * scale.view(np.float32)[..., None]).reshape(T, -1)[:, :H]
+    np.testing.assert_array_equal(np.asarray(back), want)
+
+
 # ----------------------------------------------------------------------------- round trips
 
 
@@ -527,10 +672,6 @@ def test_fp8_inside_shard_map(ep_mesh, rng):
 def test_fp8_bad_arguments(impl):
     cast = partial(ops.per_token_cast_to_fp8, impl=impl)
     back = partial(ops.per_token_cast_back, impl=impl)
-    with pytest.raises(ValueError, match="x: .*128"):
-        cast(jnp.ones((2, 100)))
-    with pytest.raises(ValueError, match="x: .*128"):
-        cast(jnp.ones((2, 129)))
     with pytest.raises(ValueError, match="x"):
         cast(jnp.ones((256,)))
     with pytest.raises(ValueError, match="x"):
@@ -544,24 +685,37 @@ def test_fp8_bad_arguments(impl):
         back(jnp.zeros((2, 256)), jnp.ones((2, 2)))
     with pytest.raises(ValueError, match="x_fp8"):
         back(jnp.zeros((256,), jnp.float8_e4m3fn), jnp.ones((2,)))
-    with pytest.raises(ValueError, match="128"):
-        back(jnp.zeros((2, 200), jnp.float8_e4m3fn), jnp.ones((2, 2)))
-    with pytest.raises(ValueError, match="scales"):
+    with pytest.raises(ValueError, match=r"^scales: expected 4 float scales \(\[2, 2\] for "
+                                         r"x_fp8 of shape \(2, 256\)\), got shape \(2, 3\)"):
         back(q, jnp.ones((2, 3)))
-    with pytest.raises(ValueError, match="scales"):
+    with pytest.raises(ValueError, match=r"^scales: expected 2 packed UE8M0 int32 scales "
+                                         r"\(\[2, 1\] .*got shape \(2, 2\)"):
         back(q, jnp.ones((2, 2), jnp.int32), use_ue8m0=True)   # packed: [2, 1]
+    with pytest.raises(ValueError, match=r"^scales: expected 4 float scales \(\[2, 2\] for "
+                                         r"x_fp8 of shape \(2, 200\)\), got shape \(2, 1\)"):
+        back(jnp.zeros((2, 200), jnp.float8_e4m3fn), jnp.ones((2, 1)))  # G = ceil(200/128)
+    with pytest.raises(ValueError, match="^scales: use_ue8m0=True expects packed UE8M0 int32 "
+                                         "scales, got float32"):
+        back(q, jnp.ones((2, 1)), use_ue8m0=True)
+    with pytest.raises(ValueError, match="^scales: expected float scales or packed UE8M0 int32 "
+                                         "scales, got uint32"):
+        back(q, jnp.ones((2, 2), jnp.uint32))
+    with pytest.raises(ValueError, match="^scales: expected an array, got list"):
+        back(q, [[1.0, 1.0], [1.0, 1.0]])
     with pytest.raises(ValueError, match="dtype"):
         back(q, jnp.ones((2, 2)), dtype=jnp.int32)
     with pytest.raises(ValueError, match="impl"):
         ops.per_token_cast_to_fp8(jnp.ones((2, 256)), impl="numpy")
 
 
+@pytest.mark.parametrize("H", [256, 200])
 @pytest.mark.parametrize("use_ue8m0", [False, True], ids=["f32scales", "ue8m0"])
-def test_cast_back_gradients_are_the_scaled_cotangents(rng, use_ue8m0):
+def test_cast_back_gradients_are_the_scaled_cotangents(rng, use_ue8m0, H):
     """jax.grad through the FFI cast back (issue 22): d x_fp8 = g * scale rounded to e4m3,
-    d scales = sum of g * code over each 128-channel group; UE8M0 scales get none."""
-    T, H = 3, 256
-    x = _scaled_input(rng, T, H, np.float32)
+    d scales = sum of g * code over each 128-channel group; UE8M0 scales get none. H = 200:
+    the last group holds 72 channels (the padding gets no cotangent)."""
+    T = 3
+    x = _scaled_input(rng, T, 256, np.float32)[:, :H]
     q, s = ops.per_token_cast_to_fp8(jnp.asarray(x), round_scale=use_ue8m0, use_ue8m0=use_ue8m0)
     g = jnp.asarray(rng.standard_normal((T, H)).astype(np.float32))
 
@@ -579,6 +733,6 @@ def test_cast_back_gradients_are_the_scaled_cotangents(rng, use_ue8m0):
     np.testing.assert_array_equal(codes(got[0]), codes(hand_q))
     np.testing.assert_array_equal(codes(got[0]), codes(want[0]))
     if not use_ue8m0:
-        hand_s = (np.asarray(g) * np.asarray(q).astype(np.float32)).reshape(T, H // 128, 128)
+        hand_s = _pad_blocks(np.asarray(g) * np.asarray(q).astype(np.float32)).reshape(T, -1, 128)
         np.testing.assert_allclose(np.asarray(got[1]), hand_s.sum(-1), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)

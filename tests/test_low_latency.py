@@ -252,6 +252,81 @@ def test_recv_count_is_int32_under_x64():
     np.testing.assert_array_equal(count, layout_range[..., 1].reshape(-1, num_ranks).sum(-1))
 
 
+def _handle_as_deepep_tuple(num_ranks, x, idx, tmax, E, seen):
+    """Dispatches and reads the handle as DeepEP's test does (handle[0], handle[1], unpacking);
+    records the static items and the pytree view in `seen`."""
+    def body(x, i):
+        _, count, h = jax_ep.low_latency_dispatch(
+            x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E, axis_name=AXIS)
+        src_info, layout_range, t, hidden, e = h
+        seen["static"] = (len(h), t, hidden, e, h[2], h[3], h[4], h[-1], h[2:])
+        seen["same"] = (h[0] is h.src_info, src_info is h.src_info, h[-5] is h.src_info)
+        leaves, tree = jax.tree.flatten(h)
+        seen["pytree"] = (len(leaves), type(jax.tree.unflatten(tree, leaves)))
+        with pytest.raises(IndexError):
+            h[5]
+        return count, src_info, layout_range, h[1], h.layout_range
+    return [np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), x, idx)]
+
+
+def test_handle_reads_as_deepeps_tuple():
+    """DeepEP's handle is (src_info, layout_range, Tmax, hidden, num_experts) with
+    layout_range int64 [L,P] = begin << 32 | count; its test reads handle[0][i] and
+    handle[1][i]. LowLatencyHandle gives those (index 1 under x64), its fields and pytree
+    unchanged."""
+    num_ranks, T, tmax, K, E, H = 4, 5, 6, 3, 16, 128
+    L = E // num_ranks
+    rng = np.random.default_rng(13)
+    idx, _ = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    seen = {}
+    with jax.enable_x64(True):
+        count, src_info, packed, h1, pairs = _handle_as_deepep_tuple(num_ranks, x, idx, tmax,
+                                                                     E, seen)
+    assert seen["static"] == (5, tmax, H, E, tmax, H, E, E, (tmax, H, E))
+    assert seen["same"] == (True, True, True)
+    assert seen["pytree"] == (9, jax_ep.LowLatencyHandle)  # the array fields, stats None
+    assert packed.dtype == h1.dtype == np.int64 and packed.shape == (num_ranks * L, num_ranks)
+    assert pairs.dtype == np.int32 and pairs.shape == (num_ranks * L, num_ranks, 2)
+    np.testing.assert_array_equal(packed, h1)
+    np.testing.assert_array_equal(packed, (pairs[..., 0].astype(np.int64) << 32) | pairs[..., 1])
+    # DeepEP's checks, as its test_low_latency.py writes them.
+    int_mask = (1 << 32) - 1
+    np.testing.assert_array_equal((packed & int_mask).sum(-1), count)
+    np.testing.assert_array_equal(packed >> 32, np.cumsum(pairs[..., 1], -1) - pairs[..., 1])
+    for e in range(E):
+        assert count[e] == (idx == e).sum()
+        for j in range(num_ranks):
+            begin, n = packed[e, j] >> 32, packed[e, j] & int_mask
+            assert n == (idx[j * T:(j + 1) * T] == e).sum()
+            rows = src_info[e, begin:begin + n]  # [P*L, P*Tmax] over the ranks
+            np.testing.assert_array_equal(rows, np.nonzero((idx[j * T:(j + 1) * T] == e)
+                                                           .any(-1))[0])
+
+
+def test_handle_packed_layout_needs_x64():
+    num_ranks, T, tmax, K, E = 2, 3, 4, 2, 4
+    rng = np.random.default_rng(14)
+    idx, _ = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, 128)).astype(np.float32)
+    msg = (r"^handle\[1\]: DeepEP's packed layout_range \(int64 begin << 32 \| count\) needs "
+           r"jax_enable_x64; enable it .* or use handle.layout_range, i32\[L,P,2\]")
+    with pytest.raises(ValueError, match=msg):
+        _handle_as_deepep_tuple(num_ranks, x, idx, tmax, E, {})
+
+    seen = {}
+
+    def other_items(x, i):  # need no x64
+        _, _, h = jax_ep.low_latency_dispatch(
+            x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E, axis_name=AXIS)
+        seen["static"] = h[2:]
+        return h[0]
+
+    src_info = run_ep(other_items, ep_mesh(num_ranks), x, idx)
+    assert seen["static"] == (tmax, 128, E)
+    assert src_info.dtype == jnp.int32 and src_info.shape == (E, num_ranks * tmax)  # [P*L, .]
+
+
 # ----------------------------------------------------------------------------- LogFMT combine
 
 
