@@ -24,7 +24,7 @@ Arguments that have no effect under XLA (accepted so that ported calls run uncha
 | `num_tokens_per_rdma_rank` | `dispatch` | recomputed from topk_idx by the two-hop dispatch (a (node, local) `group`) |
 | `dispatch_wait_recv_cost_stats`, `combine_wait_recv_cost_stats` | low-latency methods | no timers inside a compiled program; left untouched |
 | `zero_copy` | `low_latency_combine` | `x` already is the combine buffer |
-| `new_num_sms` | `set_num_sms` | no SM partitioning |
+| `new_num_sms` | `set_num_sms` | no SM partitioning (it sets `Buffer.num_sms`, which the recommended configs carry) |
 
 Differences forced by static shapes: `num_worst_tokens=0` means DeepEP's worst case (P*T
 receive rows; there is no host sync to size it exactly); `num_recv_tokens_per_expert_list`
@@ -158,6 +158,25 @@ def _no_hook():
     return None
 
 
+# DeepEP's recommended chunk sizes by rank count (deep_ep Buffer.get_dispatch_config /
+# get_combine_config): (nvl send, nvl recv, rdma send, rdma recv) tokens.
+_DISPATCH_CONFIGS = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128),
+                     16: (36, 288, 20, 128), 24: (32, 288, 8, 128), 32: (32, 288, 8, 128),
+                     48: (32, 288, 8, 128), 64: (32, 288, 8, 128), 96: (20, 480, 12, 128),
+                     128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
+_COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128),
+                    16: (4, 288, 12, 128), 24: (1, 288, 8, 128), 32: (1, 288, 8, 128),
+                    48: (1, 288, 8, 128), 64: (1, 288, 8, 128), 96: (1, 480, 8, 128),
+                    128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
+
+
+def _recommended(table, num_ranks) -> Config:
+    if num_ranks not in table:
+        raise ValueError(f"num_ranks: DeepEP has no recommended config for {num_ranks!r} ranks "
+                         f"(it has {sorted(table)}); build a Config yourself")
+    return Config(Buffer.num_sms, *table[num_ranks])
+
+
 def _check_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name}: expected a bool, got {value!r}")
@@ -262,7 +281,13 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Does nothing: XLA does not partition SMs."""
+        """Sets Buffer.num_sms, which the recommended configs carry (an even count, as DeepEP
+        asserts); no effect on the exchanges: XLA does not partition SMs."""
+        new_num_sms = check_positive(new_num_sms, "new_num_sms")
+        if new_num_sms % 2:
+            raise ValueError(f"new_num_sms: the SM count must be even (DeepEP's rule), got "
+                             f"{new_num_sms}")
+        Buffer.num_sms = new_num_sms
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -271,13 +296,15 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """A `Config` (no effect under XLA)."""
-        return Config(num_sms=Buffer.num_sms)
+        """DeepEP's recommended dispatch `Config` for num_ranks (its table; no effect under
+        XLA); a rank count outside the table raises ValueError, as DeepEP asserts."""
+        return _recommended(_DISPATCH_CONFIGS, num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """A `Config` (no effect under XLA)."""
-        return Config(num_sms=Buffer.num_sms)
+        """DeepEP's recommended combine `Config` for num_ranks (its table; no effect under
+        XLA); a rank count outside the table raises ValueError, as DeepEP asserts."""
+        return _recommended(_COMBINE_CONFIGS, num_ranks)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,

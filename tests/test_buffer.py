@@ -108,11 +108,20 @@ def test_inert_pieces():
     with event as entered:
         assert entered is event
     assert event.current_stream_wait() is None
-    assert isinstance(buf.get_dispatch_config(8), jax_ep.Config)
-    assert isinstance(jax_ep.Buffer.get_combine_config(8), jax_ep.Config)
+    assert buf.get_dispatch_config(8) == jax_ep.Config(20, 6, 256, 6, 128)  # DeepEP's table
+    assert jax_ep.Buffer.get_combine_config(16) == jax_ep.Config(20, 4, 288, 12, 128)
+    for bad in (7, 0):
+        with pytest.raises(ValueError, match="num_ranks"):
+            jax_ep.Buffer.get_dispatch_config(bad)
     assert buf.destroy() is None and buf.reset_rdma_buffer() is None
     assert buf.clean_low_latency_buffer(128, 256, 16) is None
-    assert jax_ep.Buffer.set_num_sms(24) is None
+    try:
+        assert jax_ep.Buffer.set_num_sms(24) is None and jax_ep.Buffer.num_sms == 24
+        assert jax_ep.Buffer.get_combine_config(2).num_sms == 24
+        with pytest.raises(ValueError, match="new_num_sms"):
+            jax_ep.Buffer.set_num_sms(23)
+    finally:
+        jax_ep.Buffer.set_num_sms(20)
     with pytest.raises(ValueError, match="group: .*pair"):
         jax_ep.Buffer(("data", "node", "local"))
     assert jax_ep.Buffer(("node", "local")).group == ("node", "local")
