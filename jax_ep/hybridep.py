@@ -231,7 +231,7 @@ _dispatch_probs = tp.with_transpose(_permute_probs, _unpermute_probs)
 _combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted)
 
 
-def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts, axis_name,
+def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_experts, axis_name,
                       num_permuted_tokens=None, pad_multiple=None, transport="auto",
                       backend="deepep", use_fp8=False, fp8_output="pair", round_scale=False,
                       use_ue8m0=False, hierarchical=None):
@@ -240,6 +240,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
       x: [T,H] tokens of this rank.
       routing_map: bool[T,E] with probs f32[T,E] (dense routing), or
       topk_idx: [T,K] global ids (-1 unrouted) with probs f32[T,K] (compact routing).
+      probs may be None, as HybridEP's: nothing but the rows is exchanged and permuted_probs
+        is None.
       num_permuted_tokens: N, rows of the permuted output on this rank. None (default): the
         no-drop worst case, every received row's local slots plus the block padding,
         N = P*T' * S + L*(pad_multiple - 1) with T' = max(equalized_num_tokens(T), 4) the
@@ -261,7 +263,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         is then the pair (float8_e4m3fn[N,H], scales f32[N,H/128] or i32[N,H/512]) or, with
         fp8_output="cast_back", [N,H] in x.dtype, differentiable (straight-through: the
         gradient of the dispatch without FP8 of x's FP8 round trip, moved back in x.dtype).
-    Returns (permuted_x [N,H], permuted_probs f32[N], tokens_per_expert i32[L], handle).
+    Returns (permuted_x [N,H], permuted_probs f32[N] (None without probs),
+    tokens_per_expert i32[L], handle).
     """
     if use_fp8:
         check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
@@ -269,7 +272,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         raise ValueError("routing_map / topk_idx: pass exactly one of them (dense or compact "
                          "routing)")
     check_rank(x, 2, "x")
-    check_float_weights(probs, "probs")
+    if probs is not None:
+        check_float_weights(probs, "probs")
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     num_local = check_experts(num_experts, num_ranks)
     if num_permuted_tokens is not None:
@@ -286,10 +290,10 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
     if compact:
         topk_idx, _ = check_routing(topk_idx, None, num_experts)
         check_shape(topk_idx, (num_tokens, topk_idx.shape[1]), "topk_idx")
-        check_shape(probs, topk_idx.shape, "probs")
     else:
         check_shape(routing_map, (num_tokens, num_experts), "routing_map")
-        check_shape(probs, (num_tokens, num_experts), "probs")
+    if probs is not None:
+        check_shape(probs, (topk_idx if compact else routing_map).shape, "probs")
     if num_tokens == 0:
         # No token anywhere (T is static and shared): the rows below are built without
         # reading the empty inputs, which XLA's Shardy pass cannot compile when two or more
@@ -300,7 +304,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         def fresh(like, value):
             axes = frozenset({axis_name}) & _ffi.varying_axes(like)
             return _ffi.make_varying(jnp.full(like.shape, value, like.dtype), axes)
-        x, probs = fresh(x, 0), fresh(probs, 0)
+        x = fresh(x, 0)
+        probs = None if probs is None else fresh(probs, 0)
         if compact:
             topk_idx = fresh(topk_idx, -1)
         else:
@@ -311,7 +316,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
         routing_map = _pad_rows(routing_map.astype(bool), padded, False)
         layout_idx = _dense_layout_idx(routing_map, num_ranks)
     x = _pad_rows(x, padded, 0)
-    probs = _pad_rows(probs.astype(jnp.float32), padded, 0.0)
+    if probs is not None:
+        probs = _pad_rows(probs.astype(jnp.float32), padded, 0.0)
     if axes is not None:  # DeepEP's two hops over a (node, local) pair
         routing = internode.two_hop_plan(layout_idx, num_experts, axes, transports=transports,
                                          impl=impl)
@@ -347,7 +353,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs, num_experts,
                        row_expert=row_expert.astype(jnp.int32),
                        tokens_per_expert=tokens_per_expert, num_dropped=num_dropped,
                        num_tokens=num_tokens, compact=compact)
-    permuted_probs = _dispatch_probs(probs, h)  # first: the programs' collective order
+    # first: the programs' collective order
+    permuted_probs = None if probs is None else _dispatch_probs(probs, h)
     if use_fp8:
         permuted_x = _dispatch_rows_fp8(x, h, bool(round_scale), bool(use_ue8m0),
                                         fp8_output == "cast_back")

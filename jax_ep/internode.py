@@ -73,6 +73,7 @@ class DispatchHandle:
       to a destination's num_worst_tokens budget.
     num_invalid i32[]: expert ids outside [-1, E) seen; they are routed nowhere, on every
       platform (the layer-1 CPU kernels would raise, on one rank, mid-exchange).
+    handle[0] reads DeepEP's rank_prefix_matrix (see __getitem__).
     """
 
     plan: tp.ExchangePlan
@@ -90,6 +91,35 @@ class DispatchHandle:
     axis_name: str
     transport: str
     impl: str
+
+    def __len__(self) -> int:
+        """6, the length of DeepEP's intranode handle tuple (see __getitem__)."""
+        return len(_DEEPEP_INTRANODE_HANDLE)
+
+    def __getitem__(self, index):
+        """DeepEP's intranode handle tuple, by int index: (rank_prefix_matrix,
+        channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+        send_head). Only handle[0] exists here: rank_prefix_matrix i32[P,P], [i, j] = the
+        rows rank j received from ranks 0..i (its received rows are grouped by source rank,
+        so rows [M[i-1, j], M[i, j]) came from rank i). It is gathered over the axis, so read it
+        inside the shard_map. The other entries describe DeepEP's channels and send buffers,
+        which this exchange does not have: ValueError."""
+        position = range(len(self))[index]
+        if isinstance(position, range):
+            return tuple(self[i] for i in position)
+        name = _DEEPEP_INTRANODE_HANDLE[position]
+        if name != "rank_prefix_matrix":
+            raise ValueError(f"handle[{index}]: DeepEP's {name} has no counterpart here (XLA's "
+                             "exchange has no channels or send buffers); handle[0] is "
+                             "rank_prefix_matrix, and the handle's fields carry the rest")
+        column = jnp.cumsum(self.plan.recv_counts).astype(jnp.int32)  # this rank's column
+        return jax.lax.all_gather(column, self.axis_name).T
+
+
+# The entries of DeepEP's intranode dispatch handle, in its order.
+_DEEPEP_INTRANODE_HANDLE = ("rank_prefix_matrix", "channel_prefix_matrix",
+                            "recv_channel_prefix_matrix", "recv_src_idx", "is_token_in_rank",
+                            "send_head")
 
 
 def _sizes(num_tokens, num_ranks, capacity, num_worst_tokens):
@@ -303,6 +333,8 @@ class InternodeHandle:
       hop-2 rows it dropped as a forwarder (capacity, num_worst_tokens); summed over the
       ranks it equals the flat exchange's count when hop 1 drops nothing.
     num_invalid i32[]: expert ids outside [-1, E) seen (routed nowhere).
+    handle[4] and handle[6] (handle[-4]) read DeepEP's recv_rdma_rank_prefix_sum and
+    recv_gbl_rank_prefix_sum (see __getitem__).
     """
 
     hop1: DispatchHandle
@@ -323,6 +355,58 @@ class InternodeHandle:
     axis_name: tuple
     transport: tuple
     impl: str
+
+    def __len__(self) -> int:
+        """10, the length of DeepEP's internode handle tuple (see __getitem__)."""
+        return len(_DEEPEP_INTERNODE_HANDLE)
+
+    def __getitem__(self, index):
+        """DeepEP's internode handle tuple, by int index (is_token_in_rank,
+        rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
+        recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
+        recv_src_meta, send_rdma_head, send_nvl_head). Two exist here, read inside the
+        shard_map: handle[4], recv_rdma_rank_prefix_sum i32[N], the inclusive prefix of the
+        hop-1 rows this rank received from each node; handle[6] = handle[-4],
+        recv_gbl_rank_prefix_sum i32[N*G], that of the rows it finally received from each
+        global rank n*G + g (rows [S[i-1], S[i]) came from rank i; one all_to_all over the
+        local axis). The others describe DeepEP's channels and send buffers (or the sender's
+        is_token_in_rank, which get_dispatch_layout returns): ValueError."""
+        position = range(len(self))[index]
+        if isinstance(position, range):
+            return tuple(self[i] for i in position)
+        name = _DEEPEP_INTERNODE_HANDLE[position]
+        if name == "recv_rdma_rank_prefix_sum":
+            return jnp.cumsum(self.hop1.plan.recv_counts).astype(jnp.int32)
+        if name == "recv_gbl_rank_prefix_sum":
+            return jnp.cumsum(self._rows_per_global_source()).astype(jnp.int32)
+        raise ValueError(f"handle[{index}]: DeepEP's {name} has no counterpart here (XLA's "
+                         "exchange has no channels or send buffers); handle[4] and handle[6] "
+                         "are the receive prefix sums, and the handle's fields carry the rest")
+
+    def _rows_per_global_source(self):
+        """i32[N*G]: rows this rank received over both hops from each global rank n*G + g.
+        A forwarder (local index g) holds rows of the ranks (n, g); it counts, per receiver,
+        the rows it forwards from each node n and sends the counts along the local axis."""
+        hop1, hop2 = self.hop1, self.hop2
+        num_nodes, num_local = hop1.plan.recv_counts.shape[0], hop2.plan.send_counts.shape[0]
+        node_of_row = source_of_rows(hop1.plan.recv_counts, hop1.plan.recv_offsets,
+                                     hop1.num_recv)
+        sent = hop2.send_row_idx
+        receiver = source_of_rows(hop2.plan.send_counts, hop2.plan.send_offsets, sent.shape[0])
+        node = jnp.where(sent >= 0, node_of_row[jnp.clip(sent, 0, hop1.num_recv - 1)],
+                         num_nodes)
+        counts = jnp.zeros((num_local, num_nodes), jnp.int32).at[receiver, node].add(
+            1, mode="drop")  # [receiver g', node n]
+        by_forwarder = jax.lax.all_to_all(counts, self.axis_name[1], 0, 0, tiled=True)
+        return by_forwarder.T.reshape(-1)  # [n, g] -> global rank n*G + g
+
+
+# The entries of DeepEP's internode dispatch handle, in its order.
+_DEEPEP_INTERNODE_HANDLE = ("is_token_in_rank", "rdma_channel_prefix_matrix",
+                            "gbl_channel_prefix_matrix", "recv_rdma_channel_prefix_matrix",
+                            "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                            "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head",
+                            "send_nvl_head")
 
 
 def two_hop_axes(axis_name, hierarchical=None):

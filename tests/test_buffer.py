@@ -352,19 +352,29 @@ def test_deepep_style_body_through_buffer():
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             num_worst_tokens=num_ranks * T)
         c, _, _ = buf.combine(rx, handle)
-        return rx, ri, handle.num_recv_tokens[None], per_rank, in_rank.sum(1), c
+        assert len(handle) == 6
+        with pytest.raises(ValueError, match=r"handle\[3\]: DeepEP's recv_src_idx"):
+            handle[3]
+        return rx, ri, handle.num_recv_tokens[None], per_rank, in_rank.sum(1), c, handle[0]
 
-    rx, ri, n, per_rank, owners, c = [np.asarray(a, np.float32)
-                                      for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
+    rx, ri, n, per_rank, owners, c, prefix = [
+        np.asarray(a, np.float32) for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
     R = num_ranks * T
     per_rank = per_rank.reshape(num_ranks, num_ranks)  # [src, dst]
     for d in range(num_ranks):
         rows = rx[d * R:(d + 1) * R]
         m = int(n[d])
         assert m == per_rank[:, d].sum()
-        # check_data: the block from source s holds s everywhere.
-        want = np.repeat(np.arange(num_ranks), per_rank[:, d].astype(int))
-        np.testing.assert_array_equal(rows[:m], want[:, None] * np.ones((1, H)))
+        # handle[0], rank_prefix_matrix: the same [P, P] inclusive prefix on every rank
+        rank_prefix = prefix[d * num_ranks:(d + 1) * num_ranks]
+        np.testing.assert_array_equal(rank_prefix, np.cumsum(per_rank, axis=0))
+        # check_data, as DeepEP's test reads it: rows [M[s-1, d], M[s, d]) hold s.
+        start = 0
+        for s in range(num_ranks):
+            end = int(rank_prefix[s, d])
+            np.testing.assert_array_equal(rows[start:end], s)
+            start = end
+        assert start == m
         assert not rows[m:].any() and (ri[d * R + m:(d + 1) * R] == -1).all()
     np.testing.assert_array_equal(c, np.asarray(x, np.float32) * owners[:, None])
 

@@ -492,6 +492,36 @@ def test_token_permutation_from_dense_probs(backend):
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_dense_probs_route_only_the_top_k(backend):
+    """Megatron's dropless dispatcher test passes probs = 1/K for every expert: each token goes
+    to its K highest-prob experts (ties to the lowest ids, as torch.topk), never to all E, so
+    the round trip gives x back and nothing is dropped. A row with more than K distinct
+    non-zero probs routes its top K only."""
+    num_ranks, T, H, K, E = 4, 4, 8, 2, 8
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    d = _dispatcher(num_ranks, E, K, moe_flex_dispatcher_backend=backend)
+
+    def body(x, probs):
+        tokens, tpe, pp, state = d.token_permutation(x, x.shape[0], probs)
+        return (d.token_unpermutation(tokens * pp[:, None], state), tpe[None],
+                state.num_dropped[None])
+
+    uniform = np.full((num_ranks * T, E), 1.0 / K, np.float32)
+    out, tpe, dropped = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, uniform))
+    np.testing.assert_allclose(out, x, rtol=1e-6)
+    assert not dropped.any()
+    # experts 0 and 1 (rank 0) take every token; the others none
+    np.testing.assert_array_equal(tpe.reshape(-1), [num_ranks * T] * K + [0] * (E - K))
+
+    graded = rng.uniform(0.1, 1.0, (num_ranks * T, E)).astype(np.float32)  # all non-zero
+    top = np.argsort(-graded, axis=1)[:, :K]
+    out = np.asarray(run_ep(body, ep_mesh(num_ranks), x, graded)[0])
+    np.testing.assert_allclose(out, x * np.take_along_axis(graded, top, 1).sum(1)[:, None],
+                               rtol=1e-5)
+
+
 def test_training_loss_equal_across_backends_and_sharding_kept():
     mesh = _mesh()
     losses = {}

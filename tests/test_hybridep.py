@@ -62,6 +62,41 @@ def test_dense_and_compact_routing_agree_and_backends_agree():
     np.testing.assert_allclose(dense[4], compact[4], rtol=1e-6)
 
 
+@pytest.mark.parametrize("compact", [False, True])
+def test_without_probs_rows_and_gradients_are_those_with_probs(compact):
+    """probs=None (HybridEP accepts it): the same permuted rows, block sizes and drops as with
+    probs, permuted_probs None, and the round trip differentiable in x."""
+    num_ranks, T, K, H, E, N = 4, 6, 3, 8, 16, 4 * 6 * 3
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    rm, _ = dense_routing(idx, w, E)
+    routing = idx if compact else rm
+
+    def body(x, a):
+        kw = dict(topk_idx=a) if compact else dict(routing_map=a)
+        px, pp, tpe, h = hybridep.hybridep_dispatch(x, num_experts=E, axis_name=AXIS,
+                                                    num_permuted_tokens=N, **kw)
+        assert pp is None
+        grad = jax.grad(lambda x: jnp.sum(jnp.sin(hybridep.hybridep_combine(
+            hybridep.hybridep_dispatch(x, num_experts=E, axis_name=AXIS,
+                                       num_permuted_tokens=N, **kw)[0], h))))(x)
+        return px, tpe, h.num_dropped[None], hybridep.hybridep_combine(px, h), grad
+
+    px, tpe, dropped, out, grad = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, routing))
+    want = _run(ep_mesh(num_ranks), x, idx, w, E, N, None, compact)
+    np.testing.assert_array_equal(px, want[0])
+    np.testing.assert_array_equal(tpe, want[2])
+    np.testing.assert_array_equal(dropped, want[3])
+    np.testing.assert_array_equal(out, want[4])
+    # Nothing dropped (N is the worst case): each token comes back once per routed expert, c
+    # times, so the gradient of sum(sin(c x)) is c cos(c x).
+    assert not dropped.any()
+    c = (idx >= 0).sum(1, keepdims=True).astype(np.float32)
+    np.testing.assert_allclose(out, c * x, rtol=1e-6)
+    np.testing.assert_allclose(grad, c * np.cos(c * x), rtol=1e-5, atol=1e-6)
+
+
 def test_identity_experts_combine_scales_by_copy_count():
     num_ranks, T, K, H, E = 4, 6, 4, 8, 16
     rng = np.random.default_rng(4)

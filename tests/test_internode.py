@@ -340,9 +340,10 @@ def test_bad_input_raises(kwargs, arg):
         run_pair(body, mesh, x, idx, w)
 
 
-@pytest.mark.parametrize("cls", [jax_ep.Buffer, jax_ep.UCCLBuffer])
-def test_buffer_over_a_pair_runs_two_hops(cls):
-    N, G, T, H, K, E = 2, 4, 4, 8, 2, 16
+@pytest.mark.parametrize("cls,N,G", [(jax_ep.Buffer, 2, 4), (jax_ep.Buffer, 4, 2),
+                                     (jax_ep.UCCLBuffer, 2, 4)])
+def test_buffer_over_a_pair_runs_two_hops(cls, N, G):
+    T, H, K, E = 4, 8, 2, 16
     x, idx, w = _case(19, N * G, T, H, K, E)
     mesh = pair_mesh(N, G)
     buf = cls(AXES)
@@ -355,10 +356,31 @@ def test_buffer_over_a_pair_runs_two_hops(cls):
                                                 num_tokens_per_expert=per_expert,
                                                 topk_idx=idx, topk_weights=w)
         combined = buf.combine(rx, h)[0]
-        return rx, ri, combined, per_node, h.num_tokens_per_rdma_rank
-    rx, ri, combined, per_node, rdma = run_pair(body, mesh, x, idx, w)
+        assert len(h) == 10
+        with pytest.raises(ValueError, match=r"handle\[0\]: DeepEP's is_token_in_rank"):
+            h[0]
+        return (rx, ri, combined, per_node, h.num_tokens_per_rdma_rank, h[-4], h[4],
+                h.num_recv_tokens[None], h.num_rdma_recv_tokens[None])
+    rx, ri, combined, per_node, rdma, gbl_prefix, rdma_prefix, n, n_rdma = run_pair(
+        body, mesh, x, idx, w)
     flat = _dispatch_combine(mesh, x, idx, w, E, hierarchical=False)
+    # DeepEP's test_internode check_data: rows [S[i-1], S[i]) of rank d came from rank i
+    # (x[:, 0] holds the source rank), S = handle[-4], recv_gbl_rank_prefix_sum.
+    R = rx.shape[0] // (N * G)
+    for d in range(N * G):
+        prefix = gbl_prefix[d * N * G:(d + 1) * N * G]
+        assert prefix[-1] == n[d]
+        sources = np.repeat(np.arange(N * G), np.diff(prefix, prepend=0))
+        np.testing.assert_array_equal(rx[d * R:d * R + n[d], 0], sources)
     np.testing.assert_array_equal(rx, flat["rx"])
+    # handle[4], recv_rdma_rank_prefix_sum: rank (m, g) gets on hop 1, from each node n, the
+    # tokens of rank (n, g) bound for node m, once each.
+    to_node = per_node.reshape(N * G, N)  # [source rank, node]
+    for d in range(N * G):
+        m, g = divmod(d, G)
+        want = np.cumsum([to_node[n * G + g, m] for n in range(N)])
+        np.testing.assert_array_equal(rdma_prefix[d * N:(d + 1) * N], want)
+        assert want[-1] == n_rdma[d]
     np.testing.assert_array_equal(ri, flat["ri"])
     np.testing.assert_allclose(combined, flat["c"], rtol=1e-6, atol=1e-6)
     want = _numpy_rdma_counts(idx, N, E // N).reshape(N * G, T, N).sum(axis=1)

@@ -203,15 +203,24 @@ class MoEFlexTokenDispatcher(nnx.Module):
                                        impl=self._local_impl)
 
     def _topk_from_probs(self, probs):
-        """Dense probs [T,E] -> (indices i32[T,K] with -1 where prob is 0, probs f32[T,K])."""
+        """Dense probs [T,E] -> (indices i32[T,K], probs f32[T,K]): the K highest (ties to the
+        lower id). With moe_expert_capacity_factor set, slots of prob 0 (the router's drops)
+        get index -1; without it they are dispatched with weight 0, as in NeMo / Megatron."""
         values, indices = jax.lax.top_k(probs, self.config.moe_router_topk)
-        indices = jnp.where(values == 0, -1, indices).astype(jnp.int32)
-        return indices, values.astype(jnp.float32)
+        if self.config.moe_expert_capacity_factor is not None:
+            indices = jnp.where(values == 0, -1, indices)
+        return indices.astype(jnp.int32), values.astype(jnp.float32)
 
     # ------------------------------------------------------------------ dispatch side
 
     def dispatch_preprocess(self, hidden_states, num_local_tokens, probs):
-        """hidden [..., H], probs [T,E] (zero where not routed) -> (hidden [T,H], state)."""
+        """hidden [..., H], probs [T,E] (zero where not routed) -> (hidden [T,H], state).
+
+        Every backend routes each token to its moe_router_topk highest-prob experts, as
+        NeMo's DeepEP manager does with torch.topk (zero probs unrouted only with
+        moe_expert_capacity_factor set, as there); HybridEP's dense
+        routing map is built from that top-k, so dense probs with more than K non-zeros per
+        row (Megatron's dropless test passes 1/K for every expert) still route K experts."""
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
         num_experts = self.config.num_moe_experts
@@ -221,11 +230,13 @@ class MoEFlexTokenDispatcher(nnx.Module):
                              f"{jnp.shape(probs)}")
         probs = probs.reshape(num_local_tokens, num_experts)
         probs = probs.astype(router_dtype(self.config, probs.dtype))
+        indices, values = self._topk_from_probs(probs)
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
-            state = DispatchState(routing_map=probs != 0, probs=probs.astype(jnp.float32),
+            routing_map, dense = ops.indices_to_multihot(indices, values,
+                                                         num_experts=num_experts, impl="xla")
+            state = DispatchState(routing_map=routing_map, probs=dense,
                                   hidden_shape=hidden_shape)
         else:
-            indices, values = self._topk_from_probs(probs)
             state = DispatchState(token_indices=indices, token_probs=values,
                                   hidden_shape=hidden_shape)
         return hidden, state
