@@ -171,9 +171,11 @@ _COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 12
 
 
 def _recommended(table, num_ranks) -> Config:
+    """DeepEP's recommended Config for num_ranks; a rank count outside its table (DeepEP
+    asserts there; jax_ep runs any P) gets Config's defaults with Buffer.num_sms."""
+    num_ranks = check_positive(num_ranks, "num_ranks")
     if num_ranks not in table:
-        raise ValueError(f"num_ranks: DeepEP has no recommended config for {num_ranks!r} ranks "
-                         f"(it has {sorted(table)}); build a Config yourself")
+        return Config(Buffer.num_sms)
     return Config(Buffer.num_sms, *table[num_ranks])
 
 
@@ -297,13 +299,13 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """DeepEP's recommended dispatch `Config` for num_ranks (its table; no effect under
-        XLA); a rank count outside the table raises ValueError, as DeepEP asserts."""
+        XLA); a rank count outside the table gets `Config`'s defaults."""
         return _recommended(_DISPATCH_CONFIGS, num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         """DeepEP's recommended combine `Config` for num_ranks (its table; no effect under
-        XLA); a rank count outside the table raises ValueError, as DeepEP asserts."""
+        XLA); a rank count outside the table gets `Config`'s defaults."""
         return _recommended(_COMBINE_CONFIGS, num_ranks)
 
     @staticmethod

@@ -199,6 +199,8 @@ class LocalHop(NamedTuple):
     arrival_row i32[R]: the inverse, the flat row of each hop-2 compact receive row.
     recv_topk_idx i32[R,K]: local expert ids of the flat receive rows (-1 elsewhere).
     num_dropped i32[]: (row, destination) pairs this forwarder dropped.
+    flat_counts i32[N*G]: the flat receive rows from each global source rank n*G + g (the
+      flat rows are grouped by it, ascending).
     """
 
     plan: tp.ExchangePlan
@@ -207,6 +209,7 @@ class LocalHop(NamedTuple):
     arrival_row: jax.Array
     recv_topk_idx: jax.Array
     num_dropped: jax.Array
+    flat_counts: jax.Array
 
 
 def source_of_rows(recv_counts, recv_offsets, num_rows):
@@ -290,7 +293,7 @@ def plan_local_hop(recv_idx, source_node, *, num_nodes, num_local_experts, local
                               ops.gather_rows(ids, flat_slot, impl=impl), -1)
     num_dropped = valid.sum(dtype=jnp.int32) - keep.sum(dtype=jnp.int32)
     return LocalHop(plan, send_row_idx, flat_slot.astype(jnp.int32), arrival_row,
-                    recv_topk_idx.astype(jnp.int32), num_dropped)
+                    recv_topk_idx.astype(jnp.int32), num_dropped, flat_counts.astype(jnp.int32))
 
 
 def send_local(rows, hop, *, num_recv, hop_cap, local_axis, transport, impl):
@@ -364,13 +367,13 @@ class InternodeHandle:
         """DeepEP's internode handle tuple, by int index (is_token_in_rank,
         rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
         recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
-        recv_src_meta, send_rdma_head, send_nvl_head). Two exist here, read inside the
-        shard_map: handle[4], recv_rdma_rank_prefix_sum i32[N], the inclusive prefix of the
-        hop-1 rows this rank received from each node; handle[6] = handle[-4],
-        recv_gbl_rank_prefix_sum i32[N*G], that of the rows it finally received from each
-        global rank n*G + g (rows [S[i-1], S[i]) came from rank i; one all_to_all over the
-        local axis). The others describe DeepEP's channels and send buffers (or the sender's
-        is_token_in_rank, which get_dispatch_layout returns): ValueError."""
+        recv_src_meta, send_rdma_head, send_nvl_head). Two exist here: handle[4],
+        recv_rdma_rank_prefix_sum i32[N], the inclusive prefix of the hop-1 rows this rank
+        received from each node; handle[6] = handle[-4], recv_gbl_rank_prefix_sum i32[N*G],
+        that of the rows it finally received from each global rank n*G + g (rows
+        [S[i-1], S[i]) came from rank i). The others describe DeepEP's channels and send
+        buffers (or the sender's is_token_in_rank, which get_dispatch_layout returns):
+        ValueError."""
         position = range(len(self))[index]
         if isinstance(position, range):
             return tuple(self[i] for i in position)
@@ -378,27 +381,10 @@ class InternodeHandle:
         if name == "recv_rdma_rank_prefix_sum":
             return jnp.cumsum(self.hop1.plan.recv_counts).astype(jnp.int32)
         if name == "recv_gbl_rank_prefix_sum":
-            return jnp.cumsum(self._rows_per_global_source()).astype(jnp.int32)
+            return jnp.cumsum(self.hop2.flat_counts).astype(jnp.int32)
         raise ValueError(f"handle[{index}]: DeepEP's {name} has no counterpart here (XLA's "
                          "exchange has no channels or send buffers); handle[4] and handle[6] "
                          "are the receive prefix sums, and the handle's fields carry the rest")
-
-    def _rows_per_global_source(self):
-        """i32[N*G]: rows this rank received over both hops from each global rank n*G + g.
-        A forwarder (local index g) holds rows of the ranks (n, g); it counts, per receiver,
-        the rows it forwards from each node n and sends the counts along the local axis."""
-        hop1, hop2 = self.hop1, self.hop2
-        num_nodes, num_local = hop1.plan.recv_counts.shape[0], hop2.plan.send_counts.shape[0]
-        node_of_row = source_of_rows(hop1.plan.recv_counts, hop1.plan.recv_offsets,
-                                     hop1.num_recv)
-        sent = hop2.send_row_idx
-        receiver = source_of_rows(hop2.plan.send_counts, hop2.plan.send_offsets, sent.shape[0])
-        node = jnp.where(sent >= 0, node_of_row[jnp.clip(sent, 0, hop1.num_recv - 1)],
-                         num_nodes)
-        counts = jnp.zeros((num_local, num_nodes), jnp.int32).at[receiver, node].add(
-            1, mode="drop")  # [receiver g', node n]
-        by_forwarder = jax.lax.all_to_all(counts, self.axis_name[1], 0, 0, tiled=True)
-        return by_forwarder.T.reshape(-1)  # [n, g] -> global rank n*G + g
 
 
 # The entries of DeepEP's internode dispatch handle, in its order.

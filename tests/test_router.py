@@ -784,6 +784,33 @@ def test_global_aux_loss_keeps_megatrons_running_mean_over_micro_batches():
     assert MoELayer(_cfg(), H, 32, rngs=nnx.Rngs(0), mesh=mesh).ga_steps is None
 
 
+def test_every_balancing_loss_is_zero_on_an_empty_batch():
+    """No token on any device: aux, seq_aux and global_aux losses and the z-loss are 0 (not
+    0/0 or an index error), the tracker counts nothing but the micro-batch, and the gradients
+    are zero."""
+    c = _cfg(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+             moe_aux_loss_coeff=[1e-2, 1e-2, 1e-2], moe_z_loss_coeff=1e-3)
+    mesh = _mesh()
+    layer = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh)
+    shard_params(layer, mesh)
+
+    def loss(layer, x):
+        y, aux = layer(x)
+        return y.sum() + aux["aux_loss"], aux
+
+    with jax.set_mesh(mesh):
+        (value, aux), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(
+            layer, jnp.zeros((0, 2, H)))
+    assert float(value) == 0.0
+    losses = {k: float(v) for k, v in aux["load_balancing_losses"].items()}
+    assert losses == {"aux_loss": 0.0, "seq_aux_loss": 0.0, "global_aux_loss": 0.0}, losses
+    assert float(aux["z_loss"]) == 0.0
+    assert not np.asarray(layer.global_tokens_per_expert[...]).any()
+    assert float(layer.ga_steps[...]) == 1
+    for path, g in nnx.to_flat_state(nnx.state(grads, nnx.Param)):
+        assert not np.asarray(g[...]).any(), path
+
+
 def np_padded_losses(logits, valid, c: MoEConfig, num_devices, seq_len):
     """Megatron's losses with a padding mask (valid = ~padding_mask) over the global tokens
     [N,E] of num_devices ranks: compute_routing_scores_for_aux_loss zeroes the padding tokens'

@@ -205,7 +205,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
     def _topk_from_probs(self, probs):
         """Dense probs [T,E] -> (indices i32[T,K], probs f32[T,K]): the K highest (ties to the
         lower id). With moe_expert_capacity_factor set, slots of prob 0 (the router's drops)
-        get index -1; without it they are dispatched with weight 0, as in NeMo / Megatron."""
+        get index -1; without it they are dispatched with weight 0, as NeMo's and Megatron's
+        DeepEP managers do."""
         values, indices = jax.lax.top_k(probs, self.config.moe_router_topk)
         if self.config.moe_expert_capacity_factor is not None:
             indices = jnp.where(values == 0, -1, indices)
@@ -218,9 +219,10 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
         Every backend routes each token to its moe_router_topk highest-prob experts, as
         NeMo's DeepEP manager does with torch.topk (zero probs unrouted only with
-        moe_expert_capacity_factor set, as there); HybridEP's dense
-        routing map is built from that top-k, so dense probs with more than K non-zeros per
-        row (Megatron's dropless test passes 1/K for every expert) still route K experts."""
+        moe_expert_capacity_factor set, as there). HybridEP's dense routing map is built from
+        that top-k too: jax_ep's choice, since this signature carries no routing map (Megatron's
+        HybridEP takes the router's, which is the same top-k). So dense probs with more than K
+        non-zeros per row (Megatron's dropless test passes 1/K for every expert) route K."""
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
         num_experts = self.config.num_moe_experts

@@ -217,8 +217,10 @@ def _balancing_loss(kind, scores, routed, tokens, seq_len, cfg: MoEConfig, axes,
     step's earlier micro-batches, f32[] their number)."""
     K = cfg.moe_router_topk
     if kind == "global_aux_loss":  # Megatron: the expert counts a running mean over micro-batches
-        s, r, n = _sum_over(axes, *(a[0] for a in _set_sums(scores, routed, tokens,
-                                                            max(scores.shape[0], 1))))
+        num_rows = scores.shape[0]
+        sums = ([a[0] for a in _set_sums(scores, routed, tokens, num_rows)] if num_rows
+                else [scores.sum(0), routed.sum(0), tokens.sum()])  # no token on this device
+        s, r, n = _sum_over(axes, *sums)
         counts = tracker[0] + r
         return _switch(s[None], (counts / (tracker[1] + 1.0))[None], n, K)[0], counts
     size = scores.shape[0] // num_devices if kind == "aux_loss" else seq_len
