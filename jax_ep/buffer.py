@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jax_ep import deepep, low_latency, ops, transport as tp
-from jax_ep._checks import check_positive, check_rank, check_shape
+from jax_ep._checks import check_positive, check_shape
 from jax_ep.all_to_all import all_to_all_single_equal
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "UCCLBuffer", "topk_idx_t"]
@@ -252,29 +253,45 @@ class Buffer:
         """DeepEP's shrink mode masks (mask=True) or unmasks a failed rank out of the
         low-latency calls. Every rank runs the compiled program under XLA, so no rank is ever
         masked: unmasking does nothing and masking raises a ValueError naming `mask`.
-        Requires enable_shrink=True, as in DeepEP."""
+        Requires enable_shrink=True, as in DeepEP; inside the shard_map rank_to_mask must be
+        below the rank count, as DeepEP asserts."""
         self._require_shrink("low_latency_update_mask_buffer")
         check_positive(rank_to_mask, "rank_to_mask", allow_zero=True)
+        num_ranks = self._bound_num_ranks()
+        if num_ranks is not None and rank_to_mask >= num_ranks:
+            raise ValueError(f"rank_to_mask: expected a rank below num_ranks={num_ranks}, got "
+                             f"{rank_to_mask}")
         if _check_bool(mask, "mask"):
             raise ValueError(f"mask: masking rank {rank_to_mask} is not supported under XLA "
                              "(every rank runs the compiled program, none can be skipped); "
                              "only mask=False, which does nothing, is accepted")
 
     def low_latency_query_mask_buffer(self, mask_status):
-        """mask_status i32[num_ranks] -> the mask status i32[num_ranks] (1 = masked): all zero,
-        no rank is ever masked under XLA. DeepEP writes it into mask_status; arrays are
-        immutable, so it is returned in mask_status's shape instead. Requires
-        enable_shrink=True, as in DeepEP."""
+        """mask_status i32 of num_ranks elements (any shape, as DeepEP checks only numel) ->
+        the mask status in its shape (1 = masked): all zero, no rank is ever masked under XLA.
+        DeepEP writes it into mask_status; arrays are immutable, so it is returned instead.
+        Requires enable_shrink=True, as in DeepEP; the element count is checked against the
+        rank count inside the shard_map."""
         self._require_shrink("low_latency_query_mask_buffer")
-        check_rank(mask_status, 1, "mask_status")
         if jnp.dtype(mask_status.dtype) != jnp.dtype(jnp.int32):
             raise ValueError(f"mask_status: expected int32, got {mask_status.dtype}")
+        num_ranks = self._bound_num_ranks()
+        if num_ranks is not None and mask_status.size != num_ranks:
+            raise ValueError(f"mask_status: expected num_ranks={num_ranks} elements, got shape "
+                             f"{mask_status.shape}")
         return jnp.zeros(mask_status.shape, jnp.int32)
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Does nothing: no rank is ever masked under XLA. Requires enable_shrink=True, as in
         DeepEP."""
         self._require_shrink("low_latency_clean_mask_buffer")
+
+    def _bound_num_ranks(self):
+        """P when called inside the shard_map that binds the group's axes, else None."""
+        try:
+            return jax.lax.axis_size(self.group)
+        except NameError:
+            return None
 
     def _require_shrink(self, method: str) -> None:
         if not self.enable_shrink:

@@ -268,8 +268,6 @@ def test_shrink_mask_api():
         buf.low_latency_update_mask_buffer(-1)
     with pytest.raises(ValueError, match="^mask_status: expected int32, got float32$"):
         buf.low_latency_query_mask_buffer(jnp.zeros((4,), jnp.float32))
-    with pytest.raises(ValueError, match="^mask_status: expected a rank-1 array"):
-        buf.low_latency_query_mask_buffer(jnp.zeros((2, 2), jnp.int32))
     plain = jax_ep.Buffer(AXIS, low_latency_mode=True)
     for call in (lambda: plain.low_latency_update_mask_buffer(0),
                  lambda: plain.low_latency_query_mask_buffer(jnp.zeros((4,), jnp.int32)),
@@ -278,12 +276,22 @@ def test_shrink_mask_api():
                                              r"Buffer\(\.\.\., enable_shrink=True\)"):
             call()
 
-    # Inside shard_map (where DeepEP's test queries it between calls): zeros on every rank.
+    # Inside shard_map (where DeepEP's test queries it between calls): zeros on every rank, in
+    # mask_status's shape (DeepEP checks only its element count, against the ranks there).
     def body(x):
-        return buf.low_latency_query_mask_buffer(jnp.zeros((4,), jnp.int32))[None] + x
+        with pytest.raises(ValueError, match=r"^mask_status: expected num_ranks=4 elements, "
+                                             r"got shape \(5,\)"):
+            buf.low_latency_query_mask_buffer(jnp.zeros((5,), jnp.int32))
+        with pytest.raises(ValueError, match="^rank_to_mask: expected a rank below "
+                                             "num_ranks=4, got 4$"):
+            buf.low_latency_update_mask_buffer(4)
+        assert buf.low_latency_update_mask_buffer(3) is None
+        square = buf.low_latency_query_mask_buffer(jnp.ones((2, 2), jnp.int32))
+        return buf.low_latency_query_mask_buffer(jnp.zeros((4,), jnp.int32))[None] + x, square
 
-    got = run_ep(body, ep_mesh(4), np.zeros((4, 4), np.int32))
+    got, square = run_ep(body, ep_mesh(4), np.zeros((4, 4), np.int32))
     np.testing.assert_array_equal(np.asarray(got), np.zeros((4, 4), np.int32))
+    np.testing.assert_array_equal(np.asarray(square), np.zeros((8, 2), np.int32))
 
 
 def test_normal_mode_equals_functional_api():
