@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from jax_ep import deepep, low_latency, ops, transport as tp
@@ -287,10 +286,10 @@ class Buffer:
         self._require_shrink("low_latency_clean_mask_buffer")
 
     def _bound_num_ranks(self):
-        """P when called inside the shard_map that binds the group's axes, else None."""
+        """group_size (P) when called inside the shard_map that binds the group, else None."""
         try:
-            return jax.lax.axis_size(self.group)
-        except NameError:
+            return self.group_size
+        except ValueError:  # the group's axes are not bound here
             return None
 
     def _require_shrink(self, method: str) -> None:

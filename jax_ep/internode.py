@@ -53,6 +53,28 @@ __all__ = [
 ]
 
 
+class _DeepEPTupleView:
+    """Reads a handle as DeepEP's handle tuple, by int index or slice: a subclass lists the
+    tuple's entries in _DEEPEP_TUPLE and reads one with _deepep_item(name), None for an entry
+    it does not keep (handle[i] then raises a ValueError naming it and, by _DEEPEP_KEPT, what
+    is kept)."""
+
+    def __len__(self) -> int:
+        return len(self._DEEPEP_TUPLE)
+
+    def __getitem__(self, index):
+        position = range(len(self))[index]
+        if isinstance(position, range):
+            return tuple(self[i] for i in position)
+        name = self._DEEPEP_TUPLE[position]
+        item = self._deepep_item(name)
+        if item is None:
+            raise ValueError(f"handle[{index}]: DeepEP's {name} has no counterpart here (XLA's "
+                             f"exchange has no channels or send buffers); {self._DEEPEP_KEPT}, "
+                             "and the handle's fields carry the rest")
+        return item
+
+
 @partial(jax.tree_util.register_dataclass,
          data_fields=["plan", "send_token_idx", "send_row_idx", "recv_topk_idx",
                       "num_recv_tokens", "num_recv_tokens_per_expert", "num_dropped",
@@ -60,7 +82,7 @@ __all__ = [
          meta_fields=["num_tokens", "num_recv", "capacity", "num_experts", "axis_name",
                       "transport", "impl"])
 @dataclasses.dataclass(frozen=True)
-class DispatchHandle:
+class DispatchHandle(_DeepEPTupleView):
     """What combine (and a cached dispatch) needs; a pytree of arrays plus static fields.
 
     plan: transport.ExchangePlan of this dispatch.
@@ -73,7 +95,7 @@ class DispatchHandle:
       to a destination's num_worst_tokens budget.
     num_invalid i32[]: expert ids outside [-1, E) seen; they are routed nowhere, on every
       platform (the layer-1 CPU kernels would raise, on one rank, mid-exchange).
-    handle[0] reads DeepEP's rank_prefix_matrix (see __getitem__).
+    handle[0] reads DeepEP's rank_prefix_matrix (see _deepep_item).
     """
 
     plan: tp.ExchangePlan
@@ -92,34 +114,21 @@ class DispatchHandle:
     transport: str
     impl: str
 
-    def __len__(self) -> int:
-        """6, the length of DeepEP's intranode handle tuple (see __getitem__)."""
-        return len(_DEEPEP_INTRANODE_HANDLE)
+    _DEEPEP_TUPLE = ("rank_prefix_matrix", "channel_prefix_matrix",
+                     "recv_channel_prefix_matrix", "recv_src_idx", "is_token_in_rank",
+                     "send_head")
+    _DEEPEP_KEPT = "handle[0] is rank_prefix_matrix"
 
-    def __getitem__(self, index):
-        """DeepEP's intranode handle tuple, by int index: (rank_prefix_matrix,
-        channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
-        send_head). Only handle[0] exists here: rank_prefix_matrix i32[P,P], [i, j] = the
-        rows rank j received from ranks 0..i (its received rows are grouped by source rank,
-        so rows [M[i-1, j], M[i, j]) came from rank i). It is gathered over the axis, so read it
-        inside the shard_map. The other entries describe DeepEP's channels and send buffers,
-        which this exchange does not have: ValueError."""
-        position = range(len(self))[index]
-        if isinstance(position, range):
-            return tuple(self[i] for i in position)
-        name = _DEEPEP_INTRANODE_HANDLE[position]
+    def _deepep_item(self, name):
+        """handle[0], rank_prefix_matrix i32[P,P]: [i, j] = the rows rank j received from
+        ranks 0..i (its received rows are grouped by source rank, so rows [M[i-1, j], M[i, j])
+        came from rank i). It is gathered over the axis, so read it inside the shard_map. The
+        other entries of DeepEP's intranode tuple describe its channels and send buffers,
+        which this exchange does not have."""
         if name != "rank_prefix_matrix":
-            raise ValueError(f"handle[{index}]: DeepEP's {name} has no counterpart here (XLA's "
-                             "exchange has no channels or send buffers); handle[0] is "
-                             "rank_prefix_matrix, and the handle's fields carry the rest")
+            return None
         column = jnp.cumsum(self.plan.recv_counts).astype(jnp.int32)  # this rank's column
         return jax.lax.all_gather(column, self.axis_name).T
-
-
-# The entries of DeepEP's intranode dispatch handle, in its order.
-_DEEPEP_INTRANODE_HANDLE = ("rank_prefix_matrix", "channel_prefix_matrix",
-                            "recv_channel_prefix_matrix", "recv_src_idx", "is_token_in_rank",
-                            "send_head")
 
 
 def _sizes(num_tokens, num_ranks, capacity, num_worst_tokens):
@@ -322,7 +331,7 @@ def return_local(y, hop, *, num_forward, hop_cap, local_axis, transport, impl):
          meta_fields=["num_tokens", "num_recv", "num_rdma_recv", "capacity", "hop_capacity",
                       "num_experts", "axis_name", "transport", "impl"])
 @dataclasses.dataclass(frozen=True)
-class InternodeHandle:
+class InternodeHandle(_DeepEPTupleView):
     """The handle of a two-hop dispatch over axis_name=(node_axis, local_axis), N x G ranks.
 
     hop1: the DispatchHandle of the node hop (one row per (token, destination node), to the
@@ -337,7 +346,7 @@ class InternodeHandle:
       ranks it equals the flat exchange's count when hop 1 drops nothing.
     num_invalid i32[]: expert ids outside [-1, E) seen (routed nowhere).
     handle[4] and handle[6] (handle[-4]) read DeepEP's recv_rdma_rank_prefix_sum and
-    recv_gbl_rank_prefix_sum (see __getitem__).
+    recv_gbl_rank_prefix_sum (see _deepep_item).
     """
 
     hop1: DispatchHandle
@@ -359,40 +368,25 @@ class InternodeHandle:
     transport: tuple
     impl: str
 
-    def __len__(self) -> int:
-        """10, the length of DeepEP's internode handle tuple (see __getitem__)."""
-        return len(_DEEPEP_INTERNODE_HANDLE)
+    _DEEPEP_TUPLE = ("is_token_in_rank", "rdma_channel_prefix_matrix",
+                     "gbl_channel_prefix_matrix", "recv_rdma_channel_prefix_matrix",
+                     "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                     "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head",
+                     "send_nvl_head")
+    _DEEPEP_KEPT = "handle[4] and handle[6] are the receive prefix sums"
 
-    def __getitem__(self, index):
-        """DeepEP's internode handle tuple, by int index (is_token_in_rank,
-        rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
-        recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
-        recv_src_meta, send_rdma_head, send_nvl_head). Two exist here: handle[4],
-        recv_rdma_rank_prefix_sum i32[N], the inclusive prefix of the hop-1 rows this rank
-        received from each node; handle[6] = handle[-4], recv_gbl_rank_prefix_sum i32[N*G],
-        that of the rows it finally received from each global rank n*G + g (rows
-        [S[i-1], S[i]) came from rank i). The others describe DeepEP's channels and send
-        buffers (or the sender's is_token_in_rank, which get_dispatch_layout returns):
-        ValueError."""
-        position = range(len(self))[index]
-        if isinstance(position, range):
-            return tuple(self[i] for i in position)
-        name = _DEEPEP_INTERNODE_HANDLE[position]
+    def _deepep_item(self, name):
+        """handle[4], recv_rdma_rank_prefix_sum i32[N]: the inclusive prefix of the hop-1 rows
+        this rank received from each node; handle[6] = handle[-4], recv_gbl_rank_prefix_sum
+        i32[N*G]: that of the rows it finally received from each global rank n*G + g (rows
+        [S[i-1], S[i]) came from rank i). The other entries of DeepEP's internode tuple
+        describe its channels and send buffers (or the sender's is_token_in_rank, which
+        get_dispatch_layout returns)."""
         if name == "recv_rdma_rank_prefix_sum":
             return jnp.cumsum(self.hop1.plan.recv_counts).astype(jnp.int32)
         if name == "recv_gbl_rank_prefix_sum":
             return jnp.cumsum(self.hop2.flat_counts).astype(jnp.int32)
-        raise ValueError(f"handle[{index}]: DeepEP's {name} has no counterpart here (XLA's "
-                         "exchange has no channels or send buffers); handle[4] and handle[6] "
-                         "are the receive prefix sums, and the handle's fields carry the rest")
-
-
-# The entries of DeepEP's internode dispatch handle, in its order.
-_DEEPEP_INTERNODE_HANDLE = ("is_token_in_rank", "rdma_channel_prefix_matrix",
-                            "gbl_channel_prefix_matrix", "recv_rdma_channel_prefix_matrix",
-                            "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
-                            "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head",
-                            "send_nvl_head")
+        return None
 
 
 def two_hop_axes(axis_name, hierarchical=None):
