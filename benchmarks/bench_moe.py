@@ -12,7 +12,8 @@ give the same loss (no token is dropped), GShard drops the slots past its capaci
 moe_hybridep_compact_routing=True (top-k ids on the wire). A ":impl" suffix picks the experts'
 grouped GEMM (TokenDispatcherConfig.grouped_gemm_impl): "deepep:ragged_dot" is the layer with
 jax.lax.ragged_dot, which XLA:CPU lowers to one dense matmul over every local expert; plain
-names use "auto" (the tiled jax_ep.ops.grouped_matmul on CPU). An "@cap" suffix sets the layer's
+names use "auto" ("blocks" on CPU: jax_ep.ops.grouped_matmul's expert blocks), and
+"deepep:tiled" is the tiled loop. An "@cap" suffix sets the layer's
 moe_expert_capacity_factor to --capacity-factor (drops, as MaxText's capacity path does);
 "@cap+pad" also sets moe_pad_expert_input_to_capacity (Megatron's drop-and-pad: every local
 expert's block padded to its capacity, the equal blocks one batched GEMM per weight), e.g.

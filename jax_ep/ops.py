@@ -12,6 +12,7 @@ E experts, P ranks, L = E / P, N permuted rows.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -32,11 +33,16 @@ from jax_ep.reference import SendLayout
 
 __all__ = [
     "SendLayout",
+    "block_ladder",
     "build_send_layout",
+    "check_grouped_operands",
     "compute_send_counts",
+    "from_group_blocks",
     "gather_rows",
     "get_dispatch_layout",
+    "group_block_choice",
     "grouped_matmul",
+    "grouped_matmul_impl",
     "indices_to_multihot",
     "logfmt_decode",
     "logfmt_encode",
@@ -44,6 +50,7 @@ __all__ = [
     "per_token_cast_back",
     "per_token_cast_to_fp8",
     "permute",
+    "to_group_blocks",
     "unpermute",
 ]
 
@@ -517,13 +524,38 @@ def logfmt_decode(wire, *, dtype=jnp.float32):
 
 # ----------------------------------------------------------------------------- grouped GEMM
 
-GROUPED_MATMUL_IMPLS = ("auto", "tiled", "ragged_dot")
+GROUPED_MATMUL_IMPLS = ("auto", "tiled", "blocks", "ragged_dot")
 # Rows per tile of the tiled grouped GEMM, measured on XLA:CPU (bench_moe --tile-rows, the
 # layer's experts on 8 emulated devices, H = F = 256, 32-128 routed rows per expert): 64 was
 # the fastest or within 4% of it; 32 lost up to 40%, 128 up to 33%. Smaller tiles waste
 # fewer rows where a tile straddles a group boundary, larger ones pay the loop's
 # per-iteration cost less often.
 GROUPED_MATMUL_TILE_ROWS = 64
+
+
+def grouped_matmul_impl(impl):
+    """impl checked against GROUPED_MATMUL_IMPLS, "auto" resolved: "blocks" on CPU, "ragged_dot"
+    on GPU/TPU (the platform of the enclosing mesh, else the default backend)."""
+    if impl not in GROUPED_MATMUL_IMPLS:
+        raise ValueError(f"impl: expected one of {GROUPED_MATMUL_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "blocks" if _ffi.trace_platform() == "cpu" else "ragged_dot"
+    return impl
+
+
+def check_grouped_operands(x, w, group_sizes, w_name="w"):
+    """grouped_matmul's operand checks: x float [N,H], w float [G,H,F], group_sizes integer
+    [G]; a ValueError naming the argument otherwise."""
+    check_rank(x, 2, "x")
+    check_float(x, "x")
+    check_rank(w, 3, w_name)
+    check_float(w, w_name)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"{w_name}: expected [G, H={x.shape[1]}, F] to match x {x.shape}, got "
+                         f"shape {w.shape}")
+    check_shape(group_sizes, (w.shape[0],), "group_sizes")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes: expected an integer dtype, got {group_sizes.dtype}")
 
 
 def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
@@ -537,26 +569,23 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     ceil(N / tile_rows) + G - 1 of them, so the work is about (sum(group_sizes) + G * tile_rows)
     * H * F multiply-adds, not G * N * H * F as XLA:CPU's lowering of ragged_dot (a dense
     matmul over every group). Its backward runs the same loop: dx = grouped_matmul(dy, w^T),
-    dw[g] = x_g^T dy_g. impl="ragged_dot": jax.lax.ragged_dot. impl="auto": "tiled" on CPU,
+    dw[g] = x_g^T dy_g.
+    impl="blocks": every group is gathered into a block of C rows (zero rows past the group),
+    C the smallest size of a static ladder (8 * 2^(j/2) rounded up to 8, up to ceil(N/G))
+    that holds the largest group, and the [G, C, H] blocks go through one batched GEMM; a
+    `lax.switch` over the ladder picks C at run time (on each device, no collective), and a
+    largest group above ceil(N/G) takes the tiled loop, as do blocks holding more than
+    BLOCKS_MAX_WORK times the grouped rows (a lopsided step). No row is dropped; the work is
+    G * C * H * F multiply-adds at the batched GEMM's rate, with no loop step per tile. Its
+    backward picks the same C: dx from dy's blocks times w^T, dw[g] from x's and dy's blocks.
+    impl="ragged_dot": jax.lax.ragged_dot. impl="auto": "blocks" on CPU,
     "ragged_dot" on GPU/TPU (the platform of the enclosing mesh, else the default backend).
-    Works under jit, vmap and inside shard_map.
+    Works under jit, vmap and inside shard_map (under vmap the switch runs every branch).
     """
-    if impl not in GROUPED_MATMUL_IMPLS:
-        raise ValueError(f"impl: expected one of {GROUPED_MATMUL_IMPLS}, got {impl!r}")
-    check_rank(x, 2, "x")
-    check_float(x, "x")
-    check_rank(w, 3, "w")
-    check_float(w, "w")
-    if w.shape[1] != x.shape[1]:
-        raise ValueError(f"w: expected [G, H={x.shape[1]}, F] to match x {x.shape}, got shape "
-                         f"{w.shape}")
-    check_shape(group_sizes, (w.shape[0],), "group_sizes")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"group_sizes: expected an integer dtype, got {group_sizes.dtype}")
+    impl = grouped_matmul_impl(impl)
+    check_grouped_operands(x, w, group_sizes)
     tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
                                                                              "tile_rows")
-    if impl == "auto":
-        impl = "tiled" if _ffi.trace_platform() == "cpu" else "ragged_dot"
     group_sizes = group_sizes.astype(jnp.int32)
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(x, w, group_sizes)
@@ -567,7 +596,17 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     # vary over): AD then sums dw over that axis, as it does for ragged_dot.
     axes = frozenset().union(*(_ffi.varying_axes(a) for a in (x, w, group_sizes)))
     x, w, group_sizes = (_ffi.make_varying(a, axes) for a in (x, w, group_sizes))
-    return _tiled_gmm(x.astype(dtype), w.astype(dtype), group_sizes, tile)
+    x, w = x.astype(dtype), w.astype(dtype)
+    if impl == "blocks":
+        return _blocks_gmm(x, w, group_sizes, block_ladder(x.shape[0], w.shape[0]), tile)
+    return _tiled_gmm(x, w, group_sizes, tile)
+
+
+def _group_bounds(group_sizes, num_rows):
+    """(starts i32[G], ends i32[G]) of consecutive groups of group_sizes rows (negative sizes
+    count as 0), cut at num_rows."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), num_rows)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
 
 
 def _tile_visits(group_sizes, num_rows, tile):
@@ -575,8 +614,7 @@ def _tile_visits(group_sizes, num_rows, tile):
     starts i32[G], ends i32[G]) with V = ceil(num_rows / tile) + G - 1 static slots, the
     first num_visits used, group-major and tile-ascending."""
     num_groups = group_sizes.shape[0]
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), num_rows)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    starts, ends = _group_bounds(group_sizes, num_rows)
     tiles = jnp.where(ends > starts, (ends + tile - 1) // tile - starts // tile, 0)
     visit_end = jnp.cumsum(tiles)
     num_slots = -(-num_rows // tile) + num_groups - 1
@@ -664,3 +702,105 @@ def _tiled_gmm_bwd(tile, residuals, dy):
 
 
 _tiled_gmm.defvjp(_tiled_gmm_fwd, _tiled_gmm_bwd)
+
+
+def block_ladder(num_rows, num_groups):
+    """The block sizes C impl="blocks" chooses from: 8 * 2^(j/2) rounded up to a multiple of
+    8, for j = 0, 1, ..., until ceil(num_rows / num_groups) (the last size): G blocks of the
+    last size hold num_rows rows. A group is at most sqrt(2)x smaller than its block (or 8
+    rows) unless it falls back to the tiled loop."""
+    cap = max(-(-num_rows // num_groups), 1)
+    sizes, j = [], 0
+    while not sizes or sizes[-1] < cap:
+        sizes.append(min(-(-math.ceil(8 * 2 ** (j / 2)) // 8) * 8, cap))
+        j += 1
+    return tuple(sorted(set(sizes)))
+
+
+def to_group_blocks(x, starts, ends, capacity):
+    """x [N,H] in consecutive groups [starts, ends) -> [G, C, H] blocks (C = capacity >= every
+    group's size), block g = group g's rows, then zero rows."""
+    offsets = jnp.arange(capacity, dtype=jnp.int32)
+    rows = starts[:, None] + offsets[None, :]
+    rows = jnp.where(rows < ends[:, None], rows, x.shape[0])  # past the end: filled with 0
+    return jnp.take(x, rows.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(
+        starts.shape[0], capacity, x.shape[1])
+
+
+def from_group_blocks(blocks, starts, ends, num_rows):
+    """to_group_blocks' inverse: blocks [G, C, F] -> [num_rows, F], rows outside every group 0."""
+    num_groups, capacity, width = blocks.shape
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), num_groups - 1)
+    src = jnp.where(rows < ends[-1], group * capacity + rows - starts[group],
+                    num_groups * capacity)
+    return jnp.take(blocks.reshape(-1, width), src, axis=0, mode="fill", fill_value=0)
+
+
+# impl="blocks" takes the tiled loop where its G blocks would hold more than this many times
+# the grouped rows (plus BLOCK_MIN_ROWS per group): its work stays proportional to the rows.
+BLOCKS_MAX_WORK = 3
+BLOCK_MIN_ROWS = 8
+
+
+def group_block_choice(group_sizes, num_rows, ladder):
+    """impl="blocks"' lax.switch branch for group_sizes i32[G] over num_rows rows: the first
+    ladder size C holding the largest group, or len(ladder) (the tiled loop) when none does or
+    when G * C > BLOCKS_MAX_WORK * (rows in groups) + BLOCK_MIN_ROWS * G. Returns
+    (index i32[], starts i32[G], ends i32[G])."""
+    starts, ends = _group_bounds(group_sizes, num_rows)
+    sizes = jnp.asarray(ladder, jnp.int32)
+    index = jnp.searchsorted(sizes, jnp.max(ends - starts), side="left")
+    num_groups = group_sizes.shape[0]
+    bound = BLOCKS_MAX_WORK * ends[-1] + BLOCK_MIN_ROWS * num_groups
+    too_much = num_groups * sizes[jnp.minimum(index, len(ladder) - 1)] > bound
+    return jnp.where(too_much, len(ladder), index), starts, ends
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _blocks_gmm(x, w, group_sizes, ladder, tile):
+    index, starts, ends = group_block_choice(group_sizes, x.shape[0], ladder)
+
+    def blocks(capacity):
+        def product(x, w, starts, ends):
+            y = jnp.einsum("gch,ghf->gcf", to_group_blocks(x, starts, ends, capacity), w,
+                           preferred_element_type=jnp.float32).astype(x.dtype)
+            return from_group_blocks(y, starts, ends, x.shape[0])
+        return product
+
+    def tiled(x, w, starts, ends):
+        visits = _tile_visits(group_sizes, x.shape[0], tile)
+        return _gmm_loop(x, w, group_sizes, visits, tile, transpose_w=False)
+
+    return jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, w, starts, ends)
+
+
+def _blocks_gmm_fwd(x, w, group_sizes, ladder, tile):
+    return _blocks_gmm(x, w, group_sizes, ladder, tile), (x, w, group_sizes)
+
+
+def _blocks_gmm_bwd(ladder, tile, residuals, dy):
+    x, w, group_sizes = residuals
+    dy = dy.astype(x.dtype)
+    index, starts, ends = group_block_choice(group_sizes, x.shape[0], ladder)
+
+    def blocks(capacity):
+        def grads(x, dy, w, starts, ends):
+            xb, dyb = (to_group_blocks(a, starts, ends, capacity) for a in (x, dy))
+            dxb = jnp.einsum("gcf,ghf->gch", dyb, w,
+                             preferred_element_type=jnp.float32).astype(x.dtype)
+            dw = jnp.einsum("gch,gcf->ghf", xb, dyb, preferred_element_type=jnp.float32)
+            return from_group_blocks(dxb, starts, ends, x.shape[0]), dw.astype(w.dtype)
+        return grads
+
+    def tiled(x, dy, w, starts, ends):
+        visits = _tile_visits(group_sizes, x.shape[0], tile)
+        dx = _gmm_loop(dy, w, group_sizes, visits, tile, transpose_w=True)
+        return dx, _gmm_dw(x, dy, group_sizes, visits, w.shape[0], tile).astype(w.dtype)
+
+    dx, dw = jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, dy, w, starts,
+                            ends)
+    return dx, dw, None
+
+
+_blocks_gmm.defvjp(_blocks_gmm_fwd, _blocks_gmm_bwd)

@@ -1,7 +1,9 @@
-"""jax_ep.ops.grouped_matmul: values and gradients equal jax.lax.ragged_dot's (random group
-sizes with zeros, one group holding every row, rows past the groups, sums above N), inside
-shard_map and vmap, and a compiled-program check that the tiled path's dots do not grow with
-the number of groups."""
+"""jax_ep.ops.grouped_matmul: values and gradients of the "tiled" and "blocks" impls equal
+jax.lax.ragged_dot's (random group sizes with zeros, one group holding every row, rows past the
+groups, sums above N; "blocks" both in its block sizes and past them, where it takes the tiled
+loop), inside shard_map and vmap, and a compiled-program check that the tiled path's dots do not
+grow with the number of groups. The blocked grouped SwiGLU (swiglu_experts impl="blocks") against
+the tiled one, the same way."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def _loss(impl, tile_rows=TILE):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
 
-_TILED, _RAGGED = _loss("tiled"), _loss("ragged_dot")
+_LOSSES = {impl: _loss(impl) for impl in ("tiled", "blocks", "ragged_dot")}
+IMPLS = ("tiled", "blocks")
 
 
 def _operands(seed, dtype, rows=N, groups=G):
@@ -38,10 +41,10 @@ def _operands(seed, dtype, rows=N, groups=G):
     return x, w
 
 
-def _assert_matches_ragged_dot(x, w, sizes, dtype):
+def _assert_matches_ragged_dot(x, w, sizes, dtype, impl):
     sizes = jnp.asarray(sizes, jnp.int32)
-    (_, y), (dx, dw) = _TILED(x, w, sizes)
-    (_, y_ref), (dx_ref, dw_ref) = _RAGGED(x, w, sizes)
+    (_, y), (dx, dw) = _LOSSES[impl](x, w, sizes)
+    (_, y_ref), (dx_ref, dw_ref) = _LOSSES["ragged_dot"](x, w, sizes)
     assert y.dtype == y_ref.dtype == dtype and dx.dtype == dw.dtype == dtype
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -54,30 +57,35 @@ def _assert_matches_ragged_dot(x, w, sizes, dtype):
 @pytest.mark.parametrize("sizes", [[0, 0, 0, 0], [N, 0, 0, 0], [0, 0, 0, N], [0, N, 0, 0],
                                    [5, 0, 3, 0], [1, 1, 1, 1], [3, 4, 5, 12], [0, 40, 0, 0],
                                    [20, 0, 0, 9]])
-def test_grouped_matmul_edge_group_sizes_match_ragged_dot(sizes, dtype):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grouped_matmul_edge_group_sizes_match_ragged_dot(sizes, dtype, impl):
+    # "blocks" over N = 24 rows in G = 4 groups: blocks of 6 rows, the tiled loop past that
     x, w = _operands(sum(sizes), dtype)
-    _assert_matches_ragged_dot(x, w, sizes, dtype)
+    _assert_matches_ragged_dot(x, w, sizes, dtype, impl)
 
 
 @settings(max_examples=20)
 @given(sizes=st.lists(st.integers(0, 12), min_size=G, max_size=G),
-       seed=st.integers(0, 2**16), bf16=st.booleans())
-def test_grouped_matmul_random_group_sizes_match_ragged_dot(sizes, seed, bf16):
+       seed=st.integers(0, 2**16), bf16=st.booleans(), impl=st.sampled_from(IMPLS))
+def test_grouped_matmul_random_group_sizes_match_ragged_dot(sizes, seed, bf16, impl):
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     x, w = _operands(seed, dtype)
-    _assert_matches_ragged_dot(x, w, sizes, dtype)
+    _assert_matches_ragged_dot(x, w, sizes, dtype, impl)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("rows,tile", [(7, 4), (24, 32), (1, 1)])
-def test_grouped_matmul_rows_not_a_multiple_of_the_tile(rows, tile):
+def test_grouped_matmul_rows_not_a_multiple_of_the_tile(rows, tile, impl):
     x, w = _operands(rows, jnp.float32, rows=rows)
     sizes = jnp.asarray([rows // 2, 0, rows - rows // 2, 0], jnp.int32)
-    got = ops.grouped_matmul(x, w, sizes, impl="tiled", tile_rows=tile)
+    got = ops.grouped_matmul(x, w, sizes, impl=impl, tile_rows=tile)
     np.testing.assert_allclose(got, jax.lax.ragged_dot(x, w, sizes), rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_matmul_inside_shard_map_with_replicated_weights():
-    # Tokens vary over both mesh axes, weights only over "expert": dw sums over "data".
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grouped_matmul_inside_shard_map_with_replicated_weights(impl):
+    # Tokens vary over both mesh axes, weights only over "expert": dw sums over "data"; each
+    # device picks its own block size ("blocks").
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "expert"))
     x, w = _operands(1, jnp.float32, rows=4 * N, groups=2 * G)
     sizes = jnp.asarray(np.random.default_rng(2).integers(0, 8, (4 * G,)), jnp.int32)
@@ -91,27 +99,30 @@ def test_grouped_matmul_inside_shard_map_with_replicated_weights():
                                        P(("data", "expert"))))
         return jax.jit(jax.value_and_grad(body, argnums=(0, 1)))
 
-    (v, (dx, dw)), (v_ref, (dx_ref, dw_ref)) = (loss("tiled")(x, w, sizes),
+    (v, (dx, dw)), (v_ref, (dx_ref, dw_ref)) = (loss(impl)(x, w, sizes),
                                                 loss("ragged_dot")(x, w, sizes))
     np.testing.assert_allclose(v, v_ref, rtol=1e-5)
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_matmul_under_vmap():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grouped_matmul_under_vmap(impl):
     x, w = _operands(3, jnp.float32)
-    sizes = jnp.asarray([[3, 0, 5, 10], [0, 24, 0, 0]], jnp.int32)
-    got = jax.vmap(lambda s: ops.grouped_matmul(x, w, s, impl="tiled", tile_rows=TILE))(sizes)
+    sizes = jnp.asarray([[3, 0, 5, 6], [0, 24, 0, 0]], jnp.int32)  # "blocks": blocks, tiled
+    got = jax.vmap(lambda s: ops.grouped_matmul(x, w, s, impl=impl, tile_rows=TILE))(sizes)
     for b in range(2):
         np.testing.assert_allclose(got[b], jax.lax.ragged_dot(x, w, sizes[b]), rtol=1e-5,
                                    atol=1e-5)
 
 
-def test_grouped_matmul_auto_is_tiled_on_cpu_and_checks_arguments():
+def test_grouped_matmul_auto_is_blocks_on_cpu_and_checks_arguments():
     x, w = _operands(4, jnp.float32)
     sizes = jnp.asarray([6, 6, 6, 6], jnp.int32)
     auto = jax.jit(lambda x, w, s: ops.grouped_matmul(x, w, s)).lower(x, w, sizes).as_text()
-    assert "while" in auto and "ragged_dot" not in auto
+    blocks = jax.jit(lambda x, w, s: ops.grouped_matmul(x, w, s, impl="blocks")).lower(
+        x, w, sizes).as_text()
+    assert auto == blocks and "stablehlo.case" in auto and "ragged_dot" not in auto
     with pytest.raises(ValueError, match="impl"):
         ops.grouped_matmul(x, w, sizes, impl="megablox")
     with pytest.raises(ValueError, match="w"):
@@ -120,6 +131,38 @@ def test_grouped_matmul_auto_is_tiled_on_cpu_and_checks_arguments():
         ops.grouped_matmul(x, w, sizes[:3])
     with pytest.raises(ValueError, match="tile_rows"):
         ops.grouped_matmul(x, w, sizes, tile_rows=0)
+    with pytest.raises(ValueError, match="group_sizes: expected an integer"):
+        ops.grouped_matmul(x, w, sizes.astype(jnp.float32), impl="blocks")
+
+
+def test_block_ladder_and_the_block_each_largest_group_gets():
+    # 8 * 2^(j/2) rounded up to 8, up to ceil(N/G); the first size holding the largest group,
+    # len(ladder) (the tiled loop) past the last or where the blocks would be lopsided
+    assert ops.block_ladder(1024, 2) == (8, 16, 24, 32, 48, 64, 96, 128, 184, 256, 368, 512)
+    assert ops.block_ladder(4096, 64) == (8, 16, 24, 32, 48, 64)
+    assert ops.block_ladder(24, 4) == (6,) and ops.block_ladder(1, 8) == (1,)
+    ladder = ops.block_ladder(1024, 2)
+    for sizes, want in (([0, 0], 0), ([8, 3], 0), ([9, 0], 1), ([100, 120], 7), ([512, 512], 11),
+                        ([513, 0], 12), ([-5, 600], 12), ([2000, 0], 12)):
+        index, starts, ends = ops.group_block_choice(jnp.asarray(sizes, jnp.int32), 1024, ladder)
+        assert int(index) == want, sizes
+    # lopsided: 64 blocks of 64 rows for 60 rows in groups is above 3x them (+ 8 per group)
+    lopsided = jnp.zeros((64,), jnp.int32).at[5].set(60)
+    assert int(ops.group_block_choice(lopsided, 4096, ops.block_ladder(4096, 64))[0]) == 6
+    balanced = jnp.full((64,), 16, jnp.int32).at[5].set(20)
+    assert int(ops.group_block_choice(balanced, 4096, ops.block_ladder(4096, 64))[0]) == 2
+    # cut at N: 2000 rows of 1024 -> the group holds 1024; ends/starts as the tiled loop's
+    index, starts, ends = ops.group_block_choice(jnp.asarray([700, 500], jnp.int32), 1024, ladder)
+    assert starts.tolist() == [0, 700] and ends.tolist() == [700, 1024]
+
+
+def test_group_blocks_gather_and_scatter_back_hand_checked():
+    x = jnp.arange(7 * 2, dtype=jnp.float32).reshape(7, 2) + 1
+    starts, ends = jnp.asarray([0, 2, 2]), jnp.asarray([2, 2, 5])  # sizes 2, 0, 3; rows 5, 6 out
+    blocks = ops.to_group_blocks(x, starts, ends, 3)
+    assert blocks[:, :, 0].tolist() == [[1, 3, 0], [0, 0, 0], [5, 7, 9]]
+    back = ops.from_group_blocks(blocks * 10, starts, ends, 7)
+    assert back[:, 0].tolist() == [10, 30, 50, 70, 90, 0, 0]
 
 
 def _dot_shapes(groups):
@@ -164,3 +207,69 @@ def test_swiglu_expert_blocks_is_the_grouped_swiglu_of_equal_blocks(dtype):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=tol, atol=tol)
+
+
+def _swiglu_operands(rows, experts, dtype, seed=11):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (rows, 8), dtype)
+    wgu = (jax.random.normal(keys[1], (experts, 8, 12)) * 0.3).astype(dtype)
+    wd = (jax.random.normal(keys[2], (experts, 6, 8)) * 0.3).astype(dtype)
+    return x, wgu, wd, jax.random.normal(keys[3], (rows, 8), jnp.float32)
+
+
+def _swiglu_loss(impl, sizes, cot):
+    from jax_ep.flax import swiglu_experts
+    return jax.jit(jax.value_and_grad(lambda x, a, b: jnp.sum(
+        swiglu_experts(x, sizes, a, b, impl=impl, tile_rows=4).astype(jnp.float32) * cot),
+        (0, 1, 2)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sizes", [[10, 40, 30], [0, 0, 0], [34, 0, 34], [0, 95, 5], [-3, 120, 1],
+                                   [33, 33, 33]])
+def test_blocked_swiglu_matches_the_tiled_grouped_swiglu(sizes, dtype):
+    # N = 100 rows, L = 3: blocks up to 34 rows, the tiled loop for [0, 95, 5] and [-3, 120, 1]
+    x, wgu, wd, cot = _swiglu_operands(100, 3, dtype)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    (v, grads), (v_ref, grads_ref) = (_swiglu_loss(impl, sizes, cot)(x, wgu, wd)
+                                      for impl in ("blocks", "tiled"))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(v, v_ref, rtol=tol, atol=tol)
+    for a, b in zip(grads, grads_ref):
+        assert a.dtype == dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=tol, atol=tol)
+
+
+def test_blocked_swiglu_per_device_blocks_in_shard_map_and_under_vmap():
+    # each device of the shard_map picks its own block size (one takes the tiled loop)
+    from jax_ep.flax import swiglu_experts
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("expert",))
+    x, wgu, wd, cot = _swiglu_operands(4 * 40, 2, jnp.float32)
+    sizes = jnp.asarray([[3, 5], [20, 20], [0, 38], [0, 0]], jnp.int32)
+
+    def loss(impl):
+        def local(x, wgu, wd, sizes, cot):
+            y = swiglu_experts(x, sizes[0], wgu, wd, impl=impl, tile_rows=4)
+            return jax.lax.psum(jnp.sum(y * cot), "expert")
+        body = jax.shard_map(local, mesh=mesh, out_specs=P(),
+                             in_specs=(P("expert"), P(), P(), P("expert"), P("expert")))
+        return jax.jit(jax.value_and_grad(body, argnums=(0, 1, 2)))
+    got, want = (loss(impl)(x, wgu, wd, sizes, cot) for impl in ("blocks", "tiled"))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    def rows_of(impl):
+        return jax.jit(jax.vmap(lambda s: swiglu_experts(x[:40], s, wgu, wd, impl=impl)))
+    np.testing.assert_allclose(rows_of("blocks")(sizes), rows_of("tiled")(sizes), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_blocked_swiglu_checks_its_weights():
+    from jax_ep.flax import swiglu_experts
+    x, wgu, wd, _ = _swiglu_operands(10, 2, jnp.float32)
+    sizes = jnp.asarray([5, 5], jnp.int32)
+    with pytest.raises(ValueError, match="w_down"):
+        swiglu_experts(x, sizes, wgu, wd[:, :4], impl="blocks")
+    with pytest.raises(ValueError, match="w_gate_up"):
+        swiglu_experts(x, sizes, wgu[:, :3], wd, impl="blocks")
+    assert swiglu_experts(x[:0], sizes, wgu, wd, impl="blocks").shape == (0, 8)

@@ -1,5 +1,6 @@
 """MoELayer (Flax NNX): router top-k, SwiGLU experts as grouped GEMMs (`jax_ep.ops.grouped_matmul`:
-tiled on CPU, `jax.lax.ragged_dot` on GPU/TPU, chosen by `TokenDispatcherConfig.grouped_gemm_impl`)
+expert blocks on CPU, `jax.lax.ragged_dot` on GPU/TPU, chosen by
+`TokenDispatcherConfig.grouped_gemm_impl`)
 sharded over the expert mesh axis, the flex dispatcher, an optional shared expert, Megatron-Core's
 router (`jax_ep.flax.router`, configured by `jax_ep.flax.MoEConfig`) and its losses and statistics.
 
@@ -41,12 +42,116 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
                    tile_rows=None):
     """Grouped SwiGLU: tokens [N,H] in expert-major blocks of tokens_per_expert i32[L] rows,
     w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past the blocks give zeros). impl and
-    tile_rows: the grouped GEMM's (`jax_ep.ops.grouped_matmul`: "auto", "tiled" or
-    "ragged_dot")."""
+    tile_rows: the grouped GEMM's (`jax_ep.ops.grouped_matmul`: "auto", "tiled", "blocks" or
+    "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the first GEMM to
+    the second (one gather in, one out) instead of calling grouped_matmul twice."""
+    if ops.grouped_matmul_impl(impl) == "blocks":
+        return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows)
     gmm = partial(ops.grouped_matmul, group_sizes=tokens_per_expert, impl=impl,
                   tile_rows=tile_rows)
-    gate, up = jnp.split(gmm(tokens, w_gate_up), 2, axis=-1)
-    return gmm(jax.nn.silu(gate) * up, w_down)
+    return gmm(_gated(gmm(tokens, w_gate_up)), w_down)
+
+
+def _gated(gate_up):
+    """SwiGLU's activation: [..., 2F] = [gate | up] -> silu(gate) * up [..., F]."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
+    """swiglu_experts with impl="blocks": the rows gathered once into [L, C, H] expert blocks
+    (`jax_ep.ops.grouped_matmul`'s ladder of C, chosen by a lax.switch on the largest group),
+    both GEMMs and the activation in that layout, one gather back to [N,H]; the tiled grouped
+    GEMM when the largest group is above ceil(N/L). The gate/up activations [L, C, 2F] are
+    kept for the backward, so it recomputes no GEMM."""
+    ops.check_grouped_operands(tokens, w_gate_up, tokens_per_expert, "w_gate_up")
+    if w_down.ndim != 3 or w_down.shape[0] != w_gate_up.shape[0] or w_down.shape[1] * 2 != \
+            w_gate_up.shape[2]:
+        raise ValueError(f"w_down: expected [L={w_gate_up.shape[0]}, F={w_gate_up.shape[2] // 2}"
+                         f", H] to match w_gate_up {w_gate_up.shape}, got shape {w_down.shape}")
+    dtype = jnp.result_type(tokens.dtype, w_gate_up.dtype, w_down.dtype)
+    operands = (tokens.astype(dtype), w_gate_up.astype(dtype), w_down.astype(dtype),
+                tokens_per_expert.astype(jnp.int32))
+    if tokens.size == 0 or w_gate_up.size == 0:
+        return _ffi.vary_like(jnp.zeros((tokens.shape[0], w_down.shape[2]), dtype), *operands)
+    axes = frozenset().union(*(_ffi.varying_axes(a) for a in operands))
+    operands = tuple(_ffi.make_varying(a, axes) for a in operands)
+    ladder = ops.block_ladder(tokens.shape[0], w_gate_up.shape[0])
+    return _swiglu_blocks(*operands, ladder, tile_rows)
+
+
+def _block_matmul(a, w, spec):
+    """einsum(spec, a, w) accumulated in float32, in a's dtype."""
+    return jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _swiglu_blocks(x, w_gate_up, w_down, sizes, ladder, tile_rows):
+    return _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile_rows)[0]
+
+
+def _tiled_swiglu(sizes, tile_rows):
+    return partial(swiglu_experts, tokens_per_expert=sizes, impl="tiled", tile_rows=tile_rows)
+
+
+def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile_rows):
+    """-> (y [N,H], residuals: the operands and gate/up [L*Cmax, 2F], Cmax = ladder[-1],
+    each expert's block padded to Cmax rows; zeros where the tiled loop ran)."""
+    num_rows, (num_experts, _, width) = x.shape[0], w_gate_up.shape
+    index, starts, ends = ops.group_block_choice(sizes, num_rows, ladder)
+    kept_rows = num_experts * ladder[-1]
+
+    def blocks(capacity):
+        def forward(x, w_gate_up, w_down):
+            gate_up = _block_matmul(ops.to_group_blocks(x, starts, ends, capacity), w_gate_up,
+                                    "lch,lhf->lcf")
+            y = _block_matmul(_gated(gate_up), w_down, "lcf,lfh->lch")
+            kept = jnp.pad(gate_up, ((0, 0), (0, ladder[-1] - capacity), (0, 0)))
+            return ops.from_group_blocks(y, starts, ends, num_rows), kept.reshape(kept_rows, -1)
+        return forward
+
+    def tiled(x, w_gate_up, w_down):
+        y = _tiled_swiglu(sizes, tile_rows)(x, w_gate_up=w_gate_up, w_down=w_down)
+        return y, _ffi.vary_like(jnp.zeros((kept_rows, width), x.dtype), x)
+
+    y, gate_up = jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, w_gate_up,
+                                w_down)
+    return y, (x, w_gate_up, w_down, sizes, gate_up)
+
+
+def _swiglu_blocks_bwd(ladder, tile_rows, residuals, dy):
+    x, w_gate_up, w_down, sizes, gate_up = residuals
+    num_rows, num_experts = x.shape[0], w_gate_up.shape[0]
+    index, starts, ends = ops.group_block_choice(sizes, num_rows, ladder)
+    dy = dy.astype(x.dtype)
+
+    def blocks(capacity):
+        def backward(x, w_gate_up, w_down, gate_up, dy):
+            xb, dyb = (ops.to_group_blocks(a, starts, ends, capacity) for a in (x, dy))
+            gate_up = gate_up.reshape(num_experts, ladder[-1], -1)[:, :capacity]
+            act, act_vjp = jax.vjp(_gated, gate_up)
+            d_act = _block_matmul(dyb, w_down, "lch,lfh->lcf")
+            d_w_down = jnp.einsum("lcf,lch->lfh", act, dyb, preferred_element_type=jnp.float32)
+            d_gate_up, = act_vjp(d_act)
+            dx = _block_matmul(d_gate_up, w_gate_up, "lcf,lhf->lch")
+            d_w_gate_up = jnp.einsum("lch,lcf->lhf", xb, d_gate_up,
+                                     preferred_element_type=jnp.float32)
+            return (ops.from_group_blocks(dx, starts, ends, num_rows),
+                    d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
+        return backward
+
+    def tiled(x, w_gate_up, w_down, gate_up, dy):  # recomputes the forward (the rare branch)
+        _, vjp = jax.vjp(lambda *a: _tiled_swiglu(sizes, tile_rows)(a[0], w_gate_up=a[1],
+                                                                      w_down=a[2]),
+                         x, w_gate_up, w_down)
+        return vjp(dy)
+
+    grads = jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, w_gate_up, w_down,
+                           gate_up, dy)
+    return (*grads, None)
+
+
+_swiglu_blocks.defvjp(_swiglu_blocks_fwd, _swiglu_blocks_bwd)
 
 
 def swiglu_expert_blocks(tokens, w_gate_up, w_down):
@@ -55,14 +160,9 @@ def swiglu_expert_blocks(tokens, w_gate_up, w_down):
     in tokens' dtype (fp32 accumulation, as grouped_matmul). One batched GEMM per weight over
     [L, C, H]: no group bookkeeping, no tile loop (on XLA:CPU the tiled grouped GEMM computes
     whole tiles; here every row is a block row)."""
-    num_experts, hidden = w_gate_up.shape[0], tokens.shape[-1]
-    blocks = tokens.reshape(num_experts, -1, hidden)
-
-    def bmm(a, w):
-        return jnp.einsum("lcx,lxy->lcy", a, w,
-                          preferred_element_type=jnp.float32).astype(tokens.dtype)
-    gate, up = jnp.split(bmm(blocks, w_gate_up), 2, axis=-1)
-    return bmm(jax.nn.silu(gate) * up, w_down).reshape(tokens.shape)
+    blocks = tokens.reshape(w_gate_up.shape[0], -1, tokens.shape[-1])
+    gate_up = _block_matmul(blocks, w_gate_up, "lcx,lxy->lcy")
+    return _block_matmul(_gated(gate_up), w_down, "lcx,lxy->lcy").reshape(tokens.shape)
 
 
 def gate_up_to_etp(w_gate_up, etp):
@@ -163,8 +263,7 @@ def _weighted(expert_out, probs):
 
 
 def _swiglu(x, w_gate_up, w_down):
-    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ w_down
+    return _gated(x @ w_gate_up) @ w_down
 
 
 def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True):
