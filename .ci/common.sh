@@ -15,6 +15,7 @@ LAYER1="tests/test_layout.py tests/test_permute.py tests/test_fp8.py tests/test_
 PY312_FILES="tests/test_ffi_contract.py tests/test_cuda_emu.py tests/test_ragged_transport.py
   tests/test_compiled_program.py tests/test_internode.py tests/test_flax.py tests/test_training.py
   tests/test_buffer.py tests/test_checkpoint.py tests/test_peer_transport.py
+  tests/test_grouped_matmul.py
   tests/test_expert_tensor_parallel.py::test_compiled_collectives_run_over_their_axes
   tests/test_expert_tensor_parallel.py::test_etp1_program_gathers_no_rows_and_scatters_nothing"
 

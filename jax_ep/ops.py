@@ -34,6 +34,7 @@ from jax_ep.reference import SendLayout
 __all__ = [
     "SendLayout",
     "block_ladder",
+    "block_matmul",
     "build_send_layout",
     "check_grouped_operands",
     "compute_send_counts",
@@ -43,6 +44,7 @@ __all__ = [
     "group_block_choice",
     "grouped_matmul",
     "grouped_matmul_impl",
+    "grouped_operands",
     "indices_to_multihot",
     "logfmt_decode",
     "logfmt_encode",
@@ -558,6 +560,23 @@ def check_grouped_operands(x, w, group_sizes, w_name="w"):
         raise ValueError(f"group_sizes: expected an integer dtype, got {group_sizes.dtype}")
 
 
+def grouped_operands(weights_and_rows, group_sizes):
+    """(*arrays, group_sizes) ready for the grouped GEMMs: the float arrays cast to their
+    promoted dtype, group_sizes to int32, and all typed as varying over the union of their
+    mesh axes inside shard_map (weights replicated over a data axis the tokens vary over: AD
+    then sums the weights' gradients over that axis, as it does for ragged_dot)."""
+    dtype = jnp.result_type(*weights_and_rows)
+    operands = (*(a.astype(dtype) for a in weights_and_rows), group_sizes.astype(jnp.int32))
+    axes = frozenset().union(*(_ffi.varying_axes(a) for a in operands))
+    return tuple(_ffi.make_varying(a, axes) for a in operands)
+
+
+def block_matmul(spec, a, w):
+    """jnp.einsum(spec, a, w) accumulated in float32, returned in a's dtype: the batched GEMM
+    over [G, C, ...] group blocks."""
+    return jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
 def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     """Grouped GEMM with the semantics of `jax.lax.ragged_dot`: x [N,H] rows in consecutive
     groups of group_sizes i32[G] rows, w [G,H,F] -> [N,F] in x's dtype (fp32 accumulation),
@@ -586,17 +605,11 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     check_grouped_operands(x, w, group_sizes)
     tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
                                                                              "tile_rows")
-    group_sizes = group_sizes.astype(jnp.int32)
     if impl == "ragged_dot":
-        return jax.lax.ragged_dot(x, w, group_sizes)
-    dtype = jnp.result_type(x.dtype, w.dtype)
+        return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
+    x, w, group_sizes = grouped_operands((x, w), group_sizes)
     if x.size == 0 or w.size == 0:
-        return _ffi.vary_like(jnp.zeros((x.shape[0], w.shape[2]), dtype), x, w, group_sizes)
-    # Operands typed alike inside shard_map (weights replicated over a data axis the tokens
-    # vary over): AD then sums dw over that axis, as it does for ragged_dot.
-    axes = frozenset().union(*(_ffi.varying_axes(a) for a in (x, w, group_sizes)))
-    x, w, group_sizes = (_ffi.make_varying(a, axes) for a in (x, w, group_sizes))
-    x, w = x.astype(dtype), w.astype(dtype)
+        return _ffi.vary_like(jnp.zeros((x.shape[0], w.shape[2]), x.dtype), x, w, group_sizes)
     if impl == "blocks":
         return _blocks_gmm(x, w, group_sizes, block_ladder(x.shape[0], w.shape[0]), tile)
     return _tiled_gmm(x, w, group_sizes, tile)
@@ -707,8 +720,9 @@ _tiled_gmm.defvjp(_tiled_gmm_fwd, _tiled_gmm_bwd)
 def block_ladder(num_rows, num_groups):
     """The block sizes C impl="blocks" chooses from: 8 * 2^(j/2) rounded up to a multiple of
     8, for j = 0, 1, ..., until ceil(num_rows / num_groups) (the last size): G blocks of the
-    last size hold num_rows rows. A group is at most sqrt(2)x smaller than its block (or 8
-    rows) unless it falls back to the tiled loop."""
+    last size hold num_rows rows. The block chosen for a largest group of n rows holds
+    C <= sqrt(2) * n + 8 rows (the rounding to 8 adds up to 7, the first size is 8), unless
+    the step falls back to the tiled loop."""
     cap = max(-(-num_rows // num_groups), 1)
     sizes, j = [], 0
     while not sizes or sizes[-1] < cap:
@@ -763,14 +777,12 @@ def _blocks_gmm(x, w, group_sizes, ladder, tile):
 
     def blocks(capacity):
         def product(x, w, starts, ends):
-            y = jnp.einsum("gch,ghf->gcf", to_group_blocks(x, starts, ends, capacity), w,
-                           preferred_element_type=jnp.float32).astype(x.dtype)
+            y = block_matmul("gch,ghf->gcf", to_group_blocks(x, starts, ends, capacity), w)
             return from_group_blocks(y, starts, ends, x.shape[0])
         return product
 
     def tiled(x, w, starts, ends):
-        visits = _tile_visits(group_sizes, x.shape[0], tile)
-        return _gmm_loop(x, w, group_sizes, visits, tile, transpose_w=False)
+        return _tiled_gmm(x, w, group_sizes, tile)
 
     return jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, w, starts, ends)
 
@@ -787,16 +799,13 @@ def _blocks_gmm_bwd(ladder, tile, residuals, dy):
     def blocks(capacity):
         def grads(x, dy, w, starts, ends):
             xb, dyb = (to_group_blocks(a, starts, ends, capacity) for a in (x, dy))
-            dxb = jnp.einsum("gcf,ghf->gch", dyb, w,
-                             preferred_element_type=jnp.float32).astype(x.dtype)
+            dxb = block_matmul("gcf,ghf->gch", dyb, w)
             dw = jnp.einsum("gch,gcf->ghf", xb, dyb, preferred_element_type=jnp.float32)
             return from_group_blocks(dxb, starts, ends, x.shape[0]), dw.astype(w.dtype)
         return grads
 
     def tiled(x, dy, w, starts, ends):
-        visits = _tile_visits(group_sizes, x.shape[0], tile)
-        dx = _gmm_loop(dy, w, group_sizes, visits, tile, transpose_w=True)
-        return dx, _gmm_dw(x, dy, group_sizes, visits, w.shape[0], tile).astype(w.dtype)
+        return _tiled_gmm_bwd(tile, (x, w, group_sizes), dy)[:2]
 
     dx, dw = jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, dy, w, starts,
                             ends)

@@ -1,7 +1,8 @@
 """jax_ep.ops.grouped_matmul: values and gradients of the "tiled" and "blocks" impls equal
 jax.lax.ragged_dot's (random group sizes with zeros, one group holding every row, rows past the
 groups, sums above N; "blocks" both in its block sizes and past them, where it takes the tiled
-loop), inside shard_map and vmap, and a compiled-program check that the tiled path's dots do not
+loop, every rung of the ladder, lopsided steps, mixed dtypes), inside shard_map and vmap
+(values and gradients), and a compiled-program check that the tiled path's dots do not
 grow with the number of groups. The blocked grouped SwiGLU (swiglu_experts impl="blocks") against
 the tiled one, the same way."""
 
@@ -49,7 +50,7 @@ def _assert_matches_ragged_dot(x, w, sizes, dtype, impl):
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    **TOL[dtype])
-    end = min(int(np.sum(sizes)), N)
+    end = min(int(np.sum(sizes)), x.shape[0])
     assert not np.asarray(y[end:], np.float32).any()  # rows past the groups are zero
 
 
@@ -71,6 +72,45 @@ def test_grouped_matmul_random_group_sizes_match_ragged_dot(sizes, seed, bf16, i
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     x, w = _operands(seed, dtype)
     _assert_matches_ragged_dot(x, w, sizes, dtype, impl)
+
+
+@pytest.mark.parametrize("sizes,rung", [([5, 0, 2], 0), ([14, 0, 5], 1), ([20, 10, 3], 2),
+                                        ([30, 30, 30], 3), ([34, 34, 32], 4), ([10, 40, 30], 5)])
+def test_blocks_on_every_rung_of_the_ladder_match_ragged_dot(sizes, rung):
+    # N = 100 rows in G = 3 groups: the ladder is 8, 16, 24, 32, 34 rows; rung 5 = tiled loop
+    x, w = _operands(rung, jnp.float32, rows=100, groups=3)
+    assert ops.block_ladder(100, 3) == (8, 16, 24, 32, 34)
+    index = ops.group_block_choice(jnp.asarray(sizes, jnp.int32), 100, (8, 16, 24, 32, 34))[0]
+    assert int(index) == rung
+    sizes = jnp.asarray(sizes, jnp.int32)
+    (_, y), grads = _LOSSES["blocks"](x, w, sizes)
+    (_, y_ref), grads_ref = _LOSSES["ragged_dot"](x, w, sizes)
+    for got, want in zip((y, *grads), (y_ref, *grads_ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_lopsided_step_takes_the_tiled_loop_with_the_same_values(impl):
+    # G = 16 groups over N = 512 rows (ladder up to 32): one group of 30 rows, the rest empty;
+    # 16 blocks of 32 rows are above 3x the 30 rows + 8 per group, so "blocks" loops instead
+    x, w = _operands(9, jnp.float32, rows=512, groups=16)
+    sizes = jnp.zeros((16,), jnp.int32).at[11].set(30)
+    ladder = ops.block_ladder(512, 16)
+    assert int(ops.group_block_choice(sizes, 512, ladder)[0]) == len(ladder)
+    _assert_matches_ragged_dot(x, w, sizes, jnp.float32, impl)
+
+
+def test_blocks_with_mixed_dtypes_promote_and_return_each_operands_gradient_dtype():
+    # bf16 rows, f32 weights: the product and dw in f32, dx in bf16, as ragged_dot on f32 rows
+    x, w = _operands(12, jnp.bfloat16)
+    w = w.astype(jnp.float32)
+    sizes = jnp.asarray([3, 9, 0, 7], jnp.int32)
+    (_, y), (dx, dw) = _LOSSES["blocks"](x, w, sizes)
+    (_, y_ref), (dx_ref, dw_ref) = _LOSSES["ragged_dot"](x.astype(jnp.float32), w, sizes)
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), dx_ref, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -114,6 +154,23 @@ def test_grouped_matmul_under_vmap(impl):
     for b in range(2):
         np.testing.assert_allclose(got[b], jax.lax.ragged_dot(x, w, sizes[b]), rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grouped_matmul_gradients_under_vmap_with_batched_group_sizes(impl):
+    # one batch element per branch of "blocks": a block size, the tiled loop (past the ladder)
+    x, w = _operands(13, jnp.float32)
+    sizes = jnp.asarray([[3, 0, 5, 6], [0, 24, 0, 0], [6, 6, 6, 6]], jnp.int32)
+
+    def grads(impl):
+        def loss(x, w, s):
+            return jnp.sum(jnp.sin(ops.grouped_matmul(x, w, s, impl=impl, tile_rows=TILE)))
+        return jax.grad(loss, argnums=(0, 1))
+    got = jax.jit(jax.vmap(grads(impl), in_axes=(None, None, 0)))(x, w, sizes)
+    for b in range(3):  # ragged_dot's gradient does not vmap over group_sizes: one at a time
+        want = jax.jit(grads("ragged_dot"))(x, w, sizes[b])
+        for a, c in zip(got, want):
+            np.testing.assert_allclose(a[b], c, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_matmul_auto_is_blocks_on_cpu_and_checks_arguments():
@@ -225,10 +282,11 @@ def _swiglu_loss(impl, sizes, cot):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("sizes", [[10, 40, 30], [0, 0, 0], [34, 0, 34], [0, 95, 5], [-3, 120, 1],
-                                   [33, 33, 33]])
+@pytest.mark.parametrize("sizes", [[0, 0, 0], [5, 0, 2], [14, 0, 5], [20, 10, 3], [34, 0, 34],
+                                   [33, 33, 33], [10, 40, 30], [0, 95, 5], [-3, 120, 1]])
 def test_blocked_swiglu_matches_the_tiled_grouped_swiglu(sizes, dtype):
-    # N = 100 rows, L = 3: blocks up to 34 rows, the tiled loop for [0, 95, 5] and [-3, 120, 1]
+    # N = 100 rows, L = 3: blocks of 8, 16, 24, 32 or 34 rows (the first six cases, rungs 0, 0,
+    # 1, 2, 4, 4); the tiled loop for the last three, whose largest group is above 34 rows
     x, wgu, wd, cot = _swiglu_operands(100, 3, dtype)
     sizes = jnp.asarray(sizes, jnp.int32)
     (v, grads), (v_ref, grads_ref) = (_swiglu_loss(impl, sizes, cot)(x, wgu, wd)
@@ -272,4 +330,27 @@ def test_blocked_swiglu_checks_its_weights():
         swiglu_experts(x, sizes, wgu, wd[:, :4], impl="blocks")
     with pytest.raises(ValueError, match="w_gate_up"):
         swiglu_experts(x, sizes, wgu[:, :3], wd, impl="blocks")
+    with pytest.raises(ValueError, match="w_down: expected float"):
+        swiglu_experts(x, sizes, wgu, wd.astype(jnp.int32), impl="blocks")
     assert swiglu_experts(x[:0], sizes, wgu, wd, impl="blocks").shape == (0, 8)
+    assert swiglu_experts(x, sizes, wgu, wd[:, :, :0], impl="blocks").shape == (10, 0)
+
+
+def test_blocked_swiglu_lopsided_step_and_mixed_dtypes():
+    # L = 16 experts over N = 512 rows: one expert with 30 rows takes the tiled loop (lopsided);
+    # bf16 tokens with f32 weights run both GEMMs in f32: the tiled SwiGLU of f32 tokens
+    x, wgu, wd, cot = _swiglu_operands(512, 16, jnp.float32)
+    for sizes in (jnp.zeros((16,), jnp.int32).at[11].set(30), jnp.full((16,), 31, jnp.int32)):
+        (v, grads), (v_ref, grads_ref) = (_swiglu_loss(impl, sizes, cot)(x, wgu, wd)
+                                          for impl in ("blocks", "tiled"))
+        for a, b in zip((v, *grads), (v_ref, *grads_ref)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    x16 = x.astype(jnp.bfloat16)
+    (v, (dx, *dws)), (v_ref, (dx_ref, *dws_ref)) = (
+        _swiglu_loss("blocks", sizes, cot)(x16, wgu, wd),
+        _swiglu_loss("tiled", sizes, cot)(x16.astype(jnp.float32), wgu, wd))
+    assert dx.dtype == jnp.bfloat16
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), dx_ref, rtol=1e-2, atol=1e-2)
+    for a, b in zip(dws, dws_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -29,6 +29,7 @@ from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
+from jax_ep._checks import check_float
 
 __all__ = ["AuxLossTracker", "ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows",
            "gate_up_from_etp", "gate_up_to_etp", "load_ratio", "pad_expert_blocks",
@@ -61,28 +62,24 @@ def _gated(gate_up):
 def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
     """swiglu_experts with impl="blocks": the rows gathered once into [L, C, H] expert blocks
     (`jax_ep.ops.grouped_matmul`'s ladder of C, chosen by a lax.switch on the largest group),
-    both GEMMs and the activation in that layout, one gather back to [N,H]; the tiled grouped
-    GEMM when the largest group is above ceil(N/L). The gate/up activations [L, C, 2F] are
-    kept for the backward, so it recomputes no GEMM."""
+    both GEMMs and the activation in that layout, one gather back to [N,H]. The tiled grouped
+    GEMM runs instead when the largest group is above ceil(N/L) or the blocks would hold more
+    than ops.BLOCKS_MAX_WORK times the routed rows (a lopsided step). The gate/up activations
+    [L, C, 2F] are kept for the backward, so it recomputes no GEMM. Both GEMMs run in the
+    promoted dtype of all three operands (the other impls promote per GEMM: with bf16 tokens
+    and w_gate_up and an f32 w_down, their gate/up activations are bf16, here f32)."""
     ops.check_grouped_operands(tokens, w_gate_up, tokens_per_expert, "w_gate_up")
     if w_down.ndim != 3 or w_down.shape[0] != w_gate_up.shape[0] or w_down.shape[1] * 2 != \
             w_gate_up.shape[2]:
         raise ValueError(f"w_down: expected [L={w_gate_up.shape[0]}, F={w_gate_up.shape[2] // 2}"
                          f", H] to match w_gate_up {w_gate_up.shape}, got shape {w_down.shape}")
-    dtype = jnp.result_type(tokens.dtype, w_gate_up.dtype, w_down.dtype)
-    operands = (tokens.astype(dtype), w_gate_up.astype(dtype), w_down.astype(dtype),
-                tokens_per_expert.astype(jnp.int32))
-    if tokens.size == 0 or w_gate_up.size == 0:
-        return _ffi.vary_like(jnp.zeros((tokens.shape[0], w_down.shape[2]), dtype), *operands)
-    axes = frozenset().union(*(_ffi.varying_axes(a) for a in operands))
-    operands = tuple(_ffi.make_varying(a, axes) for a in operands)
+    check_float(w_down, "w_down")
+    operands = ops.grouped_operands((tokens, w_gate_up, w_down), tokens_per_expert)
+    if tokens.size == 0 or w_gate_up.size == 0 or w_down.size == 0:
+        return _ffi.vary_like(jnp.zeros((tokens.shape[0], w_down.shape[2]), operands[0].dtype),
+                              *operands)
     ladder = ops.block_ladder(tokens.shape[0], w_gate_up.shape[0])
     return _swiglu_blocks(*operands, ladder, tile_rows)
-
-
-def _block_matmul(a, w, spec):
-    """einsum(spec, a, w) accumulated in float32, in a's dtype."""
-    return jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -103,9 +100,9 @@ def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile_rows):
 
     def blocks(capacity):
         def forward(x, w_gate_up, w_down):
-            gate_up = _block_matmul(ops.to_group_blocks(x, starts, ends, capacity), w_gate_up,
-                                    "lch,lhf->lcf")
-            y = _block_matmul(_gated(gate_up), w_down, "lcf,lfh->lch")
+            gate_up = ops.block_matmul("lch,lhf->lcf",
+                                       ops.to_group_blocks(x, starts, ends, capacity), w_gate_up)
+            y = ops.block_matmul("lcf,lfh->lch", _gated(gate_up), w_down)
             kept = jnp.pad(gate_up, ((0, 0), (0, ladder[-1] - capacity), (0, 0)))
             return ops.from_group_blocks(y, starts, ends, num_rows), kept.reshape(kept_rows, -1)
         return forward
@@ -130,10 +127,10 @@ def _swiglu_blocks_bwd(ladder, tile_rows, residuals, dy):
             xb, dyb = (ops.to_group_blocks(a, starts, ends, capacity) for a in (x, dy))
             gate_up = gate_up.reshape(num_experts, ladder[-1], -1)[:, :capacity]
             act, act_vjp = jax.vjp(_gated, gate_up)
-            d_act = _block_matmul(dyb, w_down, "lch,lfh->lcf")
+            d_act = ops.block_matmul("lch,lfh->lcf", dyb, w_down)
             d_w_down = jnp.einsum("lcf,lch->lfh", act, dyb, preferred_element_type=jnp.float32)
             d_gate_up, = act_vjp(d_act)
-            dx = _block_matmul(d_gate_up, w_gate_up, "lcf,lhf->lch")
+            dx = ops.block_matmul("lcf,lhf->lch", d_gate_up, w_gate_up)
             d_w_gate_up = jnp.einsum("lch,lcf->lhf", xb, d_gate_up,
                                      preferred_element_type=jnp.float32)
             return (ops.from_group_blocks(dx, starts, ends, num_rows),
@@ -161,8 +158,8 @@ def swiglu_expert_blocks(tokens, w_gate_up, w_down):
     [L, C, H]: no group bookkeeping, no tile loop (on XLA:CPU the tiled grouped GEMM computes
     whole tiles; here every row is a block row)."""
     blocks = tokens.reshape(w_gate_up.shape[0], -1, tokens.shape[-1])
-    gate_up = _block_matmul(blocks, w_gate_up, "lcx,lxy->lcy")
-    return _block_matmul(_gated(gate_up), w_down, "lcx,lxy->lcy").reshape(tokens.shape)
+    gate_up = ops.block_matmul("lcx,lxy->lcy", blocks, w_gate_up)
+    return ops.block_matmul("lcx,lxy->lcy", _gated(gate_up), w_down).reshape(tokens.shape)
 
 
 def gate_up_to_etp(w_gate_up, etp):
