@@ -7,7 +7,8 @@ one-hot einsum MoE with the same parameters.
 
 Every variant computes loss = mean(y^2) of the layer output y (softmax router, top-k, SwiGLU
 experts, weighted sum) and its gradient with respect to all parameters; the jax_ep backends
-give the same loss (no token is dropped), GShard drops the slots past its capacity.
+give the same loss (no token is dropped), GShard drops the slots past its capacity (with none
+dropped, its loss is the layer's: it renormalises the top-k probabilities as the router does).
 "hybridep" is the config default (dense [T,E] routing map); "hybridep-compact" sets
 moe_hybridep_compact_routing=True (top-k ids on the wire). A ":impl" suffix picks the experts'
 grouped GEMM (TokenDispatcherConfig.grouped_gemm_impl): "deepep:ragged_dot" is the layer with
@@ -23,8 +24,9 @@ the balanced load in a step whose routing fits them, the worst-case ones otherwi
 
 More rows time the layer's expert GEMMs alone (jax_ep.flax.swiglu_experts, forward +
 backward) on the permuted buffer the deepep backend feeds them (N = P*T*min(K, L) rows per
-device, the no-drop worst case, with the T*K balanced slots routed), once with ragged_dot
-and once per --tile-rows with the tiled grouped GEMM, to separate expert compute from dispatch.
+device, the no-drop worst case, with the T*K balanced slots routed), once with ragged_dot,
+once with the expert blocks and once per --tile-rows with the tiled grouped GEMM, to separate
+expert compute from dispatch.
 
 --peer maxtext adds MaxText's RoutedMoE (benchmarks/peer_maxtext.py) built from its pyconfig
 with the same shapes, mesh, dtype and loss, timed by the same code in the same process: its
@@ -111,7 +113,8 @@ def parse_args(argv=None):
 
 
 def gshard_layer(a, num_ranks):
-    """Per-device body of a GShard MoE layer (one-hot dispatch mask [T,E,C], all_to_all of
+    """Per-device body of a GShard MoE layer (softmax router, top-k probabilities renormalised as
+    the layer's softmax over the top-k logits, one-hot dispatch mask [T,E,C], all_to_all of
     [E,C,H] over "expert", batched SwiGLU per local expert, all_to_all back, combine einsum).
     Returns (body(x, router, w_gate_up, w_down) -> (y, dropped slots), capacity)."""
     import jax
@@ -127,6 +130,7 @@ def gshard_layer(a, num_ranks):
         T, H = tokens.shape
         scores = jax.nn.softmax(tokens.astype(f32) @ router.astype(f32), axis=-1)
         probs, ids = jax.lax.top_k(scores, K)
+        probs = probs / probs.sum(axis=-1, keepdims=True)  # MoEConfig's default: softmax of top-k
         onehot = jax.nn.one_hot(ids.T, E, dtype=jnp.int32)  # [K,T,E], top-1 slots first
         pos = ((jnp.cumsum(onehot.reshape(K * T, E), axis=0).reshape(K, T, E) - 1)
                * onehot).sum(axis=-1)
@@ -378,7 +382,8 @@ def main(argv=None):
     rows = jax.device_put(jax.random.normal(jax.random.key(2), (devices * n_rows, a.hidden),
                                             dtype), NamedSharding(mesh, spec))
     gemms = [] if a.no_experts_only else (
-        [("ragged_dot", None)] + [("tiled", int(t)) for t in a.tile_rows.split(",") if t])
+        [("ragged_dot", None), ("blocks", None)]
+        + [("tiled", int(t)) for t in a.tile_rows.split(",") if t])
     experts_only = []
     for impl, tile_rows in gemms:
         experts_fn = jax.shard_map(partial(experts_loss, impl=impl, tile_rows=tile_rows),

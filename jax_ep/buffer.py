@@ -9,22 +9,29 @@ call its methods inside `jax.shard_map` over the expert axis `group`.
 
 Arguments that have no effect under XLA (accepted so that ported calls run unchanged):
 
-| argument | where | why it has no effect |
-|---|---|---|
-| `num_nvl_bytes`, `num_rdma_bytes` | `Buffer(...)` | XLA allocates every buffer of the compiled program |
-| `low_latency_mode`, `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl` | `Buffer(...)` | both modes are always available; XLA picks the links |
-| `explicitly_destroy` | `Buffer(...)` | nothing to release (`destroy()` does nothing) |
-| `is_intranode` | `Buffer(...)` | kept as an attribute; `UCCLBuffer` sets it from the group |
-| `use_fabric` | `Buffer(...)` | XLA allocates the buffers (no fabric memory API to pick) |
-| `enable_shrink` | `Buffer(...)` | no rank is ever masked (every rank runs the compiled program); the mask methods require it, as in DeepEP |
-| `comm` | `Buffer(...)` | DeepEP's MPI communicator for a missing `group`; `group` (the axis name) is required here |
-| `config` | `dispatch`, `combine` | no SM / chunk tuning (`Config` is a plain record) |
-| `previous_event`, `async_finish`, `allocate_on_comm_stream` | normal-mode methods | XLA orders and schedules the collectives; results are `EventOverlap()` |
-| `async_finish`, `return_recv_hook` | low-latency methods | as above; the hook is a callable returning None |
-| `num_tokens_per_rdma_rank` | `dispatch` | recomputed from topk_idx by the two-hop dispatch (a (node, local) `group`) |
-| `dispatch_wait_recv_cost_stats`, `combine_wait_recv_cost_stats` | low-latency methods | no timers inside a compiled program; left untouched |
-| `zero_copy` | `low_latency_combine` | `x` already is the combine buffer |
-| `new_num_sms` | `set_num_sms` | no SM partitioning (it sets `Buffer.num_sms`, which the recommended configs carry) |
+- `num_nvl_bytes`, `num_rdma_bytes` (`Buffer(...)`): XLA allocates every buffer of the compiled
+  program.
+- `low_latency_mode`, `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`
+  (`Buffer(...)`): both modes are always available; XLA picks the links.
+- `explicitly_destroy` (`Buffer(...)`): nothing to release (`destroy()` does nothing).
+- `is_intranode` (`Buffer(...)`): kept as an attribute; `UCCLBuffer` sets it from the group.
+- `use_fabric` (`Buffer(...)`): XLA allocates the buffers (no fabric memory API to pick).
+- `enable_shrink` (`Buffer(...)`): no rank is ever masked (every rank runs the compiled
+  program); the mask methods require it, as in DeepEP.
+- `comm` (`Buffer(...)`): DeepEP's MPI communicator for a missing `group`; `group` (the axis
+  name) is required here.
+- `config` (`dispatch`, `combine`): no SM / chunk tuning (`Config` is a plain record).
+- `previous_event`, `async_finish`, `allocate_on_comm_stream` (normal-mode methods): XLA orders
+  and schedules the collectives; results are `EventOverlap()`.
+- `async_finish`, `return_recv_hook` (low-latency methods): as above; the hook is a callable
+  returning None.
+- `num_tokens_per_rdma_rank` (`dispatch`): recomputed from topk_idx by the two-hop dispatch (a
+  (node, local) `group`).
+- `dispatch_wait_recv_cost_stats`, `combine_wait_recv_cost_stats` (low-latency methods): no
+  timers inside a compiled program; left untouched.
+- `zero_copy` (`low_latency_combine`): `x` already is the combine buffer.
+- `new_num_sms` (`set_num_sms`): no SM partitioning (it sets `Buffer.num_sms`, which the
+  recommended configs carry).
 
 Differences forced by static shapes: `num_worst_tokens=0` means DeepEP's worst case (P*T
 receive rows; there is no host sync to size it exactly); `num_recv_tokens_per_expert_list`

@@ -18,8 +18,9 @@ Transports:
                  mesh axis must be manual in the enclosing shard_map and every device in this
                  process;
   "auto"       - peer on CPU in a single process, else ragged on GPU/TPU, all_to_all on CPU.
-All give identical results (ragged and peer also leave the rows nobody sends zero). The collectives are tagged with `checkpoint_name` ("ep_counts",
-"ep_dispatch", "ep_combine") so remat policies can save or recompute them by name.
+All give identical results (ragged and peer also leave the rows nobody sends zero). The
+collectives are tagged with `checkpoint_name` ("ep_counts", "ep_dispatch", "ep_combine") so
+remat policies can save or recompute them by name.
 
 Backends (`check_backend`): "deepep" and its alias "uccl_ep" run the FFI kernels for the
 layouts, packing and reductions around the wire, "alltoall" the XLA reference ops.

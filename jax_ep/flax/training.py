@@ -5,7 +5,8 @@ A jitted train step returns every nnx.Variable it updates laid out by its shardi
 the mesh where it has none. State made outside jit sits elsewhere: `nnx.Optimizer`'s step
 counter and optax's `count` start on one device, so step 1 compiles for those inputs and
 step 2, getting the mesh-wide outputs of step 1 back, compiles again. `shard_state` puts
-everything there before step 1, so every step runs the first step's executable; `compilations` counts them to show it.
+everything there before step 1, so every step runs the first step's executable;
+`compilations` counts them to show it.
 """
 
 from __future__ import annotations
