@@ -7,12 +7,12 @@
 # Steps, each under its own timeout and all within DEADLINE (450 s; typically 3 to 4 minutes):
 #   1. pip install -e . with JAX_EP_CUDA=ON, sm_90 only          -> $OUT/build.log
 #   2. pytest: the layer-1 handlers (contract, ops: every target of xla_ffi/targets.h), then the
-#      EP modes, transport="auto" (ragged on the GPU), grouped_matmul tiled vs ragged_dot and
-#      the MoE layer, then a few op tests with XLA's minimum CUDA-graph size at 1, so the
-#      handlers marked graph-compatible (all but unpermute) run inside graphs
+#      EP modes, transport="auto" (ragged on the GPU), grouped_matmul tiled / blocks vs
+#      ragged_dot and the MoE layer, then a few op tests with XLA's minimum CUDA-graph size at
+#      1, so the handlers marked graph-compatible (all but unpermute) run inside graphs
 #                                                                 -> $OUT/pytest_gpu.log
-#   3. benchmarks/bench_gpu.py --out $OUT: grouped GEMM tiled vs ragged_dot, then the kernels'
-#      bandwidth; the figures for benchmarks/RESULTS.md           -> $OUT/bench_gpu.log, and
+#   3. benchmarks/bench_gpu.py --out $OUT: grouped GEMM tiled / blocks vs ragged_dot, then the
+#      kernels' bandwidth; the figures for benchmarks/RESULTS.md  -> $OUT/bench_gpu.log, and
 #      $OUT/bench_gpu.{json,md,png}, $OUT/bench_gpu_gmm.png (a missing figure fails the step)
 #   4. opt-in (SANITIZE=1): a small GPU test subset under compute-sanitizer memcheck
 #                                                                 -> $OUT/sanitizer.log

@@ -5,8 +5,8 @@ With one GPU the expert axis has P = 1 (collective-free); with more, the "auto" 
 transport bit for bit. On one GPU,
 P = 4 and 8 ranks are also emulated with jax.vmap over the expert axis (all_to_all only:
 ragged_all_to_all has no batching rule) and checked against the CPU handlers. The experts'
-grouped GEMM: impl="tiled" and XLA:GPU's ragged_dot (what impl="auto" picks there) against a
-float64 model.
+grouped GEMM: impl="tiled", "blocks" and XLA:GPU's ragged_dot (what impl="auto" picks there)
+against a float64 model.
 """
 
 from __future__ import annotations
@@ -212,14 +212,18 @@ def test_moe_layer_trains_on_gpu():
 @pytest.mark.skipif(EMULATED, reason="no CUDA code: on the CPU devices this is "
                     "tests/test_grouped_matmul.py")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_grouped_matmul_tiled_and_ragged_dot_on_gpu(dtype):
-    """impl="tiled" (a while loop over row tiles) and XLA:GPU's ragged_dot against a float64
-    numpy model from the same rounded inputs: y = x_g w_g, dx = dy_g w_g^T, dw[g] = x_g^T dy_g
-    for a fixed cotangent dy, with empty groups, a one-row group and rows past the groups (zero in
-    y and dx). The tolerance is the output dtype's rounding, relative to the output's scale;
-    impl="auto" is ragged_dot on the GPU."""
+@pytest.mark.parametrize("group_sizes", [[130, 0, 257, 64, 0, 1, 300, 200],
+                                         [120, 0, 125, 110, 0, 1, 124, 100]])
+def test_grouped_matmul_tiled_blocks_and_ragged_dot_on_gpu(group_sizes, dtype):
+    """impl="tiled" (a while loop over row tiles), "blocks" and XLA:GPU's ragged_dot against a
+    float64 numpy model from the same rounded inputs: y = x_g w_g, dx = dy_g w_g^T, dw[g] =
+    x_g^T dy_g for a fixed cotangent dy, with empty groups, a one-row group and rows past the
+    groups (zero in y and dx). "blocks" over N = 1000 rows in G = 8 groups has blocks of up to
+    125 rows: the second sizes run as [8, 125, H] blocks, the first (a group of 300) take its
+    tiled fallback. The tolerance is the output dtype's rounding, relative to the output's
+    scale; impl="auto" is ragged_dot on the GPU."""
     N, H, F = 1000, 256, 128
-    group_sizes = [130, 0, 257, 64, 0, 1, 300, 200]  # 952 rows in groups
+    end = sum(group_sizes)
     sizes = jnp.asarray(group_sizes, jnp.int32)
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((N, H)), dtype)
@@ -239,7 +243,7 @@ def test_grouped_matmul_tiled_and_ragged_dot_on_gpu(dtype):
     # fp32 accumulation, then the output dtype's rounding; fp32 dots at full precision (XLA:GPU
     # may use TF32 for them by default).
     rel = 1e-5 if dtype == jnp.float32 else 1e-2
-    for impl in ("tiled", "ragged_dot"):
+    for impl in ("tiled", "blocks", "ragged_dot"):
         def value_and_vjp(x, w, impl=impl):
             y, pullback = jax.vjp(lambda x, w: ops.grouped_matmul(x, w, sizes, impl=impl), x, w)
             return (y, *pullback(dy))
@@ -248,7 +252,7 @@ def test_grouped_matmul_tiled_and_ragged_dot_on_gpu(dtype):
         for name, g, ref in zip(("y", "dx", "dw"), got, want):
             err = np.abs(np.asarray(g, np.float64) - ref).max() / np.abs(ref).max()
             assert err <= rel, f"{impl} {name}: max error {err:.2e} of max |ref|, over {rel}"
-        assert not np.asarray(got[0][952:], np.float32).any(), impl
+        assert not np.asarray(got[0][end:], np.float32).any(), impl
     auto = str(jax.make_jaxpr(lambda x, w: ops.grouped_matmul(x, w, sizes))(x, w))
     assert "ragged_dot_general" in auto and "while" not in auto
 
