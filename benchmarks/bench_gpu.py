@@ -15,8 +15,8 @@ routed, uniformly at random over G groups, as in the layer's receive buffer, who
 rows exceed the routed ones; [G,H,F] weights): impl="tiled" (jax_ep's loop over row tiles) and
 "blocks" (every group gathered into a block of the ladder's size, one batched GEMM: the CPU
 default) vs "ragged_dot" (XLA's jax.lax.ragged_dot, what impl="auto" picks on a GPU), forward
-and forward + backward (dx, dw), in TFLOP/s of the 2*R*H*F multiply-adds per pass over the R
-routed rows (three passes with the backward).
+and forward + backward (dx, dw), in TFLOP/s of the 2*R*H*F FLOPs per pass over the R routed
+rows (three passes with the backward).
 Effective bandwidth = the bytes an op must touch (rows read + rows written + index/prob/scale
 arrays; padding rows are not read) / median time per call over >= 20 samples after warm-up,
 each sample a batch of back-to-back calls (about 2 ms of them) closed by one

@@ -8,13 +8,14 @@ one-hot einsum MoE with the same parameters.
 Every variant computes loss = mean(y^2) of the layer output y (softmax router, top-k, SwiGLU
 experts, weighted sum) and its gradient with respect to all parameters; the jax_ep backends
 give the same loss (no token is dropped), GShard drops the slots past its capacity (with none
-dropped, its loss is the layer's: it renormalises the top-k probabilities as the router does).
+dropped, its loss is the layer's up to rounding: it renormalises the top-k probabilities as the
+router does).
 "hybridep" is the config default (dense [T,E] routing map); "hybridep-compact" sets
 moe_hybridep_compact_routing=True (top-k ids on the wire). A ":impl" suffix picks the experts'
 grouped GEMM (TokenDispatcherConfig.grouped_gemm_impl): "deepep:ragged_dot" is the layer with
 jax.lax.ragged_dot, which XLA:CPU lowers to one dense matmul over every local expert; plain
-names use "auto" ("blocks" on CPU: jax_ep.ops.grouped_matmul's expert blocks), and
-"deepep:tiled" is the tiled loop. An "@cap" suffix sets the layer's
+names use "auto" ("blocks" on CPU: jax_ep.ops.grouped_matmul's expert blocks; "tiled" for
+experts under 64x64), and "deepep:tiled" is the tiled loop. An "@cap" suffix sets the layer's
 moe_expert_capacity_factor to --capacity-factor (drops, as MaxText's capacity path does);
 "@cap+pad" also sets moe_pad_expert_input_to_capacity (Megatron's drop-and-pad: every local
 expert's block padded to its capacity, the equal blocks one batched GEMM per weight), e.g.

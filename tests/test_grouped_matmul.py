@@ -8,6 +8,7 @@ the tiled one, the same way."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -173,13 +174,29 @@ def test_grouped_matmul_gradients_under_vmap_with_batched_group_sizes(impl):
             np.testing.assert_allclose(a[b], c, rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_matmul_auto_is_blocks_on_cpu_and_checks_arguments():
-    x, w = _operands(4, jnp.float32)
-    sizes = jnp.asarray([6, 6, 6, 6], jnp.int32)
-    auto = jax.jit(lambda x, w, s: ops.grouped_matmul(x, w, s)).lower(x, w, sizes).as_text()
-    blocks = jax.jit(lambda x, w, s: ops.grouped_matmul(x, w, s, impl="blocks")).lower(
+def _lowered(x, w, sizes, impl):
+    return jax.jit(lambda x, w, s: ops.grouped_matmul(x, w, s, impl=impl)).lower(
         x, w, sizes).as_text()
-    assert auto == blocks and "stablehlo.case" in auto and "ragged_dot" not in auto
+
+
+def test_grouped_matmul_auto_on_cpu_is_blocks_from_64x64_weights_and_checks_arguments():
+    # below BLOCKS_MIN_WEIGHT elements per group's [H, F] the tiled loop, from it the blocks
+    sizes = jnp.asarray([6, 6, 6, 6], jnp.int32)
+    x, w = _operands(4, jnp.float32)  # [4, 16, 8] weights
+    small = _lowered(x, w, sizes, "auto")
+    assert small == _lowered(x, w, sizes, "tiled") and "stablehlo.while" in small
+    assert "stablehlo.case" not in small
+    big = jnp.zeros((4, 64, 64), jnp.float32)
+    assert ops.BLOCKS_MIN_WEIGHT == 64 * 64 and ops.grouped_matmul_impl("auto", big.shape) == \
+        "blocks" and ops.grouped_matmul_impl("auto", (4, 64, 63)) == "tiled"
+    x64 = jnp.zeros((N, 64), jnp.float32)
+    auto = _lowered(x64, big, sizes, "auto")
+    assert auto == _lowered(x64, big, sizes, "blocks") and "stablehlo.case" in auto
+    assert "ragged_dot" not in auto
+    from jax_ep.flax import swiglu_experts  # both GEMMs take the impl of w_down's [F, H]
+    assert "stablehlo.case" in jax.jit(lambda x, a, b: swiglu_experts(x, sizes, a, b)).lower(
+        x64, jnp.zeros((4, 64, 128)), jnp.zeros((4, 64, 64))).as_text()
+    x, w = _operands(4, jnp.float32)
     with pytest.raises(ValueError, match="impl"):
         ops.grouped_matmul(x, w, sizes, impl="megablox")
     with pytest.raises(ValueError, match="w"):
@@ -274,22 +291,28 @@ def _swiglu_operands(rows, experts, dtype, seed=11):
     return x, wgu, wd, jax.random.normal(keys[3], (rows, 8), jnp.float32)
 
 
-def _swiglu_loss(impl, sizes, cot):
+@functools.cache
+def _swiglu_loss(impl):
+    """jit(value_and_grad) of sum(swiglu_experts(x, sizes, a, b) * cot) in (x, a, b): one
+    program per impl and shapes, whatever the sizes."""
     from jax_ep.flax import swiglu_experts
-    return jax.jit(jax.value_and_grad(lambda x, a, b: jnp.sum(
+    return jax.jit(jax.value_and_grad(lambda x, a, b, sizes, cot: jnp.sum(
         swiglu_experts(x, sizes, a, b, impl=impl, tile_rows=4).astype(jnp.float32) * cot),
         (0, 1, 2)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("sizes", [[0, 0, 0], [5, 0, 2], [14, 0, 5], [20, 10, 3], [34, 0, 34],
-                                   [33, 33, 33], [10, 40, 30], [0, 95, 5], [-3, 120, 1]])
-def test_blocked_swiglu_matches_the_tiled_grouped_swiglu(sizes, dtype):
-    # N = 100 rows, L = 3: blocks of 8, 16, 24, 32 or 34 rows (the first six cases, rungs 0, 0,
-    # 1, 2, 4, 4); the tiled loop for the last three, whose largest group is above 34 rows
+@pytest.mark.parametrize("sizes,rung", [([0, 0, 0], 0), ([5, 0, 2], 0), ([14, 0, 5], 1),
+                                        ([20, 10, 3], 2), ([30, 30, 30], 3), ([34, 0, 34], 4),
+                                        ([33, 33, 33], 4), ([10, 40, 30], 5), ([0, 95, 5], 5),
+                                        ([-3, 120, 1], 5)])
+def test_blocked_swiglu_matches_the_tiled_grouped_swiglu(sizes, rung, dtype):
+    # N = 100 rows, L = 3: blocks of 8, 16, 24, 32 or 34 rows (rungs 0-4); rung 5 is the tiled
+    # loop, for a largest group above 34 rows
     x, wgu, wd, cot = _swiglu_operands(100, 3, dtype)
     sizes = jnp.asarray(sizes, jnp.int32)
-    (v, grads), (v_ref, grads_ref) = (_swiglu_loss(impl, sizes, cot)(x, wgu, wd)
+    assert int(ops.group_block_choice(sizes, 100, ops.block_ladder(100, 3))[0]) == rung
+    (v, grads), (v_ref, grads_ref) = (_swiglu_loss(impl)(x, wgu, wd, sizes, cot)
                                       for impl in ("blocks", "tiled"))
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(v, v_ref, rtol=tol, atol=tol)
@@ -334,21 +357,34 @@ def test_blocked_swiglu_checks_its_weights():
         swiglu_experts(x, sizes, wgu, wd.astype(jnp.int32), impl="blocks")
     assert swiglu_experts(x[:0], sizes, wgu, wd, impl="blocks").shape == (0, 8)
     assert swiglu_experts(x, sizes, wgu, wd[:, :, :0], impl="blocks").shape == (10, 0)
+    with pytest.raises(ValueError, match="tile_rows"):
+        swiglu_experts(x, sizes, wgu, wd, impl="blocks", tile_rows=0)
+    # F = 0: no hidden units, zero output and zero gradients, as the tiled SwiGLU gives
+    cot = jnp.ones((10, 8), jnp.float32)
+    (v, grads), (v_ref, grads_ref) = (_swiglu_loss(impl)(x, wgu[:, :, :0], wd[:, :0], sizes, cot)
+                                      for impl in ("blocks", "tiled"))
+    assert float(v) == float(v_ref) == 0.0
+    for a, b in zip(grads, grads_ref):
+        assert a.shape == b.shape and not np.asarray(a).any() and not np.asarray(b).any()
 
 
 def test_blocked_swiglu_lopsided_step_and_mixed_dtypes():
     # L = 16 experts over N = 512 rows: one expert with 30 rows takes the tiled loop (lopsided);
     # bf16 tokens with f32 weights run both GEMMs in f32: the tiled SwiGLU of f32 tokens
     x, wgu, wd, cot = _swiglu_operands(512, 16, jnp.float32)
-    for sizes in (jnp.zeros((16,), jnp.int32).at[11].set(30), jnp.full((16,), 31, jnp.int32)):
-        (v, grads), (v_ref, grads_ref) = (_swiglu_loss(impl, sizes, cot)(x, wgu, wd)
+    ladder = ops.block_ladder(512, 16)
+    lopsided, balanced = jnp.zeros((16,), jnp.int32).at[11].set(30), jnp.full((16,), 31, jnp.int32)
+    assert int(ops.group_block_choice(lopsided, 512, ladder)[0]) == len(ladder)
+    assert int(ops.group_block_choice(balanced, 512, ladder)[0]) == len(ladder) - 1
+    for sizes in (lopsided, balanced):
+        (v, grads), (v_ref, grads_ref) = (_swiglu_loss(impl)(x, wgu, wd, sizes, cot)
                                           for impl in ("blocks", "tiled"))
         for a, b in zip((v, *grads), (v_ref, *grads_ref)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    x16 = x.astype(jnp.bfloat16)
+    x16, sizes = x.astype(jnp.bfloat16), jnp.asarray([31, 0, 5] + [20] * 13, jnp.int32)
     (v, (dx, *dws)), (v_ref, (dx_ref, *dws_ref)) = (
-        _swiglu_loss("blocks", sizes, cot)(x16, wgu, wd),
-        _swiglu_loss("tiled", sizes, cot)(x16.astype(jnp.float32), wgu, wd))
+        _swiglu_loss("blocks")(x16, wgu, wd, sizes, cot),
+        _swiglu_loss("tiled")(x16.astype(jnp.float32), wgu, wd, sizes, cot))
     assert dx.dtype == jnp.bfloat16
     np.testing.assert_allclose(v, v_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(dx, np.float32), dx_ref, rtol=1e-2, atol=1e-2)

@@ -1,7 +1,7 @@
 """MoELayer (Flax NNX): router top-k, SwiGLU experts as grouped GEMMs (`jax_ep.ops.grouped_matmul`:
-expert blocks on CPU, `jax.lax.ragged_dot` on GPU/TPU, chosen by
-`TokenDispatcherConfig.grouped_gemm_impl`)
-sharded over the expert mesh axis, the flex dispatcher, an optional shared expert, Megatron-Core's
+expert blocks on CPU (the tiled loop for experts under 64x64), `jax.lax.ragged_dot` on GPU/TPU,
+chosen by `TokenDispatcherConfig.grouped_gemm_impl`) sharded over the expert mesh axis, the
+flex dispatcher, an optional shared expert, Megatron-Core's
 router (`jax_ep.flax.router`, configured by `jax_ep.flax.MoEConfig`) and its losses and statistics.
 
 Use it under `jax.jit` with inputs sharded over a `Mesh(("data", "expert"))` (the layer runs
@@ -29,7 +29,7 @@ from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
-from jax_ep._checks import check_float
+from jax_ep._checks import check_float, check_positive
 
 __all__ = ["AuxLossTracker", "ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows",
            "gate_up_from_etp", "gate_up_to_etp", "load_ratio", "pad_expert_blocks",
@@ -45,8 +45,10 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
     w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past the blocks give zeros). impl and
     tile_rows: the grouped GEMM's (`jax_ep.ops.grouped_matmul`: "auto", "tiled", "blocks" or
     "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the first GEMM to
-    the second (one gather in, one out) instead of calling grouped_matmul twice."""
-    if ops.grouped_matmul_impl(impl) == "blocks":
+    the second (one gather in, one out) instead of calling grouped_matmul twice. "auto" is
+    resolved once, from w_down's [F, H] (both GEMMs take the same impl)."""
+    impl = ops.grouped_matmul_impl(impl, w_down.shape)
+    if impl == "blocks":
         return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows)
     gmm = partial(ops.grouped_matmul, group_sizes=tokens_per_expert, impl=impl,
                   tile_rows=tile_rows)
@@ -64,7 +66,8 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
     (`jax_ep.ops.grouped_matmul`'s ladder of C, chosen by a lax.switch on the largest group),
     both GEMMs and the activation in that layout, one gather back to [N,H]. The tiled grouped
     GEMM runs instead when the largest group is above ceil(N/L) or the blocks would hold more
-    than ops.BLOCKS_MAX_WORK times the routed rows (a lopsided step). The gate/up activations
+    than ops.BLOCKS_MAX_WORK times the routed rows plus ops.BLOCK_MIN_ROWS per expert (a
+    lopsided step). The gate/up activations
     [L, C, 2F] are kept for the backward, so it recomputes no GEMM. Both GEMMs run in the
     promoted dtype of all three operands (the other impls promote per GEMM: with bf16 tokens
     and w_gate_up and an f32 w_down, their gate/up activations are bf16, here f32)."""
@@ -72,8 +75,11 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
     if w_down.ndim != 3 or w_down.shape[0] != w_gate_up.shape[0] or w_down.shape[1] * 2 != \
             w_gate_up.shape[2]:
         raise ValueError(f"w_down: expected [L={w_gate_up.shape[0]}, F={w_gate_up.shape[2] // 2}"
-                         f", H] to match w_gate_up {w_gate_up.shape}, got shape {w_down.shape}")
+                         f", H_out] to match w_gate_up {w_gate_up.shape}, got shape "
+                         f"{w_down.shape}")
     check_float(w_down, "w_down")
+    if tile_rows is not None:
+        check_positive(tile_rows, "tile_rows")
     operands = ops.grouped_operands((tokens, w_gate_up, w_down), tokens_per_expert)
     if tokens.size == 0 or w_gate_up.size == 0 or w_down.size == 0:
         return _ffi.vary_like(jnp.zeros((tokens.shape[0], w_down.shape[2]), operands[0].dtype),
