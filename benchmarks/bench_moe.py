@@ -15,7 +15,7 @@ moe_hybridep_compact_routing=True (top-k ids on the wire). A ":impl" suffix pick
 grouped GEMM (TokenDispatcherConfig.grouped_gemm_impl): "deepep:ragged_dot" is the layer with
 jax.lax.ragged_dot, which XLA:CPU lowers to one dense matmul over every local expert; plain
 names use "auto" ("blocks" on CPU: jax_ep.ops.grouped_matmul's expert blocks; "tiled" for
-experts under 64x64), and "deepep:tiled" is the tiled loop. An "@cap" suffix sets the layer's
+GEMMs under 2^20 rows x H x F), and "deepep:tiled" is the tiled loop. An "@cap" suffix sets the layer's
 moe_expert_capacity_factor to --capacity-factor (drops, as MaxText's capacity path does);
 "@cap+pad" also sets moe_pad_expert_input_to_capacity (Megatron's drop-and-pad: every local
 expert's block padded to its capacity, the equal blocks one batched GEMM per weight), e.g.

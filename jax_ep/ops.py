@@ -32,7 +32,7 @@ from jax_ep._checks import (
 from jax_ep.reference import SendLayout
 
 __all__ = [
-    "BLOCKS_MIN_WEIGHT",
+    "BLOCKS_MIN_WORK",
     "SendLayout",
     "block_ladder",
     "block_matmul",
@@ -536,27 +536,29 @@ GROUPED_MATMUL_IMPLS = ("auto", "tiled", "blocks", "ragged_dot")
 GROUPED_MATMUL_TILE_ROWS = 64
 
 
-# impl="auto" on CPU takes "blocks" where one group's weight [H, F] holds at least this many
-# elements, "tiled" below. Measured (bench_moe, MoELayer step on 8 emulated CPU devices, 32
-# tokens per device, E = 8, K = 2; tiled vs blocks ms): H = F = 32: 5.7 vs 5.8; 64: 6.6 vs
-# 6.3; 128: 8.6 vs 7.5; 256: 19.0 vs 16.3. The blocks' lax.switch compiles one branch per
-# block size: the step took 3.3 s to compile against 1.7 s for the tiled loop.
-BLOCKS_MIN_WEIGHT = 64 * 64
+# impl="auto" on CPU takes "blocks" where the grouped GEMM's dense bound, rows x H x F of the
+# [N,H] rows and one group's [H, F] weight, is at least this many multiply-adds; "tiled" below,
+# where a few loop steps cover the rows and the blocks' lax.switch (one branch per block size)
+# only adds compile time. Measured (bench_moe, MoELayer step on 8 emulated CPU devices, tiled
+# vs blocks ms; N = the worst-case buffer's rows per device): E = 8, K = 2, 32 tokens per
+# device (N = 256): H = F = 32 (0.26 M): 5.7 vs 5.8; 64 (1 M): 6.6 vs 6.3; 128 (4 M): 8.6 vs
+# 7.5; 256 (17 M): 19.0 vs 16.3. E = 256, K = 8, 64 tokens, H = 64, F = 32 (4 M): 44.6 vs
+# 36.4. The blocks' step compiled in 3.3-4.6 s against 1.5-2.6 s.
+BLOCKS_MIN_WORK = 2**20
 
 
-def grouped_matmul_impl(impl, weight_shape=None):
+def grouped_matmul_impl(impl, work=None):
     """impl checked against GROUPED_MATMUL_IMPLS, "auto" resolved: "ragged_dot" on GPU/TPU
-    (the platform of the enclosing mesh, else the default backend); on CPU "blocks" where the
-    per-group weight of weight_shape (.., H, F) has H * F >= BLOCKS_MIN_WEIGHT (or no shape is
-    given), "tiled" for smaller weights, where blocks run no faster and compile slower."""
+    (the platform of the enclosing mesh, else the default backend); on CPU "blocks" where
+    `work` (rows x H x F of the grouped GEMM) is at least BLOCKS_MIN_WORK or not given,
+    "tiled" for smaller GEMMs, where blocks run no faster and compile slower."""
     if impl not in GROUPED_MATMUL_IMPLS:
         raise ValueError(f"impl: expected one of {GROUPED_MATMUL_IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
     if _ffi.trace_platform() != "cpu":
         return "ragged_dot"
-    small = weight_shape is not None and math.prod(weight_shape[-2:]) < BLOCKS_MIN_WEIGHT
-    return "tiled" if small else "blocks"
+    return "tiled" if work is not None and work < BLOCKS_MIN_WORK else "blocks"
 
 
 def check_grouped_operands(x, w, group_sizes, w_name="w"):
@@ -614,11 +616,11 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     no loop step per tile. Its backward picks the same C: dx from dy's blocks times w^T, dw[g]
     from x's and dy's blocks.
     impl="ragged_dot": jax.lax.ragged_dot. impl="auto": "ragged_dot" on GPU/TPU (the platform
-    of the enclosing mesh, else the default backend); on CPU "blocks", or "tiled" where w's
-    [H, F] holds fewer than BLOCKS_MIN_WEIGHT elements (see grouped_matmul_impl).
+    of the enclosing mesh, else the default backend); on CPU "blocks", or "tiled" where
+    N * H * F is under BLOCKS_MIN_WORK (see grouped_matmul_impl).
     Works under jit, vmap and inside shard_map (under vmap the switch runs every branch).
     """
-    impl = grouped_matmul_impl(impl, w.shape)
+    impl = grouped_matmul_impl(impl, math.prod(x.shape[:1]) * math.prod(w.shape[-2:]))
     check_grouped_operands(x, w, group_sizes)
     tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
                                                                              "tile_rows")

@@ -179,23 +179,24 @@ def _lowered(x, w, sizes, impl):
         x, w, sizes).as_text()
 
 
-def test_grouped_matmul_auto_on_cpu_is_blocks_from_64x64_weights_and_checks_arguments():
-    # below BLOCKS_MIN_WEIGHT elements per group's [H, F] the tiled loop, from it the blocks
+def test_grouped_matmul_auto_on_cpu_and_argument_checks():
+    # under BLOCKS_MIN_WORK = 2^20 rows x H x F the tiled loop, from it the blocks
     sizes = jnp.asarray([6, 6, 6, 6], jnp.int32)
-    x, w = _operands(4, jnp.float32)  # [4, 16, 8] weights
+    x, w = _operands(4, jnp.float32)  # 24 rows, [4, 16, 8] weights: 3072 multiply-adds
     small = _lowered(x, w, sizes, "auto")
     assert small == _lowered(x, w, sizes, "tiled") and "stablehlo.while" in small
     assert "stablehlo.case" not in small
-    big = jnp.zeros((4, 64, 64), jnp.float32)
-    assert ops.BLOCKS_MIN_WEIGHT == 64 * 64 and ops.grouped_matmul_impl("auto", big.shape) == \
-        "blocks" and ops.grouped_matmul_impl("auto", (4, 64, 63)) == "tiled"
-    x64 = jnp.zeros((N, 64), jnp.float32)
-    auto = _lowered(x64, big, sizes, "auto")
-    assert auto == _lowered(x64, big, sizes, "blocks") and "stablehlo.case" in auto
+    assert ops.BLOCKS_MIN_WORK == 2**20 and ops.grouped_matmul_impl("auto", 2**20) == "blocks"
+    assert ops.grouped_matmul_impl("auto", 2**20 - 1) == "tiled"
+    x, w = jnp.zeros((256, 64), jnp.float32), jnp.zeros((4, 64, 64), jnp.float32)  # 2^20
+    auto = _lowered(x, w, sizes, "auto")
+    assert auto == _lowered(x, w, sizes, "blocks") and "stablehlo.case" in auto
     assert "ragged_dot" not in auto
-    from jax_ep.flax import swiglu_experts  # both GEMMs take the impl of w_down's [F, H]
-    assert "stablehlo.case" in jax.jit(lambda x, a, b: swiglu_experts(x, sizes, a, b)).lower(
-        x64, jnp.zeros((4, 64, 128)), jnp.zeros((4, 64, 64))).as_text()
+    from jax_ep.flax import swiglu_experts  # both GEMMs take the impl of N x F x H
+    for rows, blocked in ((256, True), (255, False)):
+        text = jax.jit(lambda x, a, b: swiglu_experts(x, sizes, a, b)).lower(
+            x[:rows], jnp.zeros((4, 64, 128)), jnp.zeros((4, 64, 64))).as_text()
+        assert ("stablehlo.case" in text) == blocked
     x, w = _operands(4, jnp.float32)
     with pytest.raises(ValueError, match="impl"):
         ops.grouped_matmul(x, w, sizes, impl="megablox")

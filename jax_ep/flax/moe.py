@@ -1,5 +1,5 @@
 """MoELayer (Flax NNX): router top-k, SwiGLU experts as grouped GEMMs (`jax_ep.ops.grouped_matmul`:
-expert blocks on CPU (the tiled loop for experts under 64x64), `jax.lax.ragged_dot` on GPU/TPU,
+expert blocks on CPU (the tiled loop for small GEMMs), `jax.lax.ragged_dot` on GPU/TPU,
 chosen by `TokenDispatcherConfig.grouped_gemm_impl`) sharded over the expert mesh axis, the
 flex dispatcher, an optional shared expert, Megatron-Core's
 router (`jax_ep.flax.router`, configured by `jax_ep.flax.MoEConfig`) and its losses and statistics.
@@ -46,8 +46,9 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
     tile_rows: the grouped GEMM's (`jax_ep.ops.grouped_matmul`: "auto", "tiled", "blocks" or
     "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the first GEMM to
     the second (one gather in, one out) instead of calling grouped_matmul twice. "auto" is
-    resolved once, from w_down's [F, H] (both GEMMs take the same impl)."""
-    impl = ops.grouped_matmul_impl(impl, w_down.shape)
+    resolved once, from N * F * H (both GEMMs take the same impl)."""
+    impl = ops.grouped_matmul_impl(impl, math.prod(tokens.shape[:1]) * math.prod(
+        w_down.shape[-2:]))
     if impl == "blocks":
         return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows)
     gmm = partial(ops.grouped_matmul, group_sizes=tokens_per_expert, impl=impl,
