@@ -91,7 +91,8 @@ def parse_args(argv=None):
                         "multiple of 128)")
     p.add_argument("--grouped-gemm", default="auto",
                    choices=["auto", "tiled", "blocks", "ragged_dot"],
-                   help="the experts' grouped GEMM (auto: blocks on CPU, ragged_dot on GPU)")
+                   help="the experts' grouped GEMM (auto: blocks on CPU, the tiled loop there "
+                        "under 2^20 rows x H x F; ragged_dot on GPU)")
     p.add_argument("--transport", default="auto", choices=["auto", "all_to_all", "ragged", "peer"],
                    help="the expert exchange (auto: peer in one process, docs/peer_transport.md)")
     p.add_argument("--score-function", default="softmax",
