@@ -68,9 +68,8 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
     both GEMMs and the activation in that layout, one gather back to [N,H]. The tiled grouped
     GEMM runs instead when the largest group is above ceil(N/L) or the blocks would hold more
     than ops.BLOCKS_MAX_WORK times the routed rows plus ops.BLOCK_MIN_ROWS per expert (a
-    lopsided step). The gate/up activations
-    [L, C, 2F] are kept for the backward, so it recomputes no GEMM. Both GEMMs run in the
-    promoted dtype of all three operands (the other impls promote per GEMM: with bf16 tokens
+    lopsided step). The gate/up activations [L, C, 2F] are kept for the backward, so it
+    recomputes no GEMM. Both GEMMs run in the promoted dtype of all three operands (the other impls promote per GEMM: with bf16 tokens
     and w_gate_up and an f32 w_down, their gate/up activations are bf16, here f32)."""
     ops.check_grouped_operands(tokens, w_gate_up, tokens_per_expert, "w_gate_up")
     if w_down.ndim != 3 or w_down.shape[0] != w_gate_up.shape[0] or w_down.shape[1] * 2 != \
