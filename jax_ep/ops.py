@@ -53,6 +53,8 @@ __all__ = [
     "per_token_cast_back",
     "per_token_cast_to_fp8",
     "permute",
+    "switch_block_sizes",
+    "tiled_grouped_matmul_grads",
     "to_group_blocks",
     "unpermute",
 ]
@@ -547,18 +549,23 @@ GROUPED_MATMUL_TILE_ROWS = 64
 BLOCKS_MIN_WORK = 2**20
 
 
-def grouped_matmul_impl(impl, work=None):
+def grouped_matmul_impl(impl, x_shape=None, w_shape=None):
     """impl checked against GROUPED_MATMUL_IMPLS, "auto" resolved: "ragged_dot" on GPU/TPU
-    (the platform of the enclosing mesh, else the default backend); on CPU "blocks" where
-    `work` (rows x H x F of the grouped GEMM) is at least BLOCKS_MIN_WORK or not given,
-    "tiled" for smaller GEMMs, where blocks run no faster and compile slower."""
+    (the platform of the enclosing mesh, else the default backend); on CPU "blocks" where the
+    grouped GEMM of x [N,H] rows by [G,H,F] weights (x_shape, w_shape; w_shape[-2:] may be any
+    one group's [H,F] or [F,H]) does at least BLOCKS_MIN_WORK multiply-adds N * H * F, or the
+    shapes are not given, "tiled" for smaller GEMMs, where blocks run no faster and compile
+    slower."""
     if impl not in GROUPED_MATMUL_IMPLS:
         raise ValueError(f"impl: expected one of {GROUPED_MATMUL_IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
     if _ffi.trace_platform() != "cpu":
         return "ragged_dot"
-    return "tiled" if work is not None and work < BLOCKS_MIN_WORK else "blocks"
+    if x_shape is None or w_shape is None:
+        return "blocks"
+    work = math.prod(x_shape[:1]) * math.prod(w_shape[-2:])
+    return "tiled" if work < BLOCKS_MIN_WORK else "blocks"
 
 
 def check_grouped_operands(x, w, group_sizes, w_name="w"):
@@ -620,7 +627,7 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     N * H * F is under BLOCKS_MIN_WORK (see grouped_matmul_impl).
     Works under jit, vmap and inside shard_map (under vmap the switch runs every branch).
     """
-    impl = grouped_matmul_impl(impl, math.prod(x.shape[:1]) * math.prod(w.shape[-2:]))
+    impl = grouped_matmul_impl(impl, x.shape, w.shape)
     check_grouped_operands(x, w, group_sizes)
     tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
                                                                              "tile_rows")
@@ -737,6 +744,15 @@ def _tiled_gmm_bwd(tile, residuals, dy):
 _tiled_gmm.defvjp(_tiled_gmm_fwd, _tiled_gmm_bwd)
 
 
+def tiled_grouped_matmul_grads(x, w, group_sizes, dy, tile_rows=None):
+    """The backward of grouped_matmul(x, w, group_sizes, impl="tiled") for the cotangent
+    dy [N,F], without rerunning its forward: (dx [N,H] in x's dtype, dw [G,H,F] in w's), by
+    the tiled loop. x, w and group_sizes as grouped_operands returns them (one float dtype,
+    int32 sizes)."""
+    tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else tile_rows
+    return _tiled_gmm_bwd(tile, (x, w, group_sizes), dy)[:2]
+
+
 def block_ladder(num_rows, num_groups):
     """The block sizes C impl="blocks" chooses from: 8 * 2^(j/2) rounded up to a multiple of
     8, for j = 0, 1, ..., until ceil(num_rows / num_groups) (the last size): G blocks of the
@@ -791,20 +807,29 @@ def group_block_choice(group_sizes, num_rows, ladder):
     return jnp.where(too_much, len(ladder), index), starts, ends
 
 
+def switch_block_sizes(group_sizes, num_rows, ladder, blocks, fallback, *operands):
+    """impl="blocks"' run-time choice, for grouped GEMMs over num_rows rows in consecutive
+    groups of group_sizes i32[G]: blocks(C, starts, ends)(*operands) for the ladder size C
+    that group_block_choice picks (starts, ends i32[G]: the groups' row bounds), or
+    fallback(*operands) where it picks the tiled loop. One lax.switch branch per ladder size
+    plus the fallback; every branch returns the same shapes and dtypes."""
+    index, starts, ends = group_block_choice(group_sizes, num_rows, ladder)
+    branches = [blocks(capacity, starts, ends) for capacity in ladder] + [fallback]
+    return jax.lax.switch(index, branches, *operands)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _blocks_gmm(x, w, group_sizes, ladder, tile):
-    index, starts, ends = group_block_choice(group_sizes, x.shape[0], ladder)
-
-    def blocks(capacity):
-        def product(x, w, starts, ends):
+    def blocks(capacity, starts, ends):
+        def product(x, w):
             y = block_matmul("gch,ghf->gcf", to_group_blocks(x, starts, ends, capacity), w)
             return from_group_blocks(y, starts, ends, x.shape[0])
         return product
 
-    def tiled(x, w, starts, ends):
+    def tiled(x, w):
         return _tiled_gmm(x, w, group_sizes, tile)
 
-    return jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, w, starts, ends)
+    return switch_block_sizes(group_sizes, x.shape[0], ladder, blocks, tiled, x, w)
 
 
 def _blocks_gmm_fwd(x, w, group_sizes, ladder, tile):
@@ -814,21 +839,19 @@ def _blocks_gmm_fwd(x, w, group_sizes, ladder, tile):
 def _blocks_gmm_bwd(ladder, tile, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    index, starts, ends = group_block_choice(group_sizes, x.shape[0], ladder)
 
-    def blocks(capacity):
-        def grads(x, dy, w, starts, ends):
+    def blocks(capacity, starts, ends):
+        def grads(x, dy, w):
             xb, dyb = (to_group_blocks(a, starts, ends, capacity) for a in (x, dy))
             dxb = block_matmul("gcf,ghf->gch", dyb, w)
             dw = jnp.einsum("gch,gcf->ghf", xb, dyb, preferred_element_type=jnp.float32)
             return from_group_blocks(dxb, starts, ends, x.shape[0]), dw.astype(w.dtype)
         return grads
 
-    def tiled(x, dy, w, starts, ends):
-        return _tiled_gmm_bwd(tile, (x, w, group_sizes), dy)[:2]
+    def tiled(x, dy, w):
+        return tiled_grouped_matmul_grads(x, w, group_sizes, dy, tile)
 
-    dx, dw = jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, dy, w, starts,
-                            ends)
+    dx, dw = switch_block_sizes(group_sizes, x.shape[0], ladder, blocks, tiled, x, dy, w)
     return dx, dw, None
 
 

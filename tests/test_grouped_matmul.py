@@ -186,8 +186,10 @@ def test_grouped_matmul_auto_on_cpu_and_argument_checks():
     small = _lowered(x, w, sizes, "auto")
     assert small == _lowered(x, w, sizes, "tiled") and "stablehlo.while" in small
     assert "stablehlo.case" not in small
-    assert ops.BLOCKS_MIN_WORK == 2**20 and ops.grouped_matmul_impl("auto", 2**20) == "blocks"
-    assert ops.grouped_matmul_impl("auto", 2**20 - 1) == "tiled"
+    assert ops.BLOCKS_MIN_WORK == 2**20
+    assert ops.grouped_matmul_impl("auto", (2**10, 8), (4, 8, 2**10)) == "blocks"
+    assert ops.grouped_matmul_impl("auto", (2**20 - 1, 1), (4, 1, 1)) == "tiled"
+    assert ops.grouped_matmul_impl("auto") == "blocks"  # shapes not given
     x, w = jnp.zeros((256, 64), jnp.float32), jnp.zeros((4, 64, 64), jnp.float32)  # 2^20
     auto = _lowered(x, w, sizes, "auto")
     assert auto == _lowered(x, w, sizes, "blocks") and "stablehlo.case" in auto
@@ -391,3 +393,16 @@ def test_blocked_swiglu_lopsided_step_and_mixed_dtypes():
     np.testing.assert_allclose(np.asarray(dx, np.float32), dx_ref, rtol=1e-2, atol=1e-2)
     for a, b in zip(dws, dws_ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_swiglu_fallback_backward_reruns_no_forward_gemm():
+    # the blocks' tiled fallback keeps its gate/up activations, so its backward holds only the
+    # two GEMMs' backward products (dx and dw each): 4 dots. With 5 ladder sizes (2 dots
+    # forward, 4 backward each) and the fallback's 2 forward dots, the gradient program holds
+    # 10 + 2 + 20 + 4 = 36 dots (37 when the fallback's backward recomputed gate/up)
+    x, wgu, wd, cot = _swiglu_operands(100, 3, jnp.float32)
+    sizes = jnp.asarray([10, 40, 30], jnp.int32)
+    program = _swiglu_loss("blocks").lower(x, wgu, wd, sizes, cot).as_text()
+    assert len(ops.block_ladder(100, 3)) == 5
+    assert program.count("stablehlo.dot_general") == 36
+    assert program.count("stablehlo.case") == 2  # the forward's switch and the backward's

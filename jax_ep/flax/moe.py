@@ -47,8 +47,7 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
     "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the first GEMM to
     the second (one gather in, one out) instead of calling grouped_matmul twice. "auto" is
     resolved once, from N * F * H (both GEMMs take the same impl)."""
-    impl = ops.grouped_matmul_impl(impl, math.prod(tokens.shape[:1]) * math.prod(
-        w_down.shape[-2:]))
+    impl = ops.grouped_matmul_impl(impl, tokens.shape, w_down.shape)
     if impl == "blocks":
         return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows)
     gmm = partial(ops.grouped_matmul, group_sizes=tokens_per_expert, impl=impl,
@@ -68,9 +67,10 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
     both GEMMs and the activation in that layout, one gather back to [N,H]. The tiled grouped
     GEMM runs instead when the largest group is above ceil(N/L) or the blocks would hold more
     than ops.BLOCKS_MAX_WORK times the routed rows plus ops.BLOCK_MIN_ROWS per expert (a
-    lopsided step). The gate/up activations [L, C, 2F] are kept for the backward, so it
-    recomputes no GEMM. Both GEMMs run in the promoted dtype of all three operands (the other impls promote per GEMM: with bf16 tokens
-    and w_gate_up and an f32 w_down, their gate/up activations are bf16, here f32)."""
+    lopsided step). Either way the gate/up activations are kept for the backward, so it
+    recomputes no GEMM. Both GEMMs run in the promoted dtype of all three operands (the other
+    impls promote per GEMM: with bf16 tokens and w_gate_up and an f32 w_down, their gate/up
+    activations are bf16, here f32)."""
     ops.check_grouped_operands(tokens, w_gate_up, tokens_per_expert, "w_gate_up")
     if w_down.ndim != 3 or w_down.shape[0] != w_gate_up.shape[0] or w_down.shape[1] * 2 != \
             w_gate_up.shape[2]:
@@ -78,33 +78,29 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
                          f", H_out] to match w_gate_up {w_gate_up.shape}, got shape "
                          f"{w_down.shape}")
     check_float(w_down, "w_down")
-    if tile_rows is not None:
-        check_positive(tile_rows, "tile_rows")
+    tile = ops.GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
+                                                                                 "tile_rows")
     operands = ops.grouped_operands((tokens, w_gate_up, w_down), tokens_per_expert)
     if tokens.size == 0 or w_gate_up.size == 0 or w_down.size == 0:
         return _ffi.vary_like(jnp.zeros((tokens.shape[0], w_down.shape[2]), operands[0].dtype),
                               *operands)
     ladder = ops.block_ladder(tokens.shape[0], w_gate_up.shape[0])
-    return _swiglu_blocks(*operands, ladder, tile_rows)
+    return _swiglu_blocks(*operands, ladder, tile)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _swiglu_blocks(x, w_gate_up, w_down, sizes, ladder, tile_rows):
-    return _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile_rows)[0]
+def _swiglu_blocks(x, w_gate_up, w_down, sizes, ladder, tile):
+    return _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile)[0]
 
 
-def _tiled_swiglu(sizes, tile_rows):
-    return partial(swiglu_experts, tokens_per_expert=sizes, impl="tiled", tile_rows=tile_rows)
-
-
-def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile_rows):
-    """-> (y [N,H], residuals: the operands and gate/up [L*Cmax, 2F], Cmax = ladder[-1],
-    each expert's block padded to Cmax rows; zeros where the tiled loop ran)."""
-    num_rows, (num_experts, _, width) = x.shape[0], w_gate_up.shape
-    index, starts, ends = ops.group_block_choice(sizes, num_rows, ladder)
+def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile):
+    """-> (y [N,H], residuals: the operands and gate/up [L*Cmax, 2F], Cmax = ladder[-1]: each
+    expert's block padded to Cmax rows, or where the tiled loop ran, gate/up in row layout
+    [N, 2F] padded to L*Cmax >= N rows)."""
+    num_rows, num_experts = x.shape[0], w_gate_up.shape[0]
     kept_rows = num_experts * ladder[-1]
 
-    def blocks(capacity):
+    def blocks(capacity, starts, ends):
         def forward(x, w_gate_up, w_down):
             gate_up = ops.block_matmul("lch,lhf->lcf",
                                        ops.to_group_blocks(x, starts, ends, capacity), w_gate_up)
@@ -114,21 +110,22 @@ def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile_rows):
         return forward
 
     def tiled(x, w_gate_up, w_down):
-        y = _tiled_swiglu(sizes, tile_rows)(x, w_gate_up=w_gate_up, w_down=w_down)
-        return y, _ffi.vary_like(jnp.zeros((kept_rows, width), x.dtype), x)
+        gmm = partial(ops.grouped_matmul, group_sizes=sizes, impl="tiled", tile_rows=tile)
+        gate_up = gmm(x, w_gate_up)
+        kept = jnp.pad(gate_up, ((0, kept_rows - num_rows), (0, 0)))
+        return gmm(_gated(gate_up), w_down), kept
 
-    y, gate_up = jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, w_gate_up,
-                                w_down)
+    y, gate_up = ops.switch_block_sizes(sizes, num_rows, ladder, blocks, tiled, x, w_gate_up,
+                                        w_down)
     return y, (x, w_gate_up, w_down, sizes, gate_up)
 
 
-def _swiglu_blocks_bwd(ladder, tile_rows, residuals, dy):
+def _swiglu_blocks_bwd(ladder, tile, residuals, dy):
     x, w_gate_up, w_down, sizes, gate_up = residuals
     num_rows, num_experts = x.shape[0], w_gate_up.shape[0]
-    index, starts, ends = ops.group_block_choice(sizes, num_rows, ladder)
     dy = dy.astype(x.dtype)
 
-    def blocks(capacity):
+    def blocks(capacity, starts, ends):
         def backward(x, w_gate_up, w_down, gate_up, dy):
             xb, dyb = (ops.to_group_blocks(a, starts, ends, capacity) for a in (x, dy))
             gate_up = gate_up.reshape(num_experts, ladder[-1], -1)[:, :capacity]
@@ -143,14 +140,15 @@ def _swiglu_blocks_bwd(ladder, tile_rows, residuals, dy):
                     d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
         return backward
 
-    def tiled(x, w_gate_up, w_down, gate_up, dy):  # recomputes the forward (the rare branch)
-        _, vjp = jax.vjp(lambda *a: _tiled_swiglu(sizes, tile_rows)(a[0], w_gate_up=a[1],
-                                                                      w_down=a[2]),
-                         x, w_gate_up, w_down)
-        return vjp(dy)
+    def tiled(x, w_gate_up, w_down, gate_up, dy):
+        act, act_vjp = jax.vjp(_gated, gate_up[:num_rows])
+        d_act, d_w_down = ops.tiled_grouped_matmul_grads(act, w_down, sizes, dy, tile)
+        d_gate_up, = act_vjp(d_act)
+        dx, d_w_gate_up = ops.tiled_grouped_matmul_grads(x, w_gate_up, sizes, d_gate_up, tile)
+        return dx, d_w_gate_up, d_w_down
 
-    grads = jax.lax.switch(index, [blocks(c) for c in ladder] + [tiled], x, w_gate_up, w_down,
-                           gate_up, dy)
+    grads = ops.switch_block_sizes(sizes, num_rows, ladder, blocks, tiled, x, w_gate_up,
+                                   w_down, gate_up, dy)
     return (*grads, None)
 
 
