@@ -67,6 +67,10 @@ _NUM_MAX_TOPK = 128
 _NUM_MAX_SCALES = 128
 _SOURCE_META_BYTES = 8
 _TOPK_IDX_BYTES = 8
+# ... and behind the low-latency size hint (csrc/config.hpp's LowLatencyLayout).
+_INT4_BYTES = 16
+_BF16_BYTES = 2
+_BUFFER_ALIGNMENT_BYTES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,19 +338,28 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        """Bytes that one rank's low-latency dispatch + combine move through their exchanges
-        at most (send and receive buffer of each, BF16 rows, as DeepEP sizes it): the i32
-        counts [P, L] and source tokens [E*Tmax] of the dispatch plan, the dispatch rows and
-        the combine rows [E*Tmax, hidden] bf16. The exchanges move P blocks of
-        min(L*Tmax, T*min(K, L)) rows: exactly this at T = Tmax and K >= L, less below."""
+        """DeepEP's low-latency RDMA buffer bytes for these sizes (UCCL-EP's and DeepEP's
+        LowLatencyLayout, BF16 sizing; a value for `Buffer(num_rdma_bytes=...)`, which has no
+        effect under XLA): odd/even pairs of a send buffer of max(Tmax dispatch messages, E *
+        Tmax combine messages), a receive buffer of E * Tmax of the larger message, and E i32
+        counters rounded up to 128 bytes; a dispatch message is 16 + max(2 * hidden, hidden +
+        hidden / 128 * 4) bytes (a control int4, then bf16 or FP8 + scales), a combine message
+        2 * hidden; then DeepEP's alignment: the total + 128 rounded down to a multiple of
+        128. It is at least what jax_ep's
+        low-latency dispatch + combine exchanges move (P blocks of min(L*Tmax, T*min(K, L))
+        rows, sent and received, with the plan's counts and source tokens)."""
         tmax = check_positive(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
         hidden = check_positive(hidden, "hidden")
-        num_ranks = check_positive(num_ranks, "num_ranks")
+        check_positive(num_ranks, "num_ranks")
         num_experts = check_positive(num_experts, "num_experts")
-        slots = num_experts * tmax
-        int32, bf16 = 4, 2
-        one_way = num_experts * int32 + slots * int32 + 2 * slots * hidden * bf16
-        return 2 * one_way  # each exchange has a send and a receive buffer
+        dispatch_msg = _INT4_BYTES + max(hidden * _BF16_BYTES, hidden + hidden // 128 * 4)
+        combine_msg = hidden * _BF16_BYTES
+        send = max(tmax * dispatch_msg, num_experts * tmax * combine_msg)
+        recv = num_experts * tmax * max(dispatch_msg, combine_msg)
+        signaling = _align_up(num_experts * 4, 128)
+        total = 2 * (send + recv + signaling)
+        return (total + _BUFFER_ALIGNMENT_BYTES) // _BUFFER_ALIGNMENT_BYTES * \
+            _BUFFER_ALIGNMENT_BYTES
 
     # -- normal mode ---------------------------------------------------------------------
 

@@ -520,10 +520,26 @@ def _all_to_all_bytes(jaxpr):
     return total
 
 
+def test_low_latency_rdma_size_hint_is_deepeps():
+    # DeepEP's / UCCL-EP's LowLatencyLayout, hand-computed. Tmax = 128, H = 7168, E = 256:
+    # dispatch message 16 + max(14336, 7168 + 56 * 4) = 14352 bytes, combine 14336; send
+    # max(128 * 14352, 256 * 128 * 14336) = 469762048; receive 256 * 128 * 14352 = 470286336;
+    # counters 1024; 2 * (send + receive + counters) = 1880098816, + 128 rounded down to 128
+    hint = jax_ep.Buffer.get_low_latency_rdma_size_hint
+    assert hint(128, 7168, 8, 256) == 1880098944
+    # Tmax = 4, H = 256, E = 8: messages 528 and 512; send max(2112, 16384); receive 16896;
+    # counters 32 -> 128; 2 * 33408 + 128
+    assert hint(4, 256, 4, 8) == 66944
+    # H = 128, one expert, one token: 2 * (272 + 272 + 128) = 1344, + 128 = 1472 rounded down
+    # to 1408; num_ranks is not used
+    assert hint(1, 128, 1, 1) == hint(1, 128, 64, 1) == 1408
+
+
 @pytest.mark.parametrize("T", [4, 3])
-def test_low_latency_rdma_size_hint_is_the_exchanged_bytes(T, padded_auto):
-    # The hint is DeepEP's (no K): blocks of L*Tmax rows. The wire moves blocks of
-    # min(L*Tmax, T*min(K, L)) rows: the hint exactly at T = Tmax, K >= L; less below.
+def test_low_latency_rdma_size_hint_holds_the_exchanged_bytes(T, padded_auto):
+    # The wire moves blocks of min(L*Tmax, T*min(K, L)) rows: at T = Tmax, K >= L exactly
+    # E*Tmax rows of bf16 dispatch and combine each way, plus the plan's counts and source
+    # tokens, which DeepEP's buffer (16-byte message headers, 128-byte aligned counters) holds
     num_ranks, tmax, H, K, E = 4, 4, 256, 2, 8
     mesh = ep_mesh(num_ranks)
     buf = jax_ep.Buffer(AXIS)
@@ -541,10 +557,12 @@ def test_low_latency_rdma_size_hint_is_the_exchanged_bytes(T, padded_auto):
     closed = jax.make_jaxpr(fn)(*args)
     hint = jax_ep.Buffer.get_low_latency_rdma_size_hint(tmax, H, num_ranks, E)
     moved = _all_to_all_bytes(closed.jaxpr)
-    assert hint == moved if T == tmax else hint > moved
+    rows = 2 * 2 * E * tmax * H * 2  # dispatch + combine, sent + received, bf16
+    plan = 2 * (E * 4 + E * tmax * 4)  # counts [P, L] and source tokens [E*Tmax], i32
+    assert moved == rows + plan if T == tmax else moved < rows + plan
+    assert hint >= rows + plan
     recv_x = jax.eval_shape(fn, *args)[1]  # [P*L, P*Tmax, H] over all ranks
-    rows_bytes = recv_x.size * recv_x.dtype.itemsize // num_ranks
-    assert hint > 4 * rows_bytes  # dispatch + combine rows, each sent and received
+    assert recv_x.size * recv_x.dtype.itemsize // num_ranks == E * tmax * H * 2
 
 
 def test_bad_inputs_name_the_argument():
