@@ -131,6 +131,12 @@ class Config:
         return num_ranks
 
 
+def _per_expert_list(counts, num_worst_tokens):
+    """Buffer.dispatch's num_recv_tokens_per_expert_list: counts i32[L], or i32[0] when
+    num_worst_tokens is set (DeepEP returns an empty list in that mode)."""
+    return counts if num_worst_tokens is None else counts[:0]
+
+
 def _align_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -309,6 +315,13 @@ class Buffer:
                              "as in DeepEP")
 
     @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: DeepEP's tests ask this before testing the FP8 dispatch (SM90 builds only);
+        jax_ep's FP8 dispatch and casts run on every platform (CPU handlers, CUDA sm_80 and
+        sm_90). `jax_ep.WITH_CUDA` says whether the CUDA handlers were built."""
+        return True
+
+    @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """Sets Buffer.num_sms, which the recommended configs carry (an even count, as DeepEP
         asserts); no effect on the exchanges: XLA does not partition SMs."""
@@ -398,7 +411,9 @@ class Buffer:
             num_tokens_per_expert, as in DeepEP.
           num_worst_tokens: receive rows R; 0 means the worst case P*T.
         Returns (recv_x [R,H] (or the pair), recv_topk_idx i32[R,K] local ids,
-        recv_topk_weights f32[R,K], num_recv_tokens_per_expert_list i32[L], handle, event);
+        recv_topk_weights f32[R,K], num_recv_tokens_per_expert_list i32[L] (i32[0] with
+        num_worst_tokens > 0, as DeepEP's list is empty then; the handle keeps the counts as
+        handle.num_recv_tokens_per_expert), handle, event);
         with `handle=` (cached dispatch, the handle's routing): (recv_x, None, None, None,
         None, event).
         """
@@ -423,8 +438,8 @@ class Buffer:
             x, topk_idx, topk_weights, num_experts=num_experts, axis_name=self.group,
             backend=self.backend, num_worst_tokens=worst, expert_alignment=expert_alignment,
             layout=layout)
-        return (recv_x, recv_idx, recv_w, handle.num_recv_tokens_per_expert, handle,
-                EventOverlap())
+        return (recv_x, recv_idx, recv_w, _per_expert_list(handle.num_recv_tokens_per_expert,
+                                                           worst), handle, EventOverlap())
 
     def _dispatch_by_rank(self, x, is_token_in_rank, num_tokens_per_expert, expert_alignment,
                           worst, layout):
@@ -448,25 +463,21 @@ class Buffer:
         per_local = per_source.reshape(num_ranks, -1).sum(axis=0)
         align = check_positive(expert_alignment, "expert_alignment")
         per_local = (per_local + align - 1) // align * align
-        return recv_x, None, None, per_local, handle, EventOverlap()
+        return recv_x, None, None, _per_expert_list(per_local, worst), handle, EventOverlap()
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None,
                 previous_event=None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """DeepEP normal combine (`jax_ep.combine`): x [R,H] -> (combined_x [T,H],
         combined_topk_weights f32[T,K] or None, event). Unweighted sum of a token's copies in
-        fp32; `bias` ([T,H], or a pair of them) is added to that sum in fp32 before the cast
-        to x.dtype."""
-        deepep.check_combine_rows(x, handle, "x")
-        combined, combined_w = deepep.combine(x, handle, topk_weights=topk_weights)
+        fp32; `bias` ([T,H], or a pair of them) starts that sum, before the copies and the
+        one cast to x.dtype (DeepEP's order: `jax_ep.deepep.combine_with_bias`)."""
         if bias is not None:
-            biases = tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
-            total = combined.astype(jnp.float32)
-            for i, b in enumerate(biases):
-                name = "bias" if len(biases) == 1 else f"bias[{i}]"
-                check_shape(b, combined.shape, name)
-                total = total + jnp.asarray(b).astype(jnp.float32)
-            combined = total.astype(x.dtype)
+            combined, combined_w = deepep.combine_with_bias(x, handle, bias,
+                                                            topk_weights=topk_weights, name="x")
+        else:
+            deepep.check_combine_rows(x, handle, "x")
+            combined, combined_w = deepep.combine(x, handle, topk_weights=topk_weights)
         return combined, combined_w, EventOverlap()
 
     # -- low-latency mode ----------------------------------------------------------------

@@ -45,6 +45,7 @@ __all__ = [
     "capacity_from_factor",
     "chunk_bounds",
     "combine",
+    "combine_with_bias",
     "dispatch",
     "dispatch_chunked_forward",
     "drop_to_expert_capacity",
@@ -110,6 +111,18 @@ def _reduce_back_fp32(y, handle):
 _combine_rows = tp.with_transpose(internode.reduce_back, internode.send_tokens)
 _combine_rows_fp32 = tp.with_transpose(_reduce_back_fp32, internode.send_tokens)
 _sent_rows = tp.with_transpose(internode.send_tokens, internode.reduce_back)
+
+
+@jax.custom_vjp
+def _combine_rows_biased(y, bias, handle):
+    """internode.reduce_back(y, handle, bias): linear in y and bias f32[T,...]."""
+    return internode.reduce_back(y, handle, bias)
+
+
+_combine_rows_biased.defvjp(
+    lambda y, bias, handle: (internode.reduce_back(y, handle, bias), handle),
+    lambda handle, d_out: (internode.send_tokens(d_out, handle), d_out.astype(jnp.float32),
+                           None))
 _sent_rows_fp8 = tp.with_fp8_wire(internode.send_tokens, internode.reduce_back)
 
 
@@ -285,11 +298,36 @@ def combine(y, handle, *, topk_weights=None, combine_dtype=None):
     check_combine_rows(y, handle, "y")
     wide = combine_dtype is not None and jnp.dtype(combine_dtype) != jnp.dtype(y.dtype)
     combined = (_combine_rows_fp32 if wide else _combine_rows)(y, handle)
-    combined_weights = None
-    if topk_weights is not None:
-        check_shape(topk_weights, handle.recv_topk_idx.shape, "topk_weights")
-        combined_weights = _combine_rows(topk_weights.astype(jnp.float32), handle)
-    return combined, combined_weights
+    return combined, _combined_weights(topk_weights, handle)
+
+
+def combine_with_bias(y, handle, bias, *, topk_weights=None, name="y"):
+    """combine with DeepEP's `bias`: y [R,H] -> (combined [T,H] in y.dtype, combined_weights
+    f32[T,K] or None). bias: one [T,H] array or a pair of them (any float dtype); each
+    token's fp32 sum starts at their fp32 sum, adds the token's copies in source-rank order
+    and is cast to y.dtype once, as DeepEP's combine kernels do (two hops: the bias joins the
+    source's final sum). Differentiable in y and the biases. name: y's argument name in
+    errors (Buffer.combine calls it "x")."""
+    check_combine_rows(y, handle, name)
+    biases = tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+    if not 1 <= len(biases) <= 2:
+        raise ValueError(f"bias: expected one [T,H] array or a pair, got {len(biases)} arrays")
+    shape = (handle.num_tokens,) + y.shape[1:]
+    total = None
+    for i, b in enumerate(biases):
+        check_shape(b, shape, "bias" if len(biases) == 1 else f"bias[{i}]")
+        check_float(b, "bias" if len(biases) == 1 else f"bias[{i}]")
+        b = jnp.asarray(b).astype(jnp.float32)
+        total = b if total is None else total + b
+    return _combine_rows_biased(y, total, handle), _combined_weights(topk_weights, handle)
+
+
+def _combined_weights(topk_weights, handle):
+    """topk_weights [R,K] summed back to their tokens in fp32 (None stays None)."""
+    if topk_weights is None:
+        return None
+    check_shape(topk_weights, handle.recv_topk_idx.shape, "topk_weights")
+    return _combine_rows(topk_weights.astype(jnp.float32), handle)
 
 
 def check_combine_rows(y, handle, name):

@@ -55,6 +55,7 @@ SIGNATURES = {
     "low_latency_clean_mask_buffer": [],
 }
 STATIC_SIGNATURES = {
+    "is_sm90_compiled": [],
     "capture": [],
     "set_num_sms": [("new_num_sms", _EMPTY)],
     "get_dispatch_config": [("num_ranks", _EMPTY)],
@@ -102,6 +103,7 @@ def test_inert_pieces():
     buf = jax_ep.Buffer(AXIS, num_nvl_bytes=1 << 30, low_latency_mode=True)
     assert buf.group == AXIS and not buf.is_intranode
     assert jax_ep.UCCLBuffer(AXIS).is_intranode and jax_ep.UCCLBuffer(AXIS).backend == "uccl_ep"
+    assert jax_ep.Buffer.is_sm90_compiled() is True  # the FP8 dispatch runs everywhere
     event = buf.capture()
     assert isinstance(event, jax_ep.EventOverlap)
     assert jax_ep.EventOverlap(jax_ep.buffer.EventHandle()).event is not None
@@ -360,6 +362,8 @@ def test_deepep_style_body_through_buffer():
             x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             num_worst_tokens=num_ranks * T)
+        assert len(per_local) == 0  # DeepEP: with num_worst_tokens the list is empty
+        assert handle.num_recv_tokens_per_expert.shape == (E // num_ranks,)
         c, _, _ = buf.combine(rx, handle)
         assert len(handle) == 6
         with pytest.raises(ValueError, match=r"handle\[3\]: DeepEP's recv_src_idx"):
@@ -386,6 +390,82 @@ def test_deepep_style_body_through_buffer():
         assert start == m
         assert not rows[m:].any() and (ri[d * R + m:(d + 1) * R] == -1).all()
     np.testing.assert_array_equal(c, np.asarray(x, np.float32) * owners[:, None])
+
+
+def _deepep_bias_combine(x, idx, num_nodes, local, num_experts, bias, scale):
+    """numpy model of DeepEP's combine of the copies y = bf16(x * scale(rank)) with a bias:
+    per token acc = f32(b0) + f32(b1), then each destination node's partial sum (its ranks'
+    copies summed in f32 in ascending order and rounded to bf16 on the node hop; one node:
+    no hop, no rounding) in node order, then one cast to bf16."""
+    bf16 = jnp.bfloat16
+    num_ranks = num_nodes * local
+    owner = idx // (num_experts // num_ranks)
+    out = np.zeros(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        acc = bias[0][t].astype(np.float32) + bias[1][t].astype(np.float32)
+        for node in range(num_nodes):
+            ranks = [d for d in range(node * local, (node + 1) * local) if (owner[t] == d).any()]
+            if not ranks:
+                continue
+            part = np.zeros(x.shape[1], np.float32)
+            for d in ranks:
+                part = part + np.asarray(x[t].astype(np.float32) * scale(d), bf16).astype(
+                    np.float32)
+            acc = acc + (np.asarray(part, bf16).astype(np.float32) if num_nodes > 1 else part)
+        out[t] = acc
+    return np.asarray(out, bf16)
+
+
+@pytest.mark.parametrize("nodes,local", [(1, 4), (2, 2)])
+def test_combine_bias_starts_the_sum_and_rounds_once(nodes, local):
+    # DeepEP's combine(bias=(b0, b1)): acc = b0 + b1 in fp32, then the copies in source-rank
+    # order, one cast. Adding the biases to the already-rounded bf16 combine rounds twice and
+    # moves about 1 element in 10 by one ulp here (asserted, so the check can fail).
+    num_ranks, T, H, K, E = nodes * local, 6, 32, 3, 16
+    rng = np.random.default_rng(8)
+    x = np.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, _ = random_routing(rng, num_ranks * T, K, E)
+    b0, b1 = (np.asarray(rng.standard_normal(x.shape) * 0.3, jnp.bfloat16) for _ in range(2))
+    group = AXIS if nodes == 1 else ("node", "local")
+    buf = jax_ep.Buffer(group)
+    mesh = ep_mesh(num_ranks) if nodes == 1 else jax.make_mesh(
+        (nodes, local), ("node", "local"), devices=jax.devices()[:num_ranks])
+    cot = rng.standard_normal(x.shape).astype(np.float32)
+
+    def scale(rank):
+        return 1.0 + 0.375 * rank
+
+    def body(x, idx, b0, b1, cot):
+        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        rx, _, _, _, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx)
+        rank = jax.lax.axis_index(group)
+        y = (rx.astype(jnp.float32) * scale(rank)).astype(jnp.bfloat16)
+        c, _, _ = buf.combine(y, handle, bias=(b0, b1))
+        plain, _, _ = buf.combine(y, handle)
+
+        def loss(y, b0, b1):
+            return jnp.sum(buf.combine(y, handle, bias=(b0, b1))[0].astype(jnp.float32) * cot)
+        dy, db0, db1 = jax.grad(loss, argnums=(0, 1, 2))(y, b0, b1)
+        dy_plain = jax.grad(lambda y: jnp.sum(buf.combine(y, handle)[0].astype(jnp.float32)
+                                              * cot))(y)
+        return c, plain, db0, db1, dy, dy_plain
+
+    spec = P(group)
+    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec))
+    sharded = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, idx, b0, b1, cot)]
+    c, plain, db0, db1, dy, dy_plain = (np.asarray(a) for a in mapped(*sharded))
+    want = _deepep_bias_combine(np.asarray(x, np.float32), idx, nodes, local, E, (b0, b1),
+                                scale)
+    np.testing.assert_array_equal(c.view(np.uint16), want.view(np.uint16))
+    twice = np.asarray(plain.astype(np.float32) + b0.astype(np.float32)
+                       + b1.astype(np.float32), jnp.bfloat16)
+    assert (twice.view(np.uint16) != want.view(np.uint16)).mean() > 0.02
+    # linear in y and the biases: d bias = the cotangent (in the bias's dtype), d y as without
+    np.testing.assert_array_equal(db0, np.asarray(np.asarray(cot, jnp.bfloat16)))
+    np.testing.assert_array_equal(db1, db0)
+    np.testing.assert_array_equal(dy, dy_plain)
 
 
 def test_dispatch_without_topk_and_fp8_pair():
