@@ -70,14 +70,15 @@ def check_experts(num_experts: int, num_ranks: int) -> int:
     return num_experts // num_ranks
 
 
-def check_routing(topk_idx, topk_weights, num_experts: int):
+def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool = False):
     """Checks topk_idx [T,K] (int) and topk_weights [T,K] (float, may be None); returns the
-    int32 indices and float32 weights."""
+    int32 indices and float32 weights. K > num_experts is an error unless any_top_k (ids
+    masked with -1, e.g. a received row's local ids: K slots, L < K local experts)."""
     check_rank(topk_idx, 2, "topk_idx")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise ValueError(f"topk_idx: expected int32 or int64 expert ids, got {topk_idx.dtype}")
     num_tokens, top_k = topk_idx.shape
-    if top_k > num_experts:
+    if top_k > num_experts and not any_top_k:
         raise ValueError(f"topk_idx: top-k {top_k} exceeds num_experts {num_experts}")
     if topk_weights is not None:
         check_shape(topk_weights, (num_tokens, top_k), "topk_weights")

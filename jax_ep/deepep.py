@@ -20,6 +20,7 @@ with the hybridep mode).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -113,17 +114,19 @@ _combine_rows_fp32 = tp.with_transpose(_reduce_back_fp32, internode.send_tokens)
 _sent_rows = tp.with_transpose(internode.send_tokens, internode.reduce_back)
 
 
-@jax.custom_vjp
-def _combine_rows_biased(y, bias, handle):
-    """internode.reduce_back(y, handle, bias): linear in y and bias f32[T,...]."""
-    return internode.reduce_back(y, handle, bias)
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _summed_rows(y, bias, handle, y_dtype, dtype):
+    """internode.reduce_back(y, handle, bias, dtype): linear in y and bias f32[T,...]; the
+    backward sends the cotangent back in y's dtype (y_dtype: static)."""
+    del y_dtype
+    return internode.reduce_back(y, handle, bias, dtype)
 
 
-_combine_rows_biased.defvjp(
-    lambda y, bias, handle: (internode.reduce_back(y, handle, bias), handle),
-    lambda handle, d_out: (internode.send_tokens(d_out, handle), d_out.astype(jnp.float32),
-                           None))
-_sent_rows_fp8 = tp.with_fp8_wire(internode.send_tokens, internode.reduce_back)
+_summed_rows.defvjp(
+    lambda y, bias, handle, y_dtype, dtype: (internode.reduce_back(y, handle, bias, dtype),
+                                             handle),
+    lambda y_dtype, dtype, handle, d_out: (internode.send_tokens(d_out.astype(y_dtype), handle),
+                                           d_out.astype(jnp.float32), None))
 
 
 def _dispatch_weights(topk_weights, handle):
@@ -280,24 +283,32 @@ def _check_layout(layout, num_tokens, num_ranks, num_experts):
     return per_rank.astype(jnp.int32)
 
 
-def combine(y, handle, *, topk_weights=None, combine_dtype=None):
+def combine(y, handle, dtype=None, *, topk_weights=None, combine_dtype=None):
     """Sum every returned copy of a token: y [R,H] -> (combined [T,H], combined_weights).
 
-    Unweighted (experts apply gate weights themselves), fp32 accumulation, cast to y.dtype;
-    unrouted tokens combine to 0. topk_weights [R,K] (optional) are summed back the same way
-    into combined_weights f32[T,K], else None. Two-hop handle: each forwarder sums the
-    copies of a (token, node) in fp32, the partial sums cross the node axis in y.dtype
-    (DeepEP's bytes; one extra rounding for bf16) or in fp32 with
-    combine_dtype=jnp.float32, and the source sums them in fp32. A flat handle sums once at
-    the source, combine_dtype changes nothing there.
+    Unweighted (experts apply gate weights themselves), fp32 accumulation, cast to y.dtype
+    or to `dtype` (the all_to_all module's argument: e.g. float32 returns the fp32 sums of
+    bf16 rows unrounded; the rows still cross the wire in y.dtype); unrouted tokens combine
+    to 0. topk_weights [R,K] (optional) are summed back the same way into combined_weights
+    f32[T,K], else None. Two-hop handle: each forwarder sums the copies of a (token, node)
+    in fp32, the partial sums cross the node axis in y.dtype (DeepEP's bytes; one extra
+    rounding for bf16) or in fp32 with combine_dtype=jnp.float32, and the source sums them
+    in fp32. A flat handle sums once at the source, combine_dtype changes nothing there.
     """
     if combine_dtype is not None and jnp.dtype(combine_dtype) not in (
             jnp.dtype(jnp.float32), jnp.dtype(y.dtype)):
         raise ValueError(f"combine_dtype: expected None, float32 or y's dtype {y.dtype}, got "
                          f"{combine_dtype}")
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype: expected None or a float dtype, got {dtype}")
     check_combine_rows(y, handle, "y")
     wide = combine_dtype is not None and jnp.dtype(combine_dtype) != jnp.dtype(y.dtype)
-    combined = (_combine_rows_fp32 if wide else _combine_rows)(y, handle)
+    if dtype is not None and jnp.dtype(dtype) != jnp.dtype(y.dtype):
+        rows = y.astype(jnp.float32) if wide else y
+        zero = _ffi.vary_like(jnp.zeros((handle.num_tokens,) + y.shape[1:], jnp.float32), y)
+        combined = _summed_rows(rows, zero, handle, rows.dtype, jnp.dtype(dtype))
+    else:
+        combined = (_combine_rows_fp32 if wide else _combine_rows)(y, handle)
     return combined, _combined_weights(topk_weights, handle)
 
 
@@ -319,7 +330,8 @@ def combine_with_bias(y, handle, bias, *, topk_weights=None, name="y"):
         check_float(b, "bias" if len(biases) == 1 else f"bias[{i}]")
         b = jnp.asarray(b).astype(jnp.float32)
         total = b if total is None else total + b
-    return _combine_rows_biased(y, total, handle), _combined_weights(topk_weights, handle)
+    summed = _summed_rows(y, total, handle, y.dtype, y.dtype)
+    return summed, _combined_weights(topk_weights, handle)
 
 
 def _combined_weights(topk_weights, handle):

@@ -158,10 +158,12 @@ def build_send_layout(topk_idx, topk_weights, *, num_ranks, num_local_experts, i
 
 def indices_to_multihot(topk_idx, topk_probs, *, num_experts, impl="ffi"):
     """topk_idx [T,K], topk_probs [T,K] -> (routing_map bool[T,E], probs f32[T,E]).
-    The gradient to topk_probs is the dense gradient gathered at the indices (0 on -1 slots)."""
+    -1 slots are masked out; K may exceed E (NeMo's _indices_to_multihot of received rows:
+    K slots, L local experts), and repeated ids sum their probs. The gradient to topk_probs
+    is the dense gradient gathered at the indices (0 on -1 slots)."""
     _check_impl(impl)
     check_positive(num_experts, "num_experts")
-    topk_idx, topk_probs = check_routing(topk_idx, topk_probs, num_experts)
+    topk_idx, topk_probs = check_routing(topk_idx, topk_probs, num_experts, any_top_k=True)
     if impl == "xla" or topk_idx.size == 0:
         return _typed_like_ffi(reference.indices_to_multihot(
             topk_idx, topk_probs, num_experts=num_experts), topk_idx, topk_probs)

@@ -92,6 +92,38 @@ def test_combine_of_dispatch_scales_by_owning_ranks(backend):
     np.testing.assert_array_equal(cw, np.where(idx >= 0, w, 0.0))
 
 
+def test_combine_dtype_sums_in_fp32_and_casts_once():
+    # the all_to_all module's combine(local_out, handle, dtype=None), dtype positional: bf16
+    # rows, dtype=float32 gives the fp32 sums unrounded (x * owners exactly); the default
+    # returns them rounded to bf16, which differs where the owners are 3, 5, 6 or 7
+    num_ranks, T, H, K, E = 8, 6, 16, 6, 32
+    rng = np.random.default_rng(12)
+    x = np.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, _ = random_routing(rng, num_ranks * T, K, E, unrouted=0.1)
+    cot = rng.standard_normal(x.shape).astype(np.float32)
+
+    def body(x, idx, cot):
+        rx, _, _, h = jax_ep.dispatch(x, idx, num_experts=E, axis_name=AXIS)
+        wide, narrow = jax_ep.combine(rx, h, jnp.float32)[0], jax_ep.combine(rx, h)[0]
+
+        def loss(dtype):
+            return lambda y: jnp.sum(jax_ep.combine(y, h, dtype)[0].astype(jnp.float32) * cot)
+        return wide, narrow, jax.grad(loss(jnp.float32))(rx), jax.grad(loss(None))(rx)
+
+    wide, narrow, d_wide, d_narrow = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, idx,
+                                                             cot))
+    owners = owner_count(idx, E // num_ranks)[:, None]
+    assert wide.dtype == np.float32 and narrow.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(wide, x.astype(np.float32) * owners)
+    np.testing.assert_array_equal(narrow, np.asarray(wide, jnp.bfloat16))
+    assert (narrow.astype(np.float32) != wide).any()
+    np.testing.assert_array_equal(d_wide, d_narrow)  # the cotangent goes back in bf16
+    with pytest.raises(ValueError, match="dtype: expected None or a float dtype"):
+        run_ep(lambda x, idx: jax_ep.combine(*jax_ep.dispatch(x, idx, num_experts=E,
+                                                              axis_name=AXIS)[::3],
+                                             jnp.int32)[0], ep_mesh(2), x[:2 * T], idx[:2 * T])
+
+
 def _moe_case(name, rng, num_ranks, T, K, E):
     idx, w = random_routing(rng, num_ranks * T, K, E)
     L = E // num_ranks

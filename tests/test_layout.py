@@ -345,6 +345,27 @@ def test_multihot_hand_example():
         np.testing.assert_array_equal(dense, want_probs)
 
 
+def test_multihot_takes_more_slots_than_experts():
+    # received rows: K = 4 slots of local ids over L = 2 experts, -1 where another rank owns
+    # the slot (NeMo's _indices_to_multihot); a repeated id sums its probs
+    idx = jnp.array([[-1, 1, -1, 0], [-1, -1, -1, -1], [1, -1, 1, -1]], jnp.int32)
+    probs = jnp.array([[9.0, 0.25, 9.0, 0.5], [1.0, 2.0, 3.0, 4.0], [0.125, 7.0, 0.5, 7.0]],
+                      jnp.float32)
+    want_map = np.array([[True, True], [False, False], [False, True]])
+    want_probs = np.array([[0.5, 0.25], [0.0, 0.0], [0.0, 0.625]], np.float32)
+    cot = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], jnp.float32)
+    for impl in ("ffi", "xla"):
+        routing_map, dense = jit_op(ops.indices_to_multihot, idx, probs, num_experts=2,
+                                    impl=impl)
+        np.testing.assert_array_equal(routing_map, want_map)
+        np.testing.assert_array_equal(dense, want_probs)
+        grad = jax.grad(lambda p: jnp.sum(ops.indices_to_multihot(
+            idx, p, num_experts=2, impl=impl)[1] * cot))(probs)
+        np.testing.assert_array_equal(grad, [[0, 2, 0, 1], [0, 0, 0, 0], [6, 0, 6, 0]])
+    with pytest.raises(ValueError, match="topk_idx: top-k 4 exceeds num_experts 2"):
+        ops.get_dispatch_layout(idx, num_experts=2, num_ranks=1)  # routing keeps K <= E
+
+
 # The last two cases: a benchmark-sized batch, and a token count and expert count that are
 # multiples of nothing in particular.
 @pytest.mark.parametrize("T,K,E", [(1, 1, 1), (1, 4, 8), (9, 2, 4), (32, 8, 64), (17, 6, 6),

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_ep import deepep, hybridep, ops, reference, transport
+from jax_ep import deepep, hybridep, ops, transport
 from jax_ep._checks import as_int32_ids, check_positive, unroute_invalid_experts
 from jax_ep.config import TokenDispatcherConfig
 
@@ -193,12 +193,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
     def local_multihot(self, recv_idx, recv_w):
         """Received local ids i32[R,K] (-1 for slots owned elsewhere), weights f32[R,K] ->
-        (routing_map bool[R,L], probs f32[R,L]). K may exceed L here (a token's other slots
-        are -1); ops.indices_to_multihot rejects top-k above its expert count, so that case
-        builds the map with the reference (any K)."""
-        if recv_idx.shape[1] > self.num_local_experts:
-            return reference.indices_to_multihot(recv_idx, recv_w,
-                                                 num_experts=self.num_local_experts)
+        (routing_map bool[R,L], probs f32[R,L]) (NeMo's _indices_to_multihot; K may exceed
+        L: a token's other slots are -1)."""
         return ops.indices_to_multihot(recv_idx, recv_w, num_experts=self.num_local_experts,
                                        impl=self._local_impl)
 
