@@ -51,6 +51,7 @@ __all__ = [
     "dispatch_chunked_forward",
     "drop_to_expert_capacity",
     "expert_capacity",
+    "top_per_expert",
 ]
 
 DROP_POLICIES = ("probs", "position")
@@ -75,6 +76,14 @@ def capacity_from_factor(num_tokens, top_k, num_ranks, capacity_factor, num_expe
     return max(1, min(num_tokens, c * (num_experts // num_ranks)))
 
 
+def top_per_expert(score, capacity):
+    """score [T,E] -> bool[T,E]: each expert's (column's) `capacity` highest-scoring tokens,
+    equal scores to the lower token index (Megatron's capacity mask; capacity <= T)."""
+    _, top = jax.lax.top_k(score.T, capacity)  # [E,c]
+    return jnp.zeros(score.T.shape, bool).at[jnp.arange(score.shape[1])[:, None], top].set(
+        True).T
+
+
 def drop_to_expert_capacity(routing_map, probs, *, capacity, drop_policy="probs"):
     """Megatron's router token drop on one rank's tokens: each expert keeps at most `capacity`
     of the tokens routed to it - those with the highest probs ("probs", Megatron's default;
@@ -92,11 +101,7 @@ def drop_to_expert_capacity(routing_map, probs, *, capacity, drop_policy="probs"
     if drop_policy == "position":
         keep = routing_map & (jnp.cumsum(routing_map, axis=0, dtype=jnp.int32) <= capacity)
     else:
-        score = jnp.where(routing_map, probs, -jnp.inf).T  # [E,T]
-        _, top = jax.lax.top_k(score, capacity)  # [E,c], ties to the lower token index
-        chosen = jnp.zeros(score.shape, bool).at[
-            jnp.arange(score.shape[0])[:, None], top].set(True)
-        keep = routing_map & chosen.T
+        keep = routing_map & top_per_expert(jnp.where(routing_map, probs, -jnp.inf), capacity)
     num_dropped = routing_map.sum(dtype=jnp.int32) - keep.sum(dtype=jnp.int32)
     return keep, jnp.where(keep, probs, 0.0).astype(probs.dtype), num_dropped
 

@@ -110,16 +110,24 @@ def np_route(logits, c: MoEConfig, expert_bias=None):
     np.put_along_axis(routing_map, top, True, axis=1)
     if c.moe_expert_capacity_factor is None:
         return routing_probs, routing_map
-    capacity = int(np.ceil(T * c.moe_router_topk / logits.shape[1] * c.moe_expert_capacity_factor))
+    return np_token_dropping(routing_probs, routing_map, c.moe_router_topk,
+                             c.moe_expert_capacity_factor, c.moe_token_drop_policy,
+                             c.moe_pad_expert_input_to_capacity)
+
+
+def np_token_dropping(routing_probs, routing_map, topk, factor, policy, pad):
+    """apply_router_token_dropping: (final_probs [T,E], final_map [T,E])."""
+    T, num_experts = routing_probs.shape
+    capacity = int(np.ceil(T * topk / num_experts * factor))
     if capacity > T:
         return routing_probs, routing_map
-    key = routing_probs if c.moe_token_drop_policy == "probs" else routing_map.astype(float)
+    key = routing_probs if policy == "probs" else routing_map.astype(float)
     # torch.topk(key, capacity, dim=0); ties (equal probs / the 1s of the map) keep the lower
     # token index, the order jax_ep documents.
     order = np.argsort(-key, axis=0, kind="stable")[:capacity]
-    capacity_mask = np.zeros(logits.shape, bool)
+    capacity_mask = np.zeros(routing_probs.shape, bool)
     np.put_along_axis(capacity_mask, order, True, axis=0)
-    final_map = capacity_mask if c.moe_pad_expert_input_to_capacity else routing_map & capacity_mask
+    final_map = capacity_mask if pad else routing_map & capacity_mask
     return routing_probs * final_map, final_map
 
 
@@ -315,10 +323,99 @@ def test_drop_policies_by_hand():
         assert (np.asarray(probs)[np.asarray(ids) < 0] == 0).all()
 
 
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_megatron_aux_loss_functions_by_name(score_function):
+    # compute_routing_scores_for_aux_loss -> switch_load_balancing_loss_func, z_loss_func with
+    # Megatron's arguments, against the float64 model; padding masks as Megatron's code reads
+    # them: True = padding for the scores and the z-loss, True = valid for the switch loss
+    T = 12
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((T, E)) * 2
+    pad = np.zeros(T, bool)
+    pad[[3, 7]] = True
+    c = _cfg(moe_router_score_function=score_function)
+    routing_map, scores = routing.compute_routing_scores_for_aux_loss(
+        jnp.asarray(logits, jnp.float32), K, score_function, fused=True)
+    want_scores = np_aux_scores(logits, c)
+    np.testing.assert_allclose(np.asarray(scores), want_scores, rtol=1e-5, atol=1e-7)
+    _, top = np_topk(want_scores, K)
+    want_map = np.zeros((T, E), bool)
+    np.put_along_axis(want_map, top, True, axis=1)
+    np.testing.assert_array_equal(np.asarray(routing_map), want_map)
+    got = routing.switch_load_balancing_loss_func(scores, routing_map.sum(0), T, K, E, 0.5)
+    np.testing.assert_allclose(float(got), 0.5 * np_switch(logits, c), rtol=1e-5)
+    masked_map, masked = routing.compute_routing_scores_for_aux_loss(
+        jnp.asarray(logits, jnp.float32), K, score_function, padding_mask=jnp.asarray(pad))
+    assert not np.asarray(masked_map)[pad].any() and not np.asarray(masked)[pad].any()
+    np.testing.assert_array_equal(np.asarray(masked_map)[~pad], want_map[~pad])
+    n = int((~pad).sum())
+    got = routing.switch_load_balancing_loss_func(scores, masked_map.sum(0), n, K, E, 1.0,
+                                                  padding_mask=jnp.asarray(~pad))
+    want = np.sum(want_scores[~pad].sum(0) * want_map[~pad].sum(0)) * E / (K * n * n)
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    # z-loss: coeff * mean of logsumexp^2, over the non-padding tokens with a mask
+    np.testing.assert_allclose(float(routing.z_loss_func(jnp.asarray(logits, jnp.float32),
+                                                         1e-3)),
+                               1e-3 * np_z_loss(logits), rtol=1e-5)
+    np.testing.assert_allclose(float(routing.z_loss_func(jnp.asarray(logits, jnp.float32), 2.0,
+                                                         padding_mask=jnp.asarray(pad))),
+                               2.0 * np_z_loss(logits[~pad]), rtol=1e-5)
+    all_pad = routing.z_loss_func(jnp.asarray(logits, jnp.float32), 1.0,
+                                  padding_mask=jnp.ones(T, bool))
+    assert float(all_pad) == 0.0  # Megatron clamps the count at 1
+    assert routing.z_loss_func(jnp.asarray(logits, jnp.bfloat16), 1.0).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_apply_router_token_dropping_is_megatrons(policy, pad):
+    # Megatron's dense drop vs the float64 model, and (without pad) the same kept slots as the
+    # layer's sparse capacity_drop
+    T, factor = 16, 0.75
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((T, E))
+    c = _cfg(moe_expert_capacity_factor=factor, moe_token_drop_policy=policy,
+             moe_pad_expert_input_to_capacity=pad)
+    probs, ids = routing.route(jnp.asarray(logits, jnp.float32), c)
+    dense_probs, dense_map = _dense(probs, ids)
+    got_probs, got_map = routing.apply_router_token_dropping(
+        jnp.asarray(dense_probs), jnp.asarray(dense_map), K, factor, policy, pad)
+    want_probs, want_map = np_token_dropping(dense_probs.astype(np.float64), dense_map, K,
+                                             factor, policy, pad)
+    np.testing.assert_array_equal(np.asarray(got_map), want_map)
+    np.testing.assert_allclose(np.asarray(got_probs), want_probs, rtol=1e-6)
+    capacity = routing.get_capacity(T * K, E, factor)
+    assert capacity == int(np.ceil(T * K / E * factor)) == 3
+    if pad:
+        assert (np.asarray(got_map).sum(0) == capacity).all()
+    else:
+        kept_probs, kept_ids, _ = routing.capacity_drop(probs, ids, c)
+        np.testing.assert_array_equal(np.asarray(got_map), _dense(kept_probs, kept_ids)[1])
+    assert routing.get_capacity(10, 4, 1.0) == 3 and routing.get_capacity(10, 4, 1.0, 5) == 5
+    with pytest.raises(ValueError, match="drop_policy"):
+        routing.apply_router_token_dropping(jnp.asarray(dense_probs), jnp.asarray(dense_map), K,
+                                            factor, "random")
+
+
 def test_expert_bias_update_is_megatrons_sign_rule():
     bias = jnp.asarray([0.5, 0.0, -0.25, 1.0])
     got = routing.get_updated_expert_bias(jnp.asarray([3, 1, 2, 2]), bias, 0.1)
     np.testing.assert_allclose(np.asarray(got), [0.4, 0.1, -0.25, 1.0], rtol=1e-6)
+    # Megatron's finalize_model_grads stacks the layers' counts [layers, E]: a mean per row
+    stacked = routing.get_updated_expert_bias(jnp.asarray([[1, 2, 3, 6], [10, 10, 10, 10]]),
+                                              jnp.zeros((2, 4)), 0.1)
+    np.testing.assert_allclose(np.asarray(stacked), [[0.1, 0.1, 0, -0.1], [0, 0, 0, 0]])
+    # tp_dp_cp_group: the counts summed over that mesh axis first (Megatron's all-reduce);
+    # each device's [2, 1] and [1, 2] sum to [3, 3]: balanced, no move
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    local = jnp.asarray([[2, 1], [1, 2]])
+    sharded = jax.device_put(local, NamedSharding(mesh, P("data")))
+    moved = jax.jit(jax.shard_map(
+        lambda c: routing.get_updated_expert_bias(c[0], jnp.zeros(2), 0.1, "data")[None],
+        mesh=mesh, in_specs=P("data"), out_specs=P("data")))(sharded)
+    np.testing.assert_array_equal(np.asarray(moved), np.zeros((2, 2)))
+    np.testing.assert_allclose(np.asarray(routing.get_updated_expert_bias(
+        local[0], jnp.zeros(2), 0.1)), [-0.1, 0.1])  # without the group: this device's view
 
 
 # ----------------------------------------------------------------- MoEConfig

@@ -12,9 +12,11 @@ import jax.numpy as jnp
 from jax_ep import deepep, ops
 from jax_ep.flax.moe_config import MoEConfig
 
-__all__ = ["capacity_drop", "get_updated_expert_bias", "group_limited_topk", "route",
-           "router_gating_linear", "sinkhorn", "switch_loss_terms",
-           "topk_routing_with_score_function", "z_loss_terms"]
+__all__ = ["apply_router_token_dropping", "capacity_drop", "compute_routing_scores_for_aux_loss",
+           "get_capacity", "get_updated_expert_bias", "group_limited_topk", "route",
+           "router_gating_linear", "sinkhorn", "switch_load_balancing_loss_func",
+           "switch_loss_terms", "topk_routing_with_score_function", "z_loss_func",
+           "z_loss_terms"]
 
 
 def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
@@ -179,21 +181,57 @@ def capacity_drop(probs, ids, cfg: MoEConfig):
     return jnp.where(kept, probs, 0).astype(probs.dtype), jnp.where(kept, ids, -1), dropped
 
 
-def switch_loss_terms(logits, cfg: MoEConfig):
-    """Per-token pieces of Megatron's switch load-balancing loss (compute_routing_scores_for_
-    aux_loss): logits [T,E] -> (scores f32[T,E]: softmax, or sigmoid / sqrtsoftplus normalised
-    over E;
-    routed i32[T,E]: the plain top-K of those scores, no bias and no groups). Over a token set
-    B of N tokens the loss is E / (K * N^2) * sum_e (sum_B scores[:, e]) * (sum_B routed[:, e])."""
+def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=False,
+                                        padding_mask=None):
+    """Megatron's compute_routing_scores_for_aux_loss (same arguments and results): logits
+    [T,E] -> (routing_map bool[T,E]: the plain top-k of the scores, no bias and no groups,
+    scores f32[T,E]: softmax, or sigmoid / sqrtsoftplus normalised over E (+ 1e-20)).
+    padding_mask bool[T]: True marks padding (as Megatron's code reads it), whose row of both
+    is zeroed. fused has no effect (XLA fuses)."""
+    del fused
     logits = logits.astype(jnp.float32)
-    if cfg.moe_router_score_function == "softmax":
+    if score_function == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
-    else:
-        scores = _unnormalised_scores(logits, cfg.moe_router_score_function)
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        scores = _unnormalised_scores(logits, score_function)
         scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
-    _, ids = jax.lax.top_k(scores, cfg.moe_router_topk)
-    routed = jax.nn.one_hot(ids, cfg.num_moe_experts, dtype=jnp.int32).sum(axis=1)
-    return scores, jax.lax.stop_gradient(routed)
+    else:
+        raise ValueError(f"score_function: expected 'softmax', 'sigmoid' or 'sqrtsoftplus', "
+                         f"got {score_function!r}")
+    _, ids = jax.lax.top_k(scores, topk)
+    routing_map = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None],
+                                                   ids].set(True)
+    if padding_mask is not None:
+        valid = ~jnp.asarray(padding_mask, bool)[:, None]
+        routing_map, scores = routing_map & valid, scores * valid
+    return routing_map, scores
+
+
+def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens, topk,
+                                    num_experts, moe_aux_loss_coeff, fused=False,
+                                    padding_mask=None):
+    """Megatron's switch_load_balancing_loss_func (same arguments): probs [T,E] (this rank's
+    scores), tokens_per_expert [E] (the counts at the level of total_num_tokens) -> f32[]
+    = sum_e (sum_T probs[:, e]) * tokens_per_expert[e] * E * coeff / (topk * N^2), N =
+    total_num_tokens. padding_mask bool[T]: True marks a valid token (as Megatron's code reads
+    it here), padding rows of probs add nothing. fused has no effect."""
+    del fused
+    probs = jnp.asarray(probs).astype(jnp.float32)
+    if padding_mask is not None:
+        probs = probs * jnp.asarray(padding_mask, bool)[:, None]
+    counts = jnp.asarray(tokens_per_expert).astype(jnp.float32)
+    scale = num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
+    return jnp.sum(probs.sum(axis=0) * counts) * scale
+
+
+def switch_loss_terms(logits, cfg: MoEConfig):
+    """Per-token pieces of Megatron's switch load-balancing loss: logits [T,E] -> (scores
+    f32[T,E], routed i32[T,E]) of compute_routing_scores_for_aux_loss with cfg's top-k and
+    score function. Over a token set B of N tokens the loss is E / (K * N^2) * sum_e
+    (sum_B scores[:, e]) * (sum_B routed[:, e])."""
+    routing_map, scores = compute_routing_scores_for_aux_loss(
+        logits, cfg.moe_router_topk, cfg.moe_router_score_function)
+    return scores, jax.lax.stop_gradient(routing_map.astype(jnp.int32))
 
 
 def z_loss_terms(logits):
@@ -201,11 +239,60 @@ def z_loss_terms(logits):
     return jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
 
 
-def get_updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_rate):
-    """Aux-loss-free balancing (Megatron's get_updated_expert_bias, same arguments, given the
-    global counts: the all-reduce is the layer's): each expert's bias f32[E] moves by
-    expert_bias_update_rate towards balance, up when it got fewer than the mean of
-    tokens_per_expert [E], down when more, unchanged at the mean."""
+def z_loss_func(logits, z_loss_coeff, padding_mask=None):
+    """Megatron's z_loss_func (same arguments): logits [T,E] -> [] = z_loss_coeff * the mean of
+    logsumexp(logits)^2 over the tokens, computed in the logits' dtype as Megatron does (the
+    layer's z-loss, z_loss_terms, is float32). padding_mask bool[T]: True marks padding (as
+    Megatron's code reads it here): the mean over the other tokens (0 when there are none)."""
+    values = jnp.square(jax.nn.logsumexp(logits, axis=-1))
+    if padding_mask is None:
+        return jnp.mean(values) * z_loss_coeff
+    valid = ~jnp.asarray(padding_mask, bool)
+    total = jnp.sum(values * valid)
+    return total / jnp.maximum(valid.sum(), 1).astype(total.dtype) * z_loss_coeff
+
+
+def get_capacity(num_tokens, num_experts, capacity_factor, min_capacity=None):
+    """Megatron's get_capacity: ceil(num_tokens / num_experts * capacity_factor), at least
+    min_capacity when given."""
+    capacity = deepep.expert_capacity(num_tokens, 1, num_experts, capacity_factor)
+    return capacity if min_capacity is None else max(capacity, min_capacity)
+
+
+def apply_router_token_dropping(routing_probs, routing_map, router_topk, capacity_factor,
+                                drop_policy="probs", pad_to_capacity=False):
+    """Megatron's apply_router_token_dropping (same arguments and results): routing_probs
+    [T,E], routing_map bool[T,E] -> (final_probs [T,E], final_map bool[T,E]). Each expert
+    keeps get_capacity(T * router_topk, E, capacity_factor) tokens: the highest routing_probs
+    ("probs") or its first routed tokens ("position"), equal values to the lower token index;
+    no drop when that capacity exceeds T. pad_to_capacity: final_map is that capacity mask
+    itself (each expert exactly capacity tokens, unrouted ones with prob 0). The dense form
+    of capacity_drop."""
+    if drop_policy not in deepep.DROP_POLICIES:
+        raise ValueError(f"drop_policy: expected one of {deepep.DROP_POLICIES}, got "
+                         f"{drop_policy!r}")
+    num_tokens, num_experts = routing_probs.shape
+    capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
+    routing_map = jnp.asarray(routing_map, bool)
+    if capacity > num_tokens:
+        capacity_mask = jnp.ones(routing_map.shape, bool)
+    else:
+        score = routing_probs if drop_policy == "probs" else routing_map.astype(jnp.int32)
+        capacity_mask = deepep.top_per_expert(score, capacity)
+    final_map = capacity_mask if pad_to_capacity else routing_map & capacity_mask
+    return routing_probs * final_map, final_map
+
+
+def get_updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_rate,
+                            tp_dp_cp_group=None):
+    """Aux-loss-free balancing (Megatron's get_updated_expert_bias, same arguments): each
+    expert's bias moves by expert_bias_update_rate towards balance, up when it got fewer
+    than the mean of its row of tokens_per_expert [..., E] (Megatron stacks one row per layer,
+    [layers, E]), down when more, unchanged at the mean. tp_dp_cp_group: the mesh axis name
+    (or names) to sum the counts over first, Megatron's all-reduce (call inside shard_map);
+    None: the counts are global already (as MoELayer passes them)."""
     counts = jax.lax.stop_gradient(tokens_per_expert).astype(jnp.float32)
-    offset = counts.mean() - counts
+    if tp_dp_cp_group is not None:
+        counts = jax.lax.psum(counts, tp_dp_cp_group)
+    offset = counts.mean(axis=-1, keepdims=True) - counts
     return expert_bias + jnp.sign(offset) * expert_bias_update_rate
