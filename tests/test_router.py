@@ -630,6 +630,47 @@ LAYER_CASES = {
 }
 
 
+def test_apply_random_logits_is_a_straight_through_draw():
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((5, E)), jnp.float32)
+    key = jax.random.key(3)
+    out, vjp = jax.vjp(lambda l: routing.apply_random_logits(l, key), logits)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.random.normal(key, (5, E))))
+    cot = jnp.arange(5 * E, dtype=jnp.float32).reshape(5, E)
+    np.testing.assert_array_equal(np.asarray(vjp(cot)[0]), np.asarray(cot))
+    assert routing.apply_random_logits(logits.astype(jnp.bfloat16), key).dtype == jnp.bfloat16
+
+
+def test_force_load_balancing_routes_by_random_logits():
+    # Megatron's moe_router_force_load_balancing: the routing ignores the router weights (a
+    # router scaled by 100 routes the same), draws anew per call and device, and the router
+    # still gets a gradient (straight through); the dense oracle draws the same logits
+    c = _cfg(moe_router_force_load_balancing=True, moe_aux_loss_coeff=1e-2,
+             moe_z_loss_coeff=1e-3)
+    mesh = _mesh()
+    layer, twin = _layer(c, mesh)
+    x = jax.random.normal(jax.random.key(1), (16, 3, H))
+    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_param_grads_close(grads, want_grads, rtol=3e-5, atol=3e-6)
+    assert float(jnp.linalg.norm(grads["router"][...])) > 0
+    assert int(layer.force_balance_step[...]) == 1 and int(twin.force_balance_step[...]) == 0
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+
+    def counts(m):
+        with jax.set_mesh(mesh):
+            return np.asarray(nnx.jit(lambda m, x: m(x)[1]["tokens_per_expert"])(m, xs))
+    plain = _layer(_cfg(moe_aux_loss_coeff=1e-2), mesh)[0]
+    scaled = _layer(c, mesh)[0]
+    scaled.router[...] = scaled.router[...] * 100
+    first, again, plain_counts = counts(twin), counts(twin), counts(plain)
+    np.testing.assert_array_equal(counts(scaled), first)  # the weights do not route
+    assert (first != again).any() and (first != plain_counts).any()
+    assert int(twin.force_balance_step[...]) == 2
+    assert first.sum() == again.sum() == 16 * 3 * K
+    with pytest.raises(ValueError, match="moe_router_force_load_balancing"):
+        _cfg(moe_router_force_load_balancing=1)
+
+
 @pytest.mark.parametrize("name", LAYER_CASES)
 def test_layer_losses_statistics_and_gradients_match_megatron(name):
     c = _cfg(token_dispatcher=jax_ep.TokenDispatcherConfig(moe_permute_fusion=True),

@@ -5,6 +5,7 @@ from jax_ep.flax.dispatcher import DispatchState, MoEFlexTokenDispatcher, shared
 from jax_ep.flax.moe import (
     AuxLossTracker,
     ExpertBias,
+    ForceBalanceStep,
     MoELayer,
     dense_forward,
     expert_tile_rows,
@@ -23,6 +24,7 @@ __all__ = [
     "AuxLossTracker",
     "DispatchState",
     "ExpertBias",
+    "ForceBalanceStep",
     "MoEConfig",
     "MoEFlexTokenDispatcher",
     "MoELayer",

@@ -31,9 +31,10 @@ from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
 from jax_ep._checks import check_float, check_positive
 
-__all__ = ["AuxLossTracker", "ExpertBias", "MoELayer", "dense_forward", "expert_tile_rows",
-           "gate_up_from_etp", "gate_up_to_etp", "load_ratio", "pad_expert_blocks",
-           "shard_params", "swiglu_expert_blocks", "swiglu_experts", "unpad_expert_blocks"]
+__all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "MoELayer", "dense_forward",
+           "expert_tile_rows", "force_balance_key", "gate_up_from_etp", "gate_up_to_etp",
+           "load_ratio", "pad_expert_blocks", "shard_params", "swiglu_expert_blocks",
+           "swiglu_experts", "unpad_expert_blocks"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
 _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(".")[:2])
                  >= (0, 12) else "sharding_names")
@@ -267,12 +268,15 @@ def _swiglu(x, w_gate_up, w_down):
     return _gated(x @ w_gate_up) @ w_down
 
 
-def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True):
+def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True, noise_key=None):
     """tokens [T,H] -> (logits [T,E] router dtype, top-k probs f32[T,K], ids i32[T,K],
-    dropped i32[E]: slots each expert dropped to the capacity factor)."""
+    dropped i32[E]: slots each expert dropped to the capacity factor). noise_key: with
+    moe_router_force_load_balancing, this device's key of the random logits."""
     dcfg = cfg.token_dispatcher
     dtype = router_dtype(cfg.dispatcher_config(), tokens.dtype)
     logits = routing.router_gating_linear(tokens, router.T, None, dtype)
+    if noise_key is not None:
+        logits = routing.apply_random_logits(logits, noise_key)
     probs, ids = routing.route(logits, cfg, expert_bias, training)
     if dcfg.moe_benchmark_static_routing:  # forced balance: token t takes (t*K + k) mod E
         k = cfg.moe_router_topk
@@ -409,6 +413,17 @@ class AuxLossTracker(nnx.Variable):
     training call, zeroed by `MoELayer.reset_global_aux_loss_tracker`."""
 
 
+class ForceBalanceStep(nnx.Variable):
+    """moe_router_force_load_balancing's draw counter i32[]: call n of the layer routes by the
+    random logits of key fold_in(fold_in(key(42), n), device) (Megatron seeds 42 + rank and
+    draws anew per call). Non-trainable; every call adds 1."""
+
+
+def force_balance_key(step, device):
+    """The random logits' key of call `step` on token device `device` (ForceBalanceStep)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(42), step), device)
+
+
 class MoELayer(nnx.Module):
     """Mixture-of-experts feed-forward layer with expert parallelism (Megatron-Core's MoELayer).
 
@@ -530,6 +545,9 @@ class MoELayer(nnx.Module):
                                            **{_SHARDING_KEY: ()})
         else:
             self.global_tokens_per_expert = self.ga_steps = None
+        self.force_balance_step = (ForceBalanceStep(jnp.zeros((), jnp.int32),
+                                                    eager_sharding=False, **{_SHARDING_KEY: ()})
+                                   if config.moe_router_force_load_balancing else None)
         num_local = num_experts // expert_parallel_size
         self.dispatcher = dispatcher or shared_dispatcher(num_local, dcfg, axis)
 
@@ -563,15 +581,19 @@ class MoELayer(nnx.Module):
         axes = (self.data_axis,) + axes if self.data_axis else axes
         return axes + (self.tensor_axis,) if self.tensor_axis else axes
 
-    def _local(self, x, router, w_gate_up, w_down, shared, expert_bias, tracker, padding):
+    def _local(self, x, router, w_gate_up, w_down, shared, expert_bias, tracker, padding,
+               force_step):
         """The per-device body (inside shard_map): x [..., H] local tokens, padding bool[...]
-        or None. Returns (y, aux, the global_aux_loss tracker's new counts f32[E] or None)."""
+        or None, force_step i32[] (ForceBalanceStep) or None. Returns (y, aux, the
+        global_aux_loss tracker's new counts f32[E] or None)."""
         cfg, dcfg = self.config, self.dispatch_config
         tokens = x.reshape(-1, x.shape[-1])
         valid = None if padding is None else ~padding.reshape(-1)
-        logits, probs, ids, dropped_per_expert = _route(tokens, router, cfg, expert_bias,
-                                                        not self.deterministic)
         axes = self._token_axes()
+        noise_key = None if force_step is None else force_balance_key(
+            force_step, jax.lax.axis_index(axes) if axes else 0)
+        logits, probs, ids, dropped_per_expert = _route(tokens, router, cfg, expert_bias,
+                                                        not self.deterministic, noise_key)
         balancing, z, tracked = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, axes,
                                         tracker=tracker, valid=valid)
         d = self.dispatcher
@@ -658,7 +680,9 @@ class MoELayer(nnx.Module):
         shared = tuple(weights[3:]) or None
         bias = None if self.expert_bias is None else self.expert_bias[...]
         tracker = self._tracker()
-        params = (*weights[:3], shared, bias, tracker, _checked_padding_mask(padding_mask, x))
+        step = None if self.force_balance_step is None else self.force_balance_step[...]
+        params = (*weights[:3], shared, bias, tracker, _checked_padding_mask(padding_mask, x),
+                  step)
         axis = self.dispatch_config.expert_axis_name
         try:
             jax.lax.axis_size(axis)
@@ -673,6 +697,8 @@ class MoELayer(nnx.Module):
         if tracked is not None and not self.deterministic:
             self.global_tokens_per_expert[...] = tracked
             self.ga_steps[...] = tracker[1] + 1.0
+        if step is not None:
+            self.force_balance_step[...] = step + 1
         if self.sow_aux:
             self.sow(nnx.Intermediate, "moe_aux", aux)
         return y, aux
@@ -706,9 +732,10 @@ class MoELayer(nnx.Module):
         bias_spec = None if params[4] is None else P()
         tracker_spec = None if params[5] is None else (P(), P())
         padding_spec = None if params[6] is None else tokens_spec
+        step_spec = None if params[7] is None else P()
         t = self.tensor_axis
         in_specs = (tokens_spec, P(), P(axis, None, t), P(axis, t, None), shared_spec, bias_spec,
-                    tracker_spec, padding_spec)
+                    tracker_spec, padding_spec, step_spec)
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P(), P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
@@ -793,7 +820,8 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     """Single-device reference of `layer` (no expert parallelism): the oracle the layer is
     tested against. x [B, ..., H] is taken as num_devices equal blocks of the batch (default:
     the devices of the layer's token mesh axes, 1 without a mesh), each routed, dropped to
-    capacity and counted in the losses as that device does; padding_mask as the layer's.
+    capacity and counted in the losses as that device does (with force load balancing: by
+    the random logits of the layer's next call); padding_mask as the layer's.
     w_gate_up is read in the layout of config.expert_tensor_parallel_size column shards
     (`gate_up_from_etp`). Returns (y [..., H], aux_loss f32[], the layer's aux["aux_loss"])."""
     cfg = layer.config
@@ -809,8 +837,11 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     tokens = x.reshape(-1, x.shape[-1])
     bias = None if layer.expert_bias is None else layer.expert_bias[...]
     blocks = tokens.reshape(num_devices, -1, tokens.shape[-1])
+    step = None if layer.force_balance_step is None else layer.force_balance_step[...]
+    keys = None if step is None else jax.vmap(partial(force_balance_key, step))(
+        jnp.arange(num_devices))
     logits, probs, ids, _ = jax.vmap(
-        lambda t: _route(t, router, cfg, bias, not layer.deterministic))(blocks)
+        lambda t, k: _route(t, router, cfg, bias, not layer.deterministic, k))(blocks, keys)
     logits, probs, ids = (a.reshape(-1, a.shape[-1]) for a in (logits, probs, ids))
     padding = _checked_padding_mask(padding_mask, x)
     balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,

@@ -87,6 +87,11 @@ class MoEConfig:
         gradients are those without it.
       moe_router_dtype: "fp32", "fp64" or None (the input dtype) for the logits and the probs;
         the scores between them are computed in at least float32 (Megatron's precision).
+      moe_router_force_load_balancing: Megatron's benchmark switch (its perf recipes set it):
+        the router's logits are replaced by standard normal ones (`router.apply_random_logits`,
+        a new draw per call and device: the layer's `ForceBalanceStep` counter and the
+        device's index), the gradient passing straight through to the router weights, so the
+        routing is balanced whatever the weights.
       token_dispatcher: the dispatcher's TokenDispatcherConfig (backend, transport, buffer
         sizes, ...); its fields num_moe_experts, moe_router_topk, moe_expert_capacity_factor
         and moe_router_dtype are replaced by this config's (see `dispatcher_config`).
@@ -115,6 +120,7 @@ class MoEConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"
     moe_router_dtype: str | None = None
+    moe_router_force_load_balancing: bool = False
     token_dispatcher: TokenDispatcherConfig = dataclasses.field(
         default_factory=TokenDispatcherConfig)
     expert_tensor_parallel_size: int = 1
@@ -131,7 +137,7 @@ class MoEConfig:
                  "moe_router_score_function", f"one of {SCORE_FUNCTIONS}",
                  self.moe_router_score_function)
         for name in ("moe_router_pre_softmax", "moe_router_enable_expert_bias",
-                     "moe_pad_expert_input_to_capacity"):
+                     "moe_pad_expert_input_to_capacity", "moe_router_force_load_balancing"):
             _require(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
         _require(K != 1 or self.moe_router_pre_softmax or self.sinkhorn
                  or self.moe_router_score_function != "softmax", "moe_router_pre_softmax",

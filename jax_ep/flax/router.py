@@ -12,11 +12,11 @@ import jax.numpy as jnp
 from jax_ep import deepep, ops
 from jax_ep.flax.moe_config import MoEConfig
 
-__all__ = ["apply_router_token_dropping", "capacity_drop", "compute_routing_scores_for_aux_loss",
-           "get_capacity", "get_updated_expert_bias", "group_limited_topk", "route",
-           "router_gating_linear", "sinkhorn", "switch_load_balancing_loss_func",
-           "switch_loss_terms", "topk_routing_with_score_function", "z_loss_func",
-           "z_loss_terms"]
+__all__ = ["apply_random_logits", "apply_router_token_dropping", "capacity_drop",
+           "compute_routing_scores_for_aux_loss", "get_capacity", "get_updated_expert_bias",
+           "group_limited_topk", "route", "router_gating_linear", "sinkhorn",
+           "switch_load_balancing_loss_func", "switch_loss_terms",
+           "topk_routing_with_score_function", "z_loss_func", "z_loss_terms"]
 
 
 def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
@@ -80,6 +80,14 @@ def _sinkhorn_route(logits, cfg: MoEConfig, training):
         act = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
     _, ids = jax.lax.top_k(sinkhorn(logits) if training else act, cfg.moe_router_topk)
     return jnp.take_along_axis(act, ids, axis=1), ids
+
+
+def apply_random_logits(logits, key):
+    """Megatron's apply_random_logits (moe_router_force_load_balancing), with its random
+    state as an explicit key: standard normal logits of logits' shape and dtype, with the
+    gradient passing straight through to `logits` (Megatron's RandomSTE)."""
+    noise = jax.random.normal(key, logits.shape, logits.dtype)
+    return noise + (logits - jax.lax.stop_gradient(logits))
 
 
 def router_gating_linear(inp, weight, bias, router_dtype):
