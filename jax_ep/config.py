@@ -49,8 +49,10 @@ class TokenDispatcherConfig:
         rank's T tokens, those with the highest probabilities (every backend; the drops are
         counted in the dispatch state's num_dropped), and deepep-family buffers shrink to
         the L * that many rows per destination the drop leaves.
-      moe_router_topk: experts per token.
-      moe_router_expert_pad_multiple: pad every expert's block to a multiple of it (zero
+      moe_router_topk: experts per token (above num_moe_experts the config is accepted, as
+        NeMo's, and the routing ops raise at trace time).
+      moe_router_expert_pad_multiple: None or 0 (off, as NeMo reads 0), or pad every expert's
+        block to a multiple of it (zero
         rows, prob 0, added on the receiving rank; tokens_per_expert reports padded sizes).
         This is what PyTorch's moe_router_padding_for_fp8 is for (blocks a multiple of 16,
         or 32 for MXFP8, for FP8 grouped GEMMs), set as a number: Megatron instead flips
@@ -155,9 +157,10 @@ class TokenDispatcherConfig:
                  self.transport)
         _require(_positive_int(self.num_moe_experts), "num_moe_experts", "a positive int",
                  self.num_moe_experts)
-        _require(_positive_int(self.moe_router_topk) and self.moe_router_topk
-                 <= self.num_moe_experts, "moe_router_topk",
-                 f"an int in [1, num_moe_experts={self.num_moe_experts}]", self.moe_router_topk)
+        # K > E is accepted here, as NeMo's and Megatron's configs accept it; the routing ops
+        # refuse it at trace time (topk_idx: top-k K exceeds num_experts E).
+        _require(_positive_int(self.moe_router_topk), "moe_router_topk", "a positive int",
+                 self.moe_router_topk)
         for name in ("moe_expert_capacity_factor", "ragged_buffer_factor",
                      "dropless_buffer_factor"):
             f = getattr(self, name)
@@ -181,6 +184,9 @@ class TokenDispatcherConfig:
         for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms", "num_overlap_chunks"):
             _require(_positive_int(getattr(self, name)), name, "a positive int",
                      getattr(self, name))
+        pad = self.moe_router_expert_pad_multiple
+        if _is_int(pad) and pad == 0:  # NeMo reads it as `if pad_multiple:`: 0 is off
+            object.__setattr__(self, "moe_router_expert_pad_multiple", None)
         for name in ("moe_router_expert_pad_multiple", "moe_hybridep_num_sms_preprocessing",
                      "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
                      "num_worst_tokens", "num_permuted_tokens"):

@@ -45,8 +45,8 @@ def test_config_has_every_pytorch_field_with_its_default():
 
 @pytest.mark.parametrize("field,value", [
     ("moe_flex_dispatcher_backend", "nccl"), ("moe_router_dtype", "bf16"),
-    ("moe_router_topk", 0), ("moe_router_topk", 65), ("num_moe_experts", -1),
-    ("moe_expert_capacity_factor", 0.0), ("moe_router_expert_pad_multiple", 0),
+    ("moe_router_topk", 0), ("num_moe_experts", -1),
+    ("moe_expert_capacity_factor", 0.0), ("moe_router_expert_pad_multiple", -4),
     ("transport", "nvlink"), ("moe_deepep_num_sms", 0), ("moe_permute_fusion", 1),
     ("num_worst_tokens", -5), ("expert_axis_name", ""),
     ("moe_expert_capacity_factor", float("inf")), ("moe_expert_capacity_factor", float("nan")),
@@ -57,6 +57,21 @@ def test_config_has_every_pytorch_field_with_its_default():
 def test_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         jax_ep.TokenDispatcherConfig(**{field: value})
+
+
+def test_config_accepts_what_nemos_dataclass_accepts():
+    # pad multiple 0 is off (NeMo: `if pad_multiple:`); top-k above E builds (NeMo's config is
+    # a plain dataclass) and the routing refuses it when traced
+    assert jax_ep.TokenDispatcherConfig(moe_router_expert_pad_multiple=0) \
+        .moe_router_expert_pad_multiple is None
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=2, moe_router_topk=4)
+    d = MoEFlexTokenDispatcher(2, [0, 1], cfg)
+    with pytest.raises(ValueError, match="token_indices: top-k 4 exceeds num_moe_experts 2"):
+        d.dispatch_preprocess2(jnp.zeros((3, 8)), 3, jnp.ones((3, 4)),
+                               jnp.zeros((3, 4), jnp.int32))
+    with pytest.raises(ValueError, match="TokenDispatcherConfig.moe_router_topk: top-k 4 "
+                                         "exceeds num_moe_experts 2"):
+        d.dispatch_preprocess(jnp.zeros((3, 8)), 3, jnp.ones((3, 2)))
 
 
 @pytest.mark.parametrize("field, value", [("ragged_buffer_factor", 1.5),

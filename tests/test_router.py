@@ -440,6 +440,16 @@ def test_moe_config_has_megatrons_defaults_and_builds_the_dispatcher_config():
             d.moe_router_dtype, d.backend) == (16, 4, 1.5, "fp32", "hybridep")
 
 
+def test_topk_above_the_experts_builds_and_fails_when_called():
+    # Megatron's test_te_moe_layer builds a layer of one expert with top-2; it cannot route
+    c = MoEConfig(num_moe_experts=1, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+                  moe_ffn_hidden_size=128)
+    layer = MoELayer(c, 12, rngs=nnx.Rngs(0), expert_parallel_size=1)
+    assert layer.w_gate_up.shape == (1, 12, 256)
+    with pytest.raises(ValueError, match="MoEConfig.moe_router_topk: 2 exceeds num_moe_experts"):
+        layer(jnp.zeros((2, 3, 12)))
+
+
 def test_moe_config_from_dict_names_unknown_fields_or_warns():
     pasted = dict(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
                   moe_flex_dispatcher_backend="alltoall", moe_grouped_gemm=True,
@@ -456,7 +466,7 @@ def test_moe_config_from_dict_names_unknown_fields_or_warns():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("num_moe_experts", None), ("moe_router_topk", 9), ("moe_router_score_function", "relu"),
+    ("num_moe_experts", None), ("moe_router_topk", 0), ("moe_router_score_function", "relu"),
     ("moe_router_load_balancing_type", "switch"), ("moe_token_drop_policy", "random"),
     ("moe_router_topk_scaling_factor", -1.0), ("moe_aux_loss_coeff", -1.0),
     ("moe_z_loss_coeff", float("nan")), ("moe_expert_capacity_factor", 0.0),

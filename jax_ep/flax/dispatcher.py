@@ -228,6 +228,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
                              f"{jnp.shape(probs)}")
         probs = probs.reshape(num_local_tokens, num_experts)
         probs = probs.astype(router_dtype(self.config, probs.dtype))
+        _check_top_k(self.config.moe_router_topk, num_experts,
+                     "TokenDispatcherConfig.moe_router_topk")
         indices, values = self._topk_from_probs(probs)
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
             routing_map, dense = ops.indices_to_multihot(indices, values,
@@ -254,6 +256,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         else:  # no tokens: the width cannot be inferred from the size
             top_k = (jnp.shape(token_indices)[-1] if jnp.ndim(token_indices) >= 2
                      else self.config.moe_router_topk)
+        _check_top_k(top_k, self.config.num_moe_experts, "token_indices")
         token_probs = token_probs.reshape(num_local_tokens, top_k)
         token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, top_k),
                                      self.config.num_moe_experts, "token_indices")
@@ -488,3 +491,9 @@ def shared_dispatcher(num_local_experts, config, ep_group=None):
         _SHARED[key] = make()
     return _SHARED[key]
 
+
+def _check_top_k(top_k, num_experts, name):
+    """ValueError naming `name` when top_k experts per token exceed num_experts (the configs
+    accept that, as NeMo's and Megatron's do; the routing cannot)."""
+    if top_k > num_experts:
+        raise ValueError(f"{name}: top-k {top_k} exceeds num_moe_experts {num_experts}")

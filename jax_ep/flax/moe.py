@@ -666,6 +666,11 @@ class MoELayer(nnx.Module):
                                    rows.shape[0])
 
     def __call__(self, x, padding_mask=None):
+        K, E = self.config.moe_router_topk, self.config.num_moe_experts
+        if K > E:
+            raise ValueError(f"MoEConfig.moe_router_topk: {K} exceeds num_moe_experts={E}; "
+                             f"the router picks K of the E experts (Megatron builds such a "
+                             f"layer too and fails at its top-k)")
         hidden = self.router.shape[0]
         if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
             raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")

@@ -128,8 +128,9 @@ class MoEConfig:
     def __post_init__(self):
         E, K = self.num_moe_experts, self.moe_router_topk
         _require(_int(E), "num_moe_experts", "a positive int", E)
-        _require(_int(K) and K <= E, "moe_router_topk", f"an int in [1, num_moe_experts={E}]",
-                 K)
+        # K > E is accepted, as Megatron's TransformerConfig accepts it (its tests build such
+        # a layer); MoELayer refuses it when called (the router cannot pick K of E experts).
+        _require(_int(K), "moe_router_topk", "a positive int", K)
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             v = getattr(self, name)
             _require(v is None or _int(v), name, "None or a positive int", v)
