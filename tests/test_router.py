@@ -963,8 +963,9 @@ def np_padded_losses(logits, valid, c: MoEConfig, num_devices, seq_len):
     """Megatron's losses with a padding mask (valid = ~padding_mask) over the global tokens
     [N,E] of num_devices ranks: compute_routing_scores_for_aux_loss zeroes the padding tokens'
     scores and routing; get_tokens_per_expert_and_token_count counts the valid tokens (the
-    per-sequence loss: the rank's valid tokens / its sequences); z_loss_func is the mean over
-    valid tokens. Returns ({type: loss}, z_loss, the masked plain top-k counts [E])."""
+    per-sequence loss: the rank's valid tokens / its sequences); z_loss_func is each rank's
+    mean over its valid tokens (0 for a rank of padding only), averaged over the ranks (DDP).
+    Returns ({type: loss}, z_loss, the masked plain top-k counts [E])."""
     scores = np_aux_scores(logits, c) * valid[:, None]
     _, top = np_topk(np_aux_scores(logits, c), c.moe_router_topk)
     routed = np.zeros(logits.shape)
@@ -984,8 +985,9 @@ def np_padded_losses(logits, valid, c: MoEConfig, num_devices, seq_len):
                                                           np.split(r, len(v) // seq_len))]
     losses["seq_aux_loss"] = np.mean(seqs)
     losses["global_aux_loss"] = switch(scores, routed, valid.sum())
-    lse = np.log(np.exp(logits).sum(-1))
-    return losses, np.sum(lse ** 2 * valid) / max(valid.sum(), 1), routed.sum(0)
+    z = [np.sum(np.log(np.exp(lg).sum(-1)) ** 2 * v) / max(v.sum(), 1)
+         for lg, v in zip(np.split(logits, num_devices), np.split(valid, num_devices))]
+    return losses, np.mean(z), routed.sum(0)
 
 
 def test_padding_mask_leaves_padding_out_of_every_loss_and_count():

@@ -359,10 +359,11 @@ def _losses(logits, seq_len, cfg: MoEConfig, axes, num_devices=1, tracker=None, 
                                                    axes, num_devices, tracker)
             counts = counts if new is None else new
     z = jnp.zeros((), jnp.float32)
-    if cfg.moe_z_loss_coeff is not None:
-        total, count = _sum_over(axes, (routing.z_loss_terms(logits) * tokens).sum(),
-                                 tokens.sum())
-        z = total / jnp.maximum(count, 1.0)
+    if cfg.moe_z_loss_coeff is not None:  # Megatron: each rank's mean, DDP averages the ranks
+        terms = (routing.z_loss_terms(logits) * tokens).reshape(num_devices, -1).sum(axis=1)
+        means = terms / jnp.maximum(tokens.reshape(num_devices, -1).sum(axis=1), 1.0)
+        total, devices = _sum_over(axes, means.sum(), jnp.float32(num_devices))
+        z = total / devices
     return balancing, z, counts
 
 
@@ -455,7 +456,8 @@ class MoELayer(nnx.Module):
     padding_mask: None or bool[...] of x's shape without H, True for padding tokens (Megatron's
     MoELayer / Router argument): they are still routed and computed, but no loss counts them
     (their scores and routing are zeroed in the load-balancing losses, whose token counts are
-    the valid tokens', and the z-loss is the mean over valid tokens) and neither do
+    the valid tokens', and the z-loss is each device's mean over its valid tokens) and
+    neither do
     "tokens_per_expert" (so neither does the expert-bias update) nor the global_aux_loss
     tracker. aux is over every token of the mesh (summed over the data, expert and tensor
     axes, or the axes of your shard_map):
@@ -469,7 +471,8 @@ class MoELayer(nnx.Module):
         tracker); 0 for "none" or moe_aux_loss_coeff=0 (not computed, as Megatron). With a list
         of types, the sum of their unscaled losses.
       "load_balancing_losses" {type: f32[]}: each computed type's unscaled loss.
-      "z_loss" f32[]: unscaled mean over tokens of logsumexp(logits)^2 (0 without a coeff).
+      "z_loss" f32[]: unscaled, each device's mean over its tokens of logsumexp(logits)^2,
+        averaged over the devices (Megatron's per-rank z-loss under DDP; 0 without a coeff).
       "tokens_per_expert" i32[E]: (token, expert) slots each expert got, after the capacity
         drop, summed over the mesh (padding tokens not counted). "load_ratio" f32[]: max /
         mean of it (Megatron's overload factor; 0 for an empty batch). "num_dropped" i32[]:
