@@ -457,9 +457,8 @@ class MoELayer(nnx.Module):
     MoELayer / Router argument): they are still routed and computed, but no loss counts them
     (their scores and routing are zeroed in the load-balancing losses, whose token counts are
     the valid tokens', and the z-loss is each device's mean over its valid tokens) and
-    neither do
-    "tokens_per_expert" (so neither does the expert-bias update) nor the global_aux_loss
-    tracker. aux is over every token of the mesh (summed over the data, expert and tensor
+    neither do "tokens_per_expert" (so neither does the expert-bias update) nor the
+    global_aux_loss tracker. aux is over every token of the mesh (summed over the data, expert and tensor
     axes, or the axes of your shard_map):
       "aux_loss" f32[]: moe_aux_loss_coeff * load_balancing_loss + moe_z_loss_coeff * z_loss,
         the term to add to the training loss (already scaled).
