@@ -114,6 +114,9 @@ def parse_args(argv=None):
                    help="moe_router_group_topk: groups each token may use")
     p.add_argument("--topk-scaling-factor", type=float, default=None,
                    help="moe_router_topk_scaling_factor")
+    p.add_argument("--force-load-balancing", action="store_true",
+                   help="moe_router_force_load_balancing (Megatron's benchmark switch): route "
+                        "by random logits, the gradient straight through to the router")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per optimizer step (--batch split in equal parts; "
                         "global_aux_loss keeps its running mean over them)")
@@ -224,6 +227,7 @@ def build_model(args, mesh, jax):
         moe_router_num_groups=args.router_num_groups,
         moe_router_group_topk=args.router_group_topk,
         moe_router_topk_scaling_factor=args.topk_scaling_factor,
+        moe_router_force_load_balancing=args.force_load_balancing,
         expert_tensor_parallel_size=args.etp,
         token_dispatcher=jax_ep.TokenDispatcherConfig(
             moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,

@@ -415,9 +415,11 @@ class AuxLossTracker(nnx.Variable):
 
 
 class ForceBalanceStep(nnx.Variable):
-    """moe_router_force_load_balancing's draw counter i32[]: call n of the layer routes by the
-    random logits of key fold_in(fold_in(key(42), n), device) (Megatron seeds 42 + rank and
-    draws anew per call). Non-trainable; every call adds 1."""
+    """moe_router_force_load_balancing's draw counter i32[]: at value n the layer routes by
+    the random logits of key fold_in(fold_in(key(42), n), device) (Megatron seeds 42 + rank
+    and draws anew per call, one generator for all layers). It starts at a random value drawn
+    from the layer's params stream, so layers draw differently. Non-trainable; every call
+    adds 1."""
 
 
 def force_balance_key(step, device):
@@ -547,9 +549,10 @@ class MoELayer(nnx.Module):
                                            **{_SHARDING_KEY: ()})
         else:
             self.global_tokens_per_expert = self.ga_steps = None
-        self.force_balance_step = (ForceBalanceStep(jnp.zeros((), jnp.int32),
-                                                    eager_sharding=False, **{_SHARDING_KEY: ()})
-                                   if config.moe_router_force_load_balancing else None)
+        self.force_balance_step = (  # a random start: each layer draws its own logits
+            ForceBalanceStep(jax.random.randint(rngs.params(), (), 0, 2**30, jnp.int32),
+                             eager_sharding=False, **{_SHARDING_KEY: ()})
+            if config.moe_router_force_load_balancing else None)
         num_local = num_experts // expert_parallel_size
         self.dispatcher = dispatcher or shared_dispatcher(num_local, dcfg, axis)
 

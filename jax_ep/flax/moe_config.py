@@ -89,9 +89,9 @@ class MoEConfig:
         the scores between them are computed in at least float32 (Megatron's precision).
       moe_router_force_load_balancing: Megatron's benchmark switch (its perf recipes set it):
         the router's logits are replaced by standard normal ones (`router.apply_random_logits`,
-        a new draw per call and device: the layer's `ForceBalanceStep` counter and the
-        device's index), the gradient passing straight through to the router weights, so the
-        routing is balanced whatever the weights.
+        a new draw per layer, call and device: the layer's `ForceBalanceStep` counter and
+        the device's index), the gradient passing straight through to the router weights, so
+        the routing is balanced whatever the weights.
       token_dispatcher: the dispatcher's TokenDispatcherConfig (backend, transport, buffer
         sizes, ...); its fields num_moe_experts, moe_router_topk, moe_expert_capacity_factor
         and moe_router_dtype are replaced by this config's (see `dispatcher_config`).
