@@ -351,16 +351,17 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        """DeepEP's low-latency RDMA buffer bytes for these sizes (UCCL-EP's and DeepEP's
-        LowLatencyLayout, BF16 sizing; a value for `Buffer(num_rdma_bytes=...)`, which has no
-        effect under XLA): odd/even pairs of a send buffer of max(Tmax dispatch messages, E *
+        """The low-latency RDMA buffer bytes for these sizes, UCCL-EP's LowLatencyLayout (the
+        seed's Buffer; DeepEP's before it added the LogFMT scales, H/128 * 4 bytes, to each
+        combine message), BF16 sizing; a value for `Buffer(num_rdma_bytes=...)`, which has no
+        effect under XLA: odd/even pairs of a send buffer of max(Tmax dispatch messages, E *
         Tmax combine messages), a receive buffer of E * Tmax of the larger message, and E i32
         counters rounded up to 128 bytes; a dispatch message is 16 + max(2 * hidden, hidden +
         hidden / 128 * 4) bytes (a control int4, then bf16 or FP8 + scales), a combine message
         2 * hidden; then DeepEP's alignment: the total + 128 rounded down to a multiple of
-        128. It is at least what jax_ep's
-        low-latency dispatch + combine exchanges move (P blocks of min(L*Tmax, T*min(K, L))
-        rows, sent and received, with the plan's counts and source tokens)."""
+        128. It is at least what jax_ep's low-latency dispatch + combine exchanges move (P
+        blocks of min(L*Tmax, T*min(K, L)) rows, sent and received, with the plan's counts
+        and source tokens)."""
         tmax = check_positive(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
         hidden = check_positive(hidden, "hidden")
         check_positive(num_ranks, "num_ranks")

@@ -52,8 +52,8 @@ class TokenDispatcherConfig:
       moe_router_topk: experts per token (above num_moe_experts the config is accepted, as
         NeMo's, and the routing ops raise at trace time).
       moe_router_expert_pad_multiple: None or 0 (off, as NeMo reads 0), or pad every expert's
-        block to a multiple of it (zero
-        rows, prob 0, added on the receiving rank; tokens_per_expert reports padded sizes).
+        block to a multiple of it (zero rows, prob 0, added on the receiving rank;
+        tokens_per_expert reports padded sizes).
         This is what PyTorch's moe_router_padding_for_fp8 is for (blocks a multiple of 16,
         or 32 for MXFP8, for FP8 grouped GEMMs), set as a number: Megatron instead flips
         the first unrouted tokens of each expert's routing_map column to routed (real rows

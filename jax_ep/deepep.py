@@ -117,21 +117,28 @@ def _reduce_back_fp32(y, handle):
 _combine_rows = tp.with_transpose(internode.reduce_back, internode.send_tokens)
 _combine_rows_fp32 = tp.with_transpose(_reduce_back_fp32, internode.send_tokens)
 _sent_rows = tp.with_transpose(internode.send_tokens, internode.reduce_back)
+_sent_rows_fp8 = tp.with_fp8_wire(internode.send_tokens, internode.reduce_back)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _summed_rows(y, bias, handle, y_dtype, dtype):
-    """internode.reduce_back(y, handle, bias, dtype): linear in y and bias f32[T,...]; the
-    backward sends the cotangent back in y's dtype (y_dtype: static)."""
-    del y_dtype
-    return internode.reduce_back(y, handle, bias, dtype)
+@jax.custom_vjp
+def _biased_rows(y, bias, handle):
+    """internode.reduce_back(y, handle, bias) -> [T,...] in y.dtype: linear in y and in
+    bias f32[T,...] (y and bias vary over the same mesh axes)."""
+    return internode.reduce_back(y, handle, bias)
 
 
-_summed_rows.defvjp(
-    lambda y, bias, handle, y_dtype, dtype: (internode.reduce_back(y, handle, bias, dtype),
-                                             handle),
-    lambda y_dtype, dtype, handle, d_out: (internode.send_tokens(d_out.astype(y_dtype), handle),
-                                           d_out.astype(jnp.float32), None))
+_biased_rows.defvjp(
+    lambda y, bias, handle: (internode.reduce_back(y, handle, bias), handle),
+    lambda handle, d_out: (internode.send_tokens(d_out, handle), d_out.astype(jnp.float32),
+                           None))
+
+
+def _rows_summed_to(y, handle, dtype):
+    """internode.reduce_back(y, handle, dtype=dtype): the fp32 sums cast to dtype once; the
+    cotangent goes back in y's dtype."""
+    return tp.with_transpose(partial(internode.reduce_back, dtype=dtype),
+                             lambda d_out, h: internode.send_tokens(d_out.astype(y.dtype), h))(
+        y, handle)
 
 
 def _dispatch_weights(topk_weights, handle):
@@ -309,9 +316,8 @@ def combine(y, handle, dtype=None, *, topk_weights=None, combine_dtype=None):
     check_combine_rows(y, handle, "y")
     wide = combine_dtype is not None and jnp.dtype(combine_dtype) != jnp.dtype(y.dtype)
     if dtype is not None and jnp.dtype(dtype) != jnp.dtype(y.dtype):
-        rows = y.astype(jnp.float32) if wide else y
-        zero = _ffi.vary_like(jnp.zeros((handle.num_tokens,) + y.shape[1:], jnp.float32), y)
-        combined = _summed_rows(rows, zero, handle, rows.dtype, jnp.dtype(dtype))
+        combined = _rows_summed_to(y.astype(jnp.float32) if wide else y, handle,
+                                   jnp.dtype(dtype))
     else:
         combined = (_combine_rows_fp32 if wide else _combine_rows)(y, handle)
     return combined, _combined_weights(topk_weights, handle)
@@ -335,7 +341,8 @@ def combine_with_bias(y, handle, bias, *, topk_weights=None, name="y"):
         check_float(b, "bias" if len(biases) == 1 else f"bias[{i}]")
         b = jnp.asarray(b).astype(jnp.float32)
         total = b if total is None else total + b
-    summed = _summed_rows(y, total, handle, y.dtype, y.dtype)
+    axes = _ffi.varying_axes(y) | _ffi.varying_axes(total)  # e.g. a replicated bias
+    summed = _biased_rows(_ffi.make_varying(y, axes), _ffi.make_varying(total, axes), handle)
     return summed, _combined_weights(topk_weights, handle)
 
 

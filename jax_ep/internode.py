@@ -493,13 +493,12 @@ def send_tokens(x, handle):
 
 
 def reduce_back(y, handle, bias=None, dtype=None):
-    """y [R,...] float rows in handle's receive order -> [T,...] in y.dtype: every row summed
-    onto its source token in fp32 (padding rows add nothing, unrouted tokens get 0). Two
-    hops: each forwarder sums the copies of a (token, node) in fp32, the partial sums cross
-    the node axis in y.dtype and the source sums them in fp32. The transpose of send_tokens.
-    bias: optional f32 [T,...], the start of each token's fp32 sum (DeepEP's combine adds its
-    biases first, then the copies in source-rank order, and casts once); dtype: the result's
-    dtype (default y.dtype), the fp32 sum cast to it once."""
+    """y [R,...] float rows in handle's receive order -> [T,...] in `dtype` (default y.dtype):
+    every row summed onto its source token in fp32 (padding rows add nothing, unrouted tokens
+    get 0) and cast once. Two hops: each forwarder sums the copies of a (token, node) in fp32,
+    the partial sums cross the node axis in y.dtype and the source sums them in fp32. The
+    transpose of send_tokens. bias: optional f32 [T,...], the start of each token's fp32 sum
+    (DeepEP's combine adds its biases first, then the copies in source-rank order)."""
     out_dtype = y.dtype if dtype is None else jnp.dtype(dtype)
     flat = y.reshape(y.shape[0], math.prod(y.shape[1:]))
     if isinstance(handle, InternodeHandle):
@@ -516,7 +515,8 @@ def reduce_back(y, handle, bias=None, dtype=None):
         rows = rows.astype(jnp.float32)
     if bias is not None:  # the bias rows first: unpermute sums in ascending row order
         tokens = jnp.arange(handle.num_tokens, dtype=jnp.int32)
-        rows = jnp.concatenate([bias.reshape(handle.num_tokens, -1).astype(jnp.float32), rows])
+        rows = jnp.concatenate([bias.reshape(handle.num_tokens, flat.shape[1]).astype(
+            jnp.float32), rows])
         owner = jnp.concatenate([tokens, owner])
     out = ops.unpermute(rows, owner, num_tokens=handle.num_tokens, impl=handle.impl)
     return out.astype(out_dtype).reshape((handle.num_tokens,) + y.shape[1:])

@@ -751,7 +751,8 @@ def tiled_grouped_matmul_grads(x, w, group_sizes, dy, tile_rows=None):
     dy [N,F], without rerunning its forward: (dx [N,H] in x's dtype, dw [G,H,F] in w's), by
     the tiled loop. x, w and group_sizes as grouped_operands returns them (one float dtype,
     int32 sizes)."""
-    tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else tile_rows
+    tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
+                                                                             "tile_rows")
     return _tiled_gmm_bwd(tile, (x, w, group_sizes), dy)[:2]
 
 

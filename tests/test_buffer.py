@@ -450,12 +450,17 @@ def test_combine_bias_starts_the_sum_and_rounds_once(nodes, local):
         dy, db0, db1 = jax.grad(loss, argnums=(0, 1, 2))(y, b0, b1)
         dy_plain = jax.grad(lambda y: jnp.sum(buf.combine(y, handle)[0].astype(jnp.float32)
                                               * cot))(y)
-        return c, plain, db0, db1, dy, dy_plain
+        # a bias that does not vary over the ranks (a constant here) differentiates too
+        dy_const = jax.grad(lambda y: jnp.sum(buf.combine(
+            y, handle, bias=jnp.full(b0.shape, 0.5, jnp.bfloat16))[0].astype(jnp.float32)
+            * cot))(y)
+        return c, plain, db0, db1, dy, dy_plain, dy_const
 
     spec = P(group)
     mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec))
     sharded = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, idx, b0, b1, cot)]
-    c, plain, db0, db1, dy, dy_plain = (np.asarray(a) for a in mapped(*sharded))
+    c, plain, db0, db1, dy, dy_plain, dy_const = (np.asarray(a) for a in mapped(*sharded))
+    np.testing.assert_array_equal(dy_const, dy_plain)
     want = _deepep_bias_combine(np.asarray(x, np.float32), idx, nodes, local, E, (b0, b1),
                                 scale)
     np.testing.assert_array_equal(c.view(np.uint16), want.view(np.uint16))

@@ -118,6 +118,13 @@ def test_combine_dtype_sums_in_fp32_and_casts_once():
     np.testing.assert_array_equal(narrow, np.asarray(wide, jnp.bfloat16))
     assert (narrow.astype(np.float32) != wide).any()
     np.testing.assert_array_equal(d_wide, d_narrow)  # the cotangent goes back in bf16
+    # no tokens: the dtype and bias paths give empty sums
+    def empty(x, idx):
+        rx, _, _, h = jax_ep.dispatch(x, idx, num_experts=E, axis_name=AXIS)
+        return (jax_ep.combine(rx, h, jnp.float32)[0],
+                deepep.combine_with_bias(rx, h, jnp.ones((0, H), jnp.float32))[0])
+    wide0, biased0 = run_ep(empty, ep_mesh(2), x[:0], idx[:0])
+    assert wide0.shape == biased0.shape == (0, H) and wide0.dtype == jnp.float32
     with pytest.raises(ValueError, match="dtype: expected None or a float dtype"):
         run_ep(lambda x, idx: jax_ep.combine(*jax_ep.dispatch(x, idx, num_experts=E,
                                                               axis_name=AXIS)[::3],

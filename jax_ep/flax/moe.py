@@ -460,8 +460,8 @@ class MoELayer(nnx.Module):
     (their scores and routing are zeroed in the load-balancing losses, whose token counts are
     the valid tokens', and the z-loss is each device's mean over its valid tokens) and
     neither do "tokens_per_expert" (so neither does the expert-bias update) nor the
-    global_aux_loss tracker. aux is over every token of the mesh (summed over the data, expert and tensor
-    axes, or the axes of your shard_map):
+    global_aux_loss tracker. aux is over every token of the mesh (summed over the data,
+    expert and tensor axes, or the axes of your shard_map):
       "aux_loss" f32[]: moe_aux_loss_coeff * load_balancing_loss + moe_z_loss_coeff * z_loss,
         the term to add to the training loss (already scaled).
       "load_balancing_loss" f32[]: unscaled, by moe_router_load_balancing_type: "aux_loss" the
@@ -671,11 +671,7 @@ class MoELayer(nnx.Module):
                                    rows.shape[0])
 
     def __call__(self, x, padding_mask=None):
-        K, E = self.config.moe_router_topk, self.config.num_moe_experts
-        if K > E:
-            raise ValueError(f"MoEConfig.moe_router_topk: {K} exceeds num_moe_experts={E}; "
-                             f"the router picks K of the E experts (Megatron builds such a "
-                             f"layer too and fails at its top-k)")
+        routing.check_top_k(self.config)
         hidden = self.router.shape[0]
         if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
             raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")

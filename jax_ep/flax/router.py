@@ -13,7 +13,8 @@ from jax_ep import deepep, ops
 from jax_ep.flax.moe_config import MoEConfig
 
 __all__ = ["apply_random_logits", "apply_router_token_dropping", "capacity_drop",
-           "compute_routing_scores_for_aux_loss", "get_capacity", "get_updated_expert_bias",
+           "check_top_k", "compute_routing_scores_for_aux_loss", "get_capacity",
+           "get_updated_expert_bias",
            "group_limited_topk", "route", "router_gating_linear", "sinkhorn",
            "switch_load_balancing_loss_func", "switch_loss_terms",
            "topk_routing_with_score_function", "z_loss_func", "z_loss_terms"]
@@ -154,12 +155,23 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
             jnp.zeros(logits.shape, bool).at[rows, ids].set(True))
 
 
+def check_top_k(cfg: MoEConfig):
+    """ValueError naming MoEConfig.moe_router_topk when it exceeds num_moe_experts (the config
+    accepts that, as Megatron's does; no router can pick K of fewer experts)."""
+    K, E = cfg.moe_router_topk, cfg.num_moe_experts
+    if K > E:
+        raise ValueError(f"MoEConfig.moe_router_topk: {K} exceeds num_moe_experts={E}; the "
+                         f"router picks K of the E experts (Megatron builds such a layer too "
+                         f"and fails at its top-k)")
+
+
 def route(logits, cfg: MoEConfig, expert_bias=None, training=True):
     """The layer's routing before the capacity drop: logits [T,E] (router dtype) -> (probs
     [T,K] in the logits' dtype, ids i32[T,K]): sinkhorn (Megatron's sinkhorn_load_balancing),
     else `topk_routing_with_score_function` with cfg's fields. expert_bias f32[E] (sigmoid /
     sqrtsoftplus) shifts the scores for the choice of experts, not the probs. training:
     Megatron's module.training, read by sinkhorn routing only."""
+    check_top_k(cfg)
     if cfg.sinkhorn:
         probs, ids = _sinkhorn_route(logits, cfg, training)
         return probs.astype(logits.dtype), ids.astype(jnp.int32)
