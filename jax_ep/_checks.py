@@ -70,6 +70,13 @@ def check_experts(num_experts: int, num_ranks: int) -> int:
     return num_experts // num_ranks
 
 
+def check_top_k(top_k: int, num_experts: int, name: str, experts_name: str = "num_experts"):
+    """ValueError naming `name` when top_k experts per token exceed the num_experts (called
+    `experts_name` in the message) a router can pick from."""
+    if top_k > num_experts:
+        raise ValueError(f"{name}: top-k {top_k} exceeds {experts_name} {num_experts}")
+
+
 def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool = False):
     """Checks topk_idx [T,K] (int) and topk_weights [T,K] (float, may be None); returns the
     int32 indices and float32 weights. K > num_experts is an error unless any_top_k (ids
@@ -78,8 +85,8 @@ def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool =
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise ValueError(f"topk_idx: expected int32 or int64 expert ids, got {topk_idx.dtype}")
     num_tokens, top_k = topk_idx.shape
-    if top_k > num_experts and not any_top_k:
-        raise ValueError(f"topk_idx: top-k {top_k} exceeds num_experts {num_experts}")
+    if not any_top_k:
+        check_top_k(top_k, num_experts, "topk_idx")
     if topk_weights is not None:
         check_shape(topk_weights, (num_tokens, top_k), "topk_weights")
         check_float_weights(topk_weights, "topk_weights")

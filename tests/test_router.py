@@ -446,7 +446,8 @@ def test_topk_above_the_experts_builds_and_fails_when_called():
                   moe_ffn_hidden_size=128)
     layer = MoELayer(c, 12, rngs=nnx.Rngs(0), expert_parallel_size=1)
     assert layer.w_gate_up.shape == (1, 12, 256)
-    with pytest.raises(ValueError, match="MoEConfig.moe_router_topk: 2 exceeds num_moe_experts"):
+    with pytest.raises(ValueError,
+                       match="MoEConfig.moe_router_topk: top-k 2 exceeds num_moe_experts 1"):
         layer(jnp.zeros((2, 3, 12)))
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_ep import deepep, hybridep, ops, transport
-from jax_ep._checks import as_int32_ids, check_positive, unroute_invalid_experts
+from jax_ep._checks import as_int32_ids, check_positive, check_top_k, unroute_invalid_experts
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "MoEFlexTokenDispatcher", "shared_dispatcher"]
@@ -228,8 +228,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
                              f"{jnp.shape(probs)}")
         probs = probs.reshape(num_local_tokens, num_experts)
         probs = probs.astype(router_dtype(self.config, probs.dtype))
-        _check_top_k(self.config.moe_router_topk, num_experts,
-                     "TokenDispatcherConfig.moe_router_topk")
+        check_top_k(self.config.moe_router_topk, num_experts,
+                    "TokenDispatcherConfig.moe_router_topk", "num_moe_experts")
         indices, values = self._topk_from_probs(probs)
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
             routing_map, dense = ops.indices_to_multihot(indices, values,
@@ -256,7 +256,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         else:  # no tokens: the width cannot be inferred from the size
             top_k = (jnp.shape(token_indices)[-1] if jnp.ndim(token_indices) >= 2
                      else self.config.moe_router_topk)
-        _check_top_k(top_k, self.config.num_moe_experts, "token_indices")
+        check_top_k(top_k, self.config.num_moe_experts, "token_indices", "num_moe_experts")
         token_probs = token_probs.reshape(num_local_tokens, top_k)
         token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, top_k),
                                      self.config.num_moe_experts, "token_indices")
@@ -490,10 +490,3 @@ def shared_dispatcher(num_local_experts, config, ep_group=None):
     if key not in _SHARED:
         _SHARED[key] = make()
     return _SHARED[key]
-
-
-def _check_top_k(top_k, num_experts, name):
-    """ValueError naming `name` when top_k experts per token exceed num_experts (the configs
-    accept that, as NeMo's and Megatron's do; the routing cannot)."""
-    if top_k > num_experts:
-        raise ValueError(f"{name}: top-k {top_k} exceeds num_moe_experts {num_experts}")

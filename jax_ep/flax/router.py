@@ -9,14 +9,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_ep import deepep, ops
+from jax_ep import _checks, deepep, ops
 from jax_ep.flax.moe_config import MoEConfig
 
 __all__ = ["apply_random_logits", "apply_router_token_dropping", "capacity_drop",
            "check_top_k", "compute_routing_scores_for_aux_loss", "get_capacity",
-           "get_updated_expert_bias",
-           "group_limited_topk", "route", "router_gating_linear", "sinkhorn",
-           "switch_load_balancing_loss_func", "switch_loss_terms",
+           "get_updated_expert_bias", "group_limited_topk", "route", "router_gating_linear",
+           "sinkhorn", "switch_load_balancing_loss_func", "switch_loss_terms",
            "topk_routing_with_score_function", "z_loss_func", "z_loss_terms"]
 
 
@@ -158,11 +157,8 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
 def check_top_k(cfg: MoEConfig):
     """ValueError naming MoEConfig.moe_router_topk when it exceeds num_moe_experts (the config
     accepts that, as Megatron's does; no router can pick K of fewer experts)."""
-    K, E = cfg.moe_router_topk, cfg.num_moe_experts
-    if K > E:
-        raise ValueError(f"MoEConfig.moe_router_topk: {K} exceeds num_moe_experts={E}; the "
-                         f"router picks K of the E experts (Megatron builds such a layer too "
-                         f"and fails at its top-k)")
+    _checks.check_top_k(cfg.moe_router_topk, cfg.num_moe_experts, "MoEConfig.moe_router_topk",
+                        "num_moe_experts")
 
 
 def route(logits, cfg: MoEConfig, expert_bias=None, training=True):
