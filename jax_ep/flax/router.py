@@ -37,10 +37,14 @@ def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_
 
 
 def _unnormalised_scores(logits, score_function):
-    """logits [T,E] -> the sigmoid or sqrtsoftplus (sqrt(softplus(x))) scores [T,E]."""
+    """logits [T,E] -> the sigmoid or sqrtsoftplus (sqrt(softplus(x))) scores [T,E]; any
+    other score_function but "softmax" (which its callers take first) is a ValueError."""
     if score_function == "sigmoid":
         return jax.nn.sigmoid(logits)
-    return jnp.sqrt(jax.nn.softplus(logits))
+    if score_function == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    raise ValueError(f"score_function: expected 'softmax', 'sigmoid' or 'sqrtsoftplus', got "
+                     f"{score_function!r}")
 
 
 def sinkhorn(cost, tol=1e-4):
@@ -133,7 +137,7 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
         else:
             top, ids = choose(logits)
             probs = jax.nn.softmax(top.astype(wide), axis=-1)
-    elif score_function in ("sigmoid", "sqrtsoftplus"):
+    else:
         scores = _unnormalised_scores(logits.astype(wide), score_function)
         if expert_bias is not None and precomputed_indices is None:
             _, ids = choose(scores + expert_bias.astype(wide))
@@ -141,9 +145,6 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
         else:
             top, ids = choose(scores)
         probs = top / (top.sum(axis=-1, keepdims=True) + 1e-20) if topk > 1 else top
-    else:
-        raise ValueError(f"score_function: expected 'softmax', 'sigmoid' or 'sqrtsoftplus', "
-                         f"got {score_function!r}")
     if scaling_factor:
         probs = probs * scaling_factor
     probs, ids = probs.astype(logits.dtype), ids.astype(jnp.int32)
@@ -208,12 +209,9 @@ def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=Fals
     logits = logits.astype(jnp.float32)
     if score_function == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
-    elif score_function in ("sigmoid", "sqrtsoftplus"):
+    else:
         scores = _unnormalised_scores(logits, score_function)
         scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
-    else:
-        raise ValueError(f"score_function: expected 'softmax', 'sigmoid' or 'sqrtsoftplus', "
-                         f"got {score_function!r}")
     _, ids = jax.lax.top_k(scores, topk)
     routing_map = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None],
                                                    ids].set(True)
