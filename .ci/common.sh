@@ -8,16 +8,21 @@ export JAX_COMPILATION_CACHE_DIR="$PWD/.ci/cache/jax"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 
-# The layer-1 suites: the FFI ops against the reference, on every set of handlers.
+# The layer-1 suites: the FFI ops against the reference, on every set of handlers; and the
+# grouped GEMM's CPU handler (no CUDA twin: it runs under the emulated stage's routing too).
 LAYER1="tests/test_layout.py tests/test_permute.py tests/test_fp8.py tests/test_logfmt.py
-  tests/test_ffi_contract.py"
+  tests/test_ffi_contract.py
+  tests/test_grouped_matmul.py::test_ffi_handlers_against_a_float64_model
+  tests/test_grouped_matmul.py::test_ffi_handler_refuses_mismatched_operands
+  tests/test_grouped_matmul.py::test_ffi_grouped_matmul_runs_its_cpu_handler_under_emulated_cuda
+  tests/test_grouped_matmul.py::test_ffi_swiglu_matches_the_tiled_grouped_swiglu"
 # The Python 3.12 stage: the files whose code path differs by JAX version (see .ci/run).
 PY312_FILES="tests/test_ffi_contract.py tests/test_cuda_emu.py tests/test_ragged_transport.py
   tests/test_compiled_program.py tests/test_internode.py tests/test_flax.py tests/test_training.py
   tests/test_buffer.py tests/test_checkpoint.py tests/test_peer_transport.py
   tests/test_grouped_matmul.py::test_grouped_matmul_inside_shard_map_with_replicated_weights
   tests/test_grouped_matmul.py::test_grouped_matmul_gradients_under_vmap_with_batched_group_sizes
-  tests/test_grouped_matmul.py::test_blocked_swiglu_per_device_blocks_in_shard_map_and_under_vmap
+  tests/test_grouped_matmul.py::test_swiglu_per_device_groups_in_shard_map_and_under_vmap
   tests/test_grouped_matmul.py::test_grouped_matmul_auto_on_cpu_and_argument_checks
   tests/test_expert_tensor_parallel.py::test_compiled_collectives_run_over_their_axes
   tests/test_expert_tensor_parallel.py::test_etp1_program_gathers_no_rows_and_scatters_nothing"

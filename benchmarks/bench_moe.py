@@ -14,8 +14,8 @@ router does).
 moe_hybridep_compact_routing=True (top-k ids on the wire). A ":impl" suffix picks the experts'
 grouped GEMM (TokenDispatcherConfig.grouped_gemm_impl): "deepep:ragged_dot" is the layer with
 jax.lax.ragged_dot, which XLA:CPU lowers to one dense matmul over every local expert; plain
-names use "auto" ("blocks" on CPU: jax_ep.ops.grouped_matmul's expert blocks; "tiled" for
-GEMMs under 2^20 rows x H x F), and "deepep:tiled" is the tiled loop. An "@cap" suffix sets the layer's
+names use "auto" ("ffi" on CPU: jax_ep.ops.grouped_matmul's CPU handler), "deepep:blocks"
+is the expert blocks and "deepep:tiled" the tiled loop. An "@cap" suffix sets the layer's
 moe_expert_capacity_factor to --capacity-factor (drops, as MaxText's capacity path does);
 "@cap+pad" also sets moe_pad_expert_input_to_capacity (Megatron's drop-and-pad: every local
 expert's block padded to its capacity, the equal blocks one batched GEMM per weight), e.g.
@@ -26,8 +26,8 @@ the balanced load in a step whose routing fits them, the worst-case ones otherwi
 More rows time the layer's expert GEMMs alone (jax_ep.flax.swiglu_experts, forward +
 backward) on the permuted buffer the deepep backend feeds them (N = P*T*min(K, L) rows per
 device, the no-drop worst case, with the T*K balanced slots routed), once with ragged_dot,
-once with the expert blocks and once per --tile-rows with the tiled grouped GEMM, to separate
-expert compute from dispatch.
+once with the CPU handler, once with the expert blocks and once per --tile-rows with the tiled
+grouped GEMM, to separate expert compute from dispatch.
 
 --peer maxtext adds MaxText's RoutedMoE (benchmarks/peer_maxtext.py) built from its pyconfig
 with the same shapes, mesh, dtype and loss, timed by the same code in the same process: its
@@ -383,7 +383,7 @@ def main(argv=None):
     rows = jax.device_put(jax.random.normal(jax.random.key(2), (devices * n_rows, a.hidden),
                                             dtype), NamedSharding(mesh, spec))
     gemms = [] if a.no_experts_only else (
-        [("ragged_dot", None), ("blocks", None)]
+        [("ragged_dot", None), ("ffi", None), ("blocks", None)]
         + [("tiled", int(t)) for t in a.tile_rows.split(",") if t])
     experts_only = []
     for impl, tile_rows in gemms:

@@ -90,9 +90,9 @@ def parse_args(argv=None):
                    help="FP8 tokens on the dispatch wire (moe_fp8_dispatch; --d-model a "
                         "multiple of 128)")
     p.add_argument("--grouped-gemm", default="auto",
-                   choices=["auto", "tiled", "blocks", "ragged_dot"],
-                   help="the experts' grouped GEMM (auto: blocks on CPU, the tiled loop there "
-                        "under 2^20 rows x H x F; ragged_dot on GPU)")
+                   choices=["auto", "ffi", "tiled", "blocks", "ragged_dot"],
+                   help="the experts' grouped GEMM (auto: jax_ep's CPU handler, ffi, on CPU; "
+                        "ragged_dot on GPU)")
     p.add_argument("--transport", default="auto", choices=["auto", "all_to_all", "ragged", "peer"],
                    help="the expert exchange (auto: peer in one process, docs/peer_transport.md)")
     p.add_argument("--score-function", default="softmax",

@@ -137,9 +137,10 @@ def _varying_result(result, axes: frozenset, like):
     return jax.ShapeDtypeStruct(result.shape, result.dtype, vma=axes)
 
 
-def call(target: str, results, *args, **attrs):
+def call(target: str, results, *args, cuda_twin: bool = True, **attrs):
     """Runs FFI target `target` on `args` with static `attrs`; `results` are ShapeDtypeStructs.
-    With the "cuda_emu" handlers (see `use_handlers`) it runs `target` + "_cuda_emu".
+    With the "cuda_emu" handlers (see `use_handlers`) it runs `target` + "_cuda_emu", unless
+    `cuda_twin` is False (a CPU-only target, e.g. the grouped GEMM: its CPU handler runs).
 
     Inside shard_map every argument is made to vary over the union of the arguments' manual
     axes and the results are typed the same way (an FFI call is per-device work). Batching
@@ -149,7 +150,7 @@ def call(target: str, results, *args, **attrs):
     args = tuple(make_varying(a, axes) for a in args)
     single = not isinstance(results, (tuple, list))
     typed = [_varying_result(r, axes, args[0]) for r in ([results] if single else results)]
-    if handlers() == "cuda_emu":
+    if handlers() == "cuda_emu" and cuda_twin:
         target += EMULATED_CUDA_SUFFIX
     fn = jax.ffi.ffi_call(target, typed[0] if single else typed, vmap_method="sequential")
     return fn(*args, **attrs)

@@ -32,7 +32,6 @@ from jax_ep._checks import (
 from jax_ep.reference import SendLayout
 
 __all__ = [
-    "BLOCKS_MIN_WORK",
     "SendLayout",
     "block_ladder",
     "block_matmul",
@@ -531,7 +530,7 @@ def logfmt_decode(wire, *, dtype=jnp.float32):
 
 # ----------------------------------------------------------------------------- grouped GEMM
 
-GROUPED_MATMUL_IMPLS = ("auto", "tiled", "blocks", "ragged_dot")
+GROUPED_MATMUL_IMPLS = ("auto", "ffi", "tiled", "blocks", "ragged_dot")
 # Rows per tile of the tiled grouped GEMM, measured on XLA:CPU (bench_moe --tile-rows, the
 # layer's experts on 8 emulated devices, H = F = 256, 32-128 routed rows per expert): 64 was
 # the fastest or within 4% of it; 32 lost up to 40%, 128 up to 33%. Smaller tiles waste
@@ -540,34 +539,19 @@ GROUPED_MATMUL_IMPLS = ("auto", "tiled", "blocks", "ragged_dot")
 GROUPED_MATMUL_TILE_ROWS = 64
 
 
-# impl="auto" on CPU takes "blocks" where the grouped GEMM's dense bound, rows x H x F of the
-# [N,H] rows and one group's [H, F] weight, is at least this many multiply-adds; "tiled" below,
-# where a few loop steps cover the rows and the blocks' lax.switch (one branch per block size)
-# only adds compile time. Measured (bench_moe, MoELayer step on 8 emulated CPU devices, tiled
-# vs blocks ms; N = the worst-case buffer's rows per device): E = 8, K = 2, 32 tokens per
-# device (N = 256): H = F = 32 (0.26 M): 5.7 vs 5.8; 64 (1 M): 6.6 vs 6.3; 128 (4 M): 8.6 vs
-# 7.5; 256 (17 M): 19.0 vs 16.3. E = 256, K = 8, 64 tokens, H = 64, F = 32 (4 M): 44.6 vs
-# 36.4. The blocks' step compiled in 3.3-4.6 s against 1.5-2.6 s.
-BLOCKS_MIN_WORK = 2**20
-
-
-def grouped_matmul_impl(impl, x_shape=None, w_shape=None):
+def grouped_matmul_impl(impl):
     """impl checked against GROUPED_MATMUL_IMPLS, "auto" resolved: "ragged_dot" on GPU/TPU
-    (the platform of the enclosing mesh, else the default backend); on CPU "blocks" where the
-    grouped GEMM of x [N,H] rows by [G,H,F] weights (x_shape, w_shape; w_shape[-2:] may be any
-    one group's [H,F] or [F,H]) does at least BLOCKS_MIN_WORK multiply-adds N * H * F, or the
-    shapes are not given, "tiled" for smaller GEMMs, where blocks run no faster and compile
-    slower."""
+    (the platform of the enclosing mesh, else the default backend), "ffi" (the CPU handler)
+    on CPU. "ffi" elsewhere is refused: the grouped GEMM's GPU kernel is XLA's ragged_dot."""
     if impl not in GROUPED_MATMUL_IMPLS:
         raise ValueError(f"impl: expected one of {GROUPED_MATMUL_IMPLS}, got {impl!r}")
+    platform = _ffi.trace_platform()
+    if impl == "ffi" and platform != "cpu":
+        raise ValueError(f"impl: 'ffi' is the grouped GEMM's CPU handler, this program runs on "
+                         f"{platform}: use 'ragged_dot' (or 'auto')")
     if impl != "auto":
         return impl
-    if _ffi.trace_platform() != "cpu":
-        return "ragged_dot"
-    if x_shape is None or w_shape is None:
-        return "blocks"
-    work = math.prod(x_shape[:1]) * math.prod(w_shape[-2:])
-    return "tiled" if work < BLOCKS_MIN_WORK else "blocks"
+    return "ffi" if platform == "cpu" else "ragged_dot"
 
 
 def check_grouped_operands(x, w, group_sizes, w_name="w"):
@@ -624,12 +608,15 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     No row is dropped; the work is G * C * H * F multiply-adds at the batched GEMM's rate, with
     no loop step per tile. Its backward picks the same C: dx from dy's blocks times w^T, dw[g]
     from x's and dy's blocks.
+    impl="ffi": the CPU handler (xla_ffi/grouped_gemm.cc): each group's exact rows times its
+    matrix in register tiles, float32 inside (other dtypes cast in and out), on XLA's intra-op
+    pool; its backward is two more handler calls, dx = dy times each w^T and
+    dw[g] = x_g^T dy_g. CPU only.
     impl="ragged_dot": jax.lax.ragged_dot. impl="auto": "ragged_dot" on GPU/TPU (the platform
-    of the enclosing mesh, else the default backend); on CPU "blocks", or "tiled" where
-    N * H * F is under BLOCKS_MIN_WORK (see grouped_matmul_impl).
+    of the enclosing mesh, else the default backend), "ffi" on CPU.
     Works under jit, vmap and inside shard_map (under vmap the switch runs every branch).
     """
-    impl = grouped_matmul_impl(impl, x.shape, w.shape)
+    impl = grouped_matmul_impl(impl)
     check_grouped_operands(x, w, group_sizes)
     tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
                                                                              "tile_rows")
@@ -639,9 +626,50 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     x, w, group_sizes = grouped_operands((x, w), group_sizes)
     if x.size == 0 or w.size == 0:
         return _ffi.vary_like(jnp.zeros((x.shape[0], w.shape[2]), x.dtype), x, w, group_sizes)
+    if impl == "ffi":
+        return _ffi_gmm(x, w, group_sizes)
     if impl == "blocks":
         return _blocks_gmm(x, w, group_sizes, block_ladder(x.shape[0], w.shape[0]), tile)
     return _tiled_gmm(x, w, group_sizes, tile)
+
+
+def _ffi_product(x, w, group_sizes, transpose_w=False):
+    """The CPU handler's grouped GEMM: x [N,K] rows by group times w [G,K,F] (transpose_w: w
+    [G,F,K], each group's transpose) -> [N,F] in x's dtype; float32 inside."""
+    width = w.shape[1] if transpose_w else w.shape[2]
+    out = _ffi.call("jax_ep_grouped_gemm",
+                    jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32),
+                    x.astype(jnp.float32), w.astype(jnp.float32), group_sizes,
+                    transpose_rhs=transpose_w, cuda_twin=False)
+    return out.astype(x.dtype)
+
+
+def _ffi_weight_grad(x, dy, group_sizes):
+    """dw f32[G,K,F]: dw[g] = x_g^T dy_g over the rows of group g of x [N,K] and dy [N,F], by
+    the CPU handler."""
+    shape = (group_sizes.shape[0], x.shape[1], dy.shape[1])
+    return _ffi.call("jax_ep_grouped_gemm_dw", jax.ShapeDtypeStruct(shape, jnp.float32),
+                     x.astype(jnp.float32), dy.astype(jnp.float32), group_sizes,
+                     cuda_twin=False)
+
+
+@jax.custom_vjp
+def _ffi_gmm(x, w, group_sizes):
+    return _ffi_product(x, w, group_sizes)
+
+
+def _ffi_gmm_fwd(x, w, group_sizes):
+    return _ffi_product(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _ffi_gmm_bwd(residuals, dy):
+    x, w, group_sizes = residuals
+    dy = dy.astype(x.dtype)
+    dx = _ffi_product(dy, w, group_sizes, transpose_w=True)
+    return dx, _ffi_weight_grad(x, dy, group_sizes).astype(w.dtype), None
+
+
+_ffi_gmm.defvjp(_ffi_gmm_fwd, _ffi_gmm_bwd)
 
 
 def _group_bounds(group_sizes, num_rows):

@@ -85,7 +85,8 @@ def test_values_and_gradients_match_dense(backend, shape, capacity):
 @pytest.mark.parametrize("extra", [dict(moe_deepep_async_dispatch=True, num_overlap_chunks=2),
                                    dict(moe_router_expert_pad_multiple=4),
                                    dict(grouped_gemm_impl="ragged_dot"),
-                                   dict(grouped_gemm_impl="blocks")])
+                                   dict(grouped_gemm_impl="blocks"),
+                                   dict(grouped_gemm_impl="tiled")])
 def test_overlap_padded_blocks_and_ragged_dot_match_dense(extra):
     mesh = jax.make_mesh((2, 2, 2), AXES)
     layer, twin = _layer_pair(_config(2, **extra), mesh)

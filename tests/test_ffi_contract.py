@@ -101,6 +101,14 @@ def _cases():
          sds((T, 512), F32),
          sds((T, 256), F32),
          "out: expected float32 or bfloat16"),
+        ("grouped_gemm", "jax_ep_grouped_gemm",
+         (tokens.astype(F32), jnp.zeros((2, H, 3), F32), jnp.asarray([2, 4], I32)),
+         dict(transpose_rhs=False), sds((T, 3), F32), sds((T, 4), F32),
+         r"out: expected 18 elements, got shape \[6, 4\]"),
+        ("grouped_gemm_dw", "jax_ep_grouped_gemm_dw",
+         (tokens.astype(F32), jnp.zeros((T, 3), F32), jnp.asarray([2, 4], I32)), {},
+         sds((2, H, 3), F32), sds((3, H, 3), F32),
+         r"out: expected 1536 elements, got shape \[3, 256, 3\]"),
     ]
 
 

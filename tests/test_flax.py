@@ -242,7 +242,8 @@ def _mesh():
                                    dict(moe_router_topk=3, moe_deepep_async_dispatch=True,
                                         num_overlap_chunks=2),
                                    dict(grouped_gemm_impl="ragged_dot"),
-                                   dict(grouped_gemm_impl="blocks")])
+                                   dict(grouped_gemm_impl="blocks"),
+                                   dict(grouped_gemm_impl="tiled")])
 def test_moe_layer_forward_and_grad_match_dense(backend, extra):
     if extra.get("moe_deepep_async_dispatch") and backend == "hybridep":
         pytest.skip("chunked overlap is a deepep-family feature")

@@ -1099,9 +1099,11 @@ def test_pad_expert_input_to_capacity_pads_the_gemm_and_changes_no_value(backend
                 layer, x)
         results.append((value, y, counts, grads, list(seen)))
     (v0, y0, c0, g0, seen0), (v1, y1, c1, g1, seen1) = results
-    np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-6, atol=1e-7)
+    # the padded blocks run XLA's batched einsum, the unpadded rows the CPU handler (fused
+    # multiply-adds): the same products, rounded in another order
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
-    assert_param_grads_close(g1, g0, rtol=1e-5, atol=1e-7)
+    assert_param_grads_close(g1, g0, rtol=1e-5, atol=2e-6)
     np.testing.assert_array_equal(np.asarray(c1), np.asarray(c0))  # the router's kept slots
     # 6 tokens per device, K=2, E=8, factor 0.5: cap = ceil(6*2/8*0.5) = 1, C = 4 * 1 rows for
     # each of the L = 2 local experts.

@@ -7,6 +7,7 @@
 namespace nb = nanobind;
 
 JAX_EP_DECLARE_HANDLERS(Cpu)
+JAX_EP_CPU_ONLY_TARGETS(JAX_EP_DECLARE_HANDLER, Cpu)
 #ifdef JAX_EP_WITH_CUDA
 JAX_EP_DECLARE_HANDLERS(Cuda)
 #endif
@@ -19,7 +20,7 @@ namespace {
 
 nb::dict Registrations() {
   nb::dict out;
-  out["cpu"] = jax_ep::TargetDict(JAX_EP_HANDLER_ROWS(Cpu, JAX_EP_AS_IS));
+  out["cpu"] = jax_ep::TargetDict(JAX_EP_CPU_HANDLER_ROWS);
 #ifdef JAX_EP_WITH_CUDA
   out["CUDA"] = jax_ep::TargetDict(JAX_EP_HANDLER_ROWS(Cuda, JAX_EP_AS_IS));
 #else

@@ -4,6 +4,7 @@
 //   JAX_EP_DECLARE_HANDLERS(Cpu)                  extern "C" declarations of every <stem>Cpu;
 //   JAX_EP_HANDLER_ROWS(Cuda, JAX_EP_AS_IS)       {target name, handler} rows, each handler
 //                                                 <stem>Cuda passed through a wrapper macro;
+//   JAX_EP_CPU_HANDLER_ROWS                       the CPU module's rows, CPU-only targets too;
 //   jax_ep::TargetDict(rows, "_cuda_emu")         {target name + suffix: handler capsule}.
 #pragma once
 
@@ -20,6 +21,10 @@
 
 #define JAX_EP_HANDLER_ROW(name, stem, suffix, wrap) {name, wrap(stem##suffix)},
 #define JAX_EP_HANDLER_ROWS(suffix, wrap) {JAX_EP_TARGETS(JAX_EP_HANDLER_ROW, suffix, wrap)}
+// The CPU module's rows: JAX_EP_TARGETS' and the CPU-only ones (targets.h).
+#define JAX_EP_CPU_HANDLER_ROWS                                 \
+  {JAX_EP_TARGETS(JAX_EP_HANDLER_ROW, Cpu, JAX_EP_AS_IS)        \
+       JAX_EP_CPU_ONLY_TARGETS(JAX_EP_HANDLER_ROW, Cpu, JAX_EP_AS_IS)}
 // The wrapper of JAX_EP_HANDLER_ROWS that registers the handler symbol itself.
 #define JAX_EP_AS_IS(handler) handler
 

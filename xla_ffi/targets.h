@@ -16,3 +16,9 @@
   X("jax_ep_logfmt_encode", JaxEpLogfmtEncode, __VA_ARGS__)            \
   X("jax_ep_logfmt_decode", JaxEpLogfmtDecode, __VA_ARGS__)            \
   X("jax_ep_peer_exchange", JaxEpPeerExchange, __VA_ARGS__)
+
+// CPU-only targets (<stem>Cpu): families whose GPU side is XLA's own, e.g. the grouped GEMM
+// (jax.lax.ragged_dot on GPUs).
+#define JAX_EP_CPU_ONLY_TARGETS(X, ...)                            \
+  X("jax_ep_grouped_gemm", JaxEpGroupedGemm, __VA_ARGS__)          \
+  X("jax_ep_grouped_gemm_dw", JaxEpGroupedGemmDw, __VA_ARGS__)

@@ -1,5 +1,5 @@
 """MoELayer (Flax NNX): router top-k, SwiGLU experts as grouped GEMMs (`jax_ep.ops.grouped_matmul`:
-expert blocks on CPU (the tiled loop for small GEMMs), `jax.lax.ragged_dot` on GPU/TPU,
+jax_ep's CPU handler on CPU, `jax.lax.ragged_dot` on GPU/TPU,
 chosen by `TokenDispatcherConfig.grouped_gemm_impl`) sharded over the expert mesh axis, the
 flex dispatcher, an optional shared expert, Megatron-Core's
 router (`jax_ep.flax.router`, configured by `jax_ep.flax.MoEConfig`) and its losses and statistics.
@@ -44,11 +44,11 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
                    tile_rows=None):
     """Grouped SwiGLU: tokens [N,H] in expert-major blocks of tokens_per_expert i32[L] rows,
     w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past the blocks give zeros). impl and
-    tile_rows: the grouped GEMM's (`jax_ep.ops.grouped_matmul`: "auto", "tiled", "blocks" or
-    "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the first GEMM to
-    the second (one gather in, one out) instead of calling grouped_matmul twice. "auto" is
-    resolved once, from N * F * H (both GEMMs take the same impl)."""
-    impl = ops.grouped_matmul_impl(impl, tokens.shape, w_down.shape)
+    tile_rows: the grouped GEMM's (`jax_ep.ops.grouped_matmul`: "auto", "ffi", "tiled",
+    "blocks" or "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the
+    first GEMM to the second (one gather in, one out) instead of calling grouped_matmul
+    twice."""
+    impl = ops.grouped_matmul_impl(impl)
     if impl == "blocks":
         return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows)
     gmm = partial(ops.grouped_matmul, group_sizes=tokens_per_expert, impl=impl,
