@@ -1,8 +1,9 @@
 """Loads the compiled extension and registers its XLA FFI targets (CPU always, CUDA if built,
 and the emulated CUDA handlers on the CPU platform where the JAX_EP_CUDA_EMU build made them).
 
-`JAX_EP_USE_CUDA_EMU=1` in the environment (read at import) routes every FFI call to the
-emulated CUDA handlers: the .cu kernels run on the CPU under the CUDA emulator (xla_ffi/emu).
+`JAX_EP_USE_CUDA_EMU=1` in the environment (read at import) routes every FFI call of a target
+with a CUDA handler to the emulated CUDA handlers: the .cu kernels run on the CPU under the
+CUDA emulator (xla_ffi/emu). CPU-only targets (the grouped GEMM) keep their CPU handler.
 `use_handlers` switches that per trace, for tests that compare both on one machine.
 """
 

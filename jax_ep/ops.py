@@ -539,19 +539,27 @@ GROUPED_MATMUL_IMPLS = ("auto", "ffi", "tiled", "blocks", "ragged_dot")
 GROUPED_MATMUL_TILE_ROWS = 64
 
 
-def grouped_matmul_impl(impl):
+def grouped_matmul_impl(impl, dtype=None):
     """impl checked against GROUPED_MATMUL_IMPLS, "auto" resolved: "ragged_dot" on GPU/TPU
     (the platform of the enclosing mesh, else the default backend), "ffi" (the CPU handler)
-    on CPU. "ffi" elsewhere is refused: the grouped GEMM's GPU kernel is XLA's ragged_dot."""
+    on CPU, "tiled" there for a float64 `dtype` (the operands' promoted dtype; the handler
+    computes in float32). "ffi" on another platform or for float64 is refused: the grouped
+    GEMM's GPU kernel is XLA's ragged_dot."""
     if impl not in GROUPED_MATMUL_IMPLS:
         raise ValueError(f"impl: expected one of {GROUPED_MATMUL_IMPLS}, got {impl!r}")
     platform = _ffi.trace_platform()
     if impl == "ffi" and platform != "cpu":
         raise ValueError(f"impl: 'ffi' is the grouped GEMM's CPU handler, this program runs on "
                          f"{platform}: use 'ragged_dot' (or 'auto')")
+    wide = dtype is not None and jnp.dtype(dtype).itemsize > 4
+    if impl == "ffi" and wide:
+        raise ValueError(f"impl: 'ffi' computes in float32, the operands are {jnp.dtype(dtype)}"
+                         f": use 'tiled' (or 'auto')")
     if impl != "auto":
         return impl
-    return "ffi" if platform == "cpu" else "ragged_dot"
+    if platform != "cpu":
+        return "ragged_dot"
+    return "tiled" if wide else "ffi"
 
 
 def check_grouped_operands(x, w, group_sizes, w_name="w"):
@@ -589,7 +597,8 @@ def block_matmul(spec, a, w):
 def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     """Grouped GEMM with the semantics of `jax.lax.ragged_dot`: x [N,H] rows in consecutive
     groups of group_sizes i32[G] rows, w [G,H,F] -> [N,F] in the promoted dtype of x and w
-    (fp32 accumulation; every impl, ragged_dot included, computes in that dtype),
+    (fp32 accumulation; every impl, ragged_dot included, computes in that dtype; "ffi" in
+    float32, and "auto" takes "tiled" for float64),
     out[r] = x[r] @ w[g] for the rows r of group g; rows past sum(group_sizes) are zero (a sum
     above N is cut at N; negative sizes count as 0). Differentiable in x and w.
 
@@ -616,8 +625,8 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     of the enclosing mesh, else the default backend), "ffi" on CPU.
     Works under jit, vmap and inside shard_map (under vmap the switch runs every branch).
     """
-    impl = grouped_matmul_impl(impl)
     check_grouped_operands(x, w, group_sizes)
+    impl = grouped_matmul_impl(impl, jnp.result_type(x, w))
     tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
                                                                              "tile_rows")
     if impl == "ragged_dot":

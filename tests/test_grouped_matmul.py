@@ -195,6 +195,12 @@ def test_grouped_matmul_auto_on_cpu_and_argument_checks(monkeypatch):
     text = jax.jit(lambda x, a, b: swiglu_experts(x, sizes, a, b)).lower(
         x, jnp.zeros((4, H, 2 * F)), jnp.zeros((4, F, H))).as_text()
     assert text.count("@jax_ep_grouped_gemm(") == 2
+    # float64 (under jax_enable_x64): the handler computes in float32, "auto" takes "tiled"
+    assert ops.grouped_matmul_impl("auto", jnp.bfloat16) == "ffi"
+    assert ops.grouped_matmul_impl("auto", np.float64) == "tiled"
+    with pytest.raises(ValueError, match="impl: 'ffi' computes in float32, the operands are "
+                                         "float64"):
+        ops.grouped_matmul_impl("ffi", np.float64)
     monkeypatch.setattr(ops._ffi, "trace_platform", lambda: "gpu")  # a program on GPUs
     assert ops.grouped_matmul_impl("auto") == "ragged_dot"
     with pytest.raises(ValueError, match="impl: 'ffi' is the grouped GEMM's CPU handler, "
@@ -229,6 +235,7 @@ def _grouped_f64(x, w, sizes):
     (13, 5, 1, [-3, 13, 4]),            # a negative size, one column, a sum above the rows
     (40, 16, 129, [0, 0, 0]),           # no rows in any group: all zero
     (300, 8, 16, [300]),                # one group, dw's depth (its rows) past 256
+    (20, 32, 84, [9, 11]),              # last panel: one whole vector and part of another
 ])
 def test_ffi_handlers_against_a_float64_model(rows, depth, width, sizes):
     # The handlers themselves: forward, the transposed forward (dx) and dw, against float64;

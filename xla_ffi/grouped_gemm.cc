@@ -11,13 +11,14 @@
 //
 // Each (group, column panel of kPanel columns) is one task on XLA's intra-op pool. A task runs
 // a register tile of kRows x kPanel outputs down the group's rows: kRows x kPanelVectors SIMD
-// accumulators, one broadcast of a left-hand value and kPanelVectors loads of the right-hand
-// panel per step of the depth, in blocks of kDepth. A row-major right-hand panel is read where
-// it lies; a transposed one, or the last (narrower) panel, is first packed contiguously (zero
-// columns past N). Compiled with the build's SIMD width (AVX-512, AVX or 4 lanes) and with
-// fused multiply-adds.
+// accumulators; per step of the depth (in blocks of kDepth), kPanelVectors loads of the
+// right-hand panel and one broadcast of a left-hand value per row. A row-major right-hand
+// panel is read where it lies; a transposed one, or the last (narrower) panel, is first packed
+// contiguously (zero columns past N). Compiled with the build's SIMD width (AVX-512, AVX or 4
+// lanes) and contraction on: fused multiply-adds where the ISA has them (-march=native).
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -206,11 +207,14 @@ ffi::Error CheckGroups(const I32& group_sizes, int64_t G) {
   return ffi::Error::Success();
 }
 
-// A result buffer holds `want` elements.
-ffi::Error CheckOut(const char* name, F32Out& out, int64_t want) {
-  if (int64_t(out->element_count()) != want) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": expected " + std::to_string(want) +
-                                       " elements, got shape " + ShapeString(out->dimensions()));
+// The result buffer has exactly the shape `want`.
+ffi::Error CheckOut(const char* name, F32Out& out, std::initializer_list<int64_t> want) {
+  const auto dims = out->dimensions();
+  if (!std::equal(dims.begin(), dims.end(), want.begin(), want.end())) {
+    std::string expected = "[";
+    for (int64_t d : want) expected += (expected.size() > 1 ? ", " : "") + std::to_string(d);
+    return ffi::Error::InvalidArgument(std::string(name) + ": expected shape " + expected +
+                                       "], got " + ShapeString(dims));
   }
   return ffi::Error::Success();
 }
@@ -228,7 +232,7 @@ ffi::Error GroupedGemmCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_size
                       rhs);
   }
   if (auto err = CheckGroups(group_sizes, G); err.failure()) return err;
-  if (auto err = CheckOut("out", out, M * N); err.failure()) return err;
+  if (auto err = CheckOut("out", out, {M, N}); err.failure()) return err;
   const Groups groups = MakeGroups(group_sizes.typed_data(), G, M);
   float* c = out->typed_data();
   std::fill(c + groups.rows() * N, c + M * N, 0.0f);
@@ -249,7 +253,7 @@ ffi::Error GroupedGemmDwCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_si
   if (rhs.dimensions()[0] != M) {
     return ShapeError("rhs", std::to_string(M) + " rows to match lhs", rhs);
   }
-  if (auto err = CheckOut("out", out, G * K * N); err.failure()) return err;
+  if (auto err = CheckOut("out", out, {G, K, N}); err.failure()) return err;
   const Groups groups = MakeGroups(group_sizes.typed_data(), G, M);
   GroupedWeightGrad(pool, groups, lhs.typed_data(), K, rhs.typed_data(), N, out->typed_data());
   return ffi::Error::Success();

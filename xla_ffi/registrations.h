@@ -13,6 +13,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "cpu_only_targets.h"
 #include "targets.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -21,7 +22,7 @@
 
 #define JAX_EP_HANDLER_ROW(name, stem, suffix, wrap) {name, wrap(stem##suffix)},
 #define JAX_EP_HANDLER_ROWS(suffix, wrap) {JAX_EP_TARGETS(JAX_EP_HANDLER_ROW, suffix, wrap)}
-// The CPU module's rows: JAX_EP_TARGETS' and the CPU-only ones (targets.h).
+// The CPU module's rows: JAX_EP_TARGETS' and the CPU-only ones (cpu_only_targets.h).
 #define JAX_EP_CPU_HANDLER_ROWS                                 \
   {JAX_EP_TARGETS(JAX_EP_HANDLER_ROW, Cpu, JAX_EP_AS_IS)        \
        JAX_EP_CPU_ONLY_TARGETS(JAX_EP_HANDLER_ROW, Cpu, JAX_EP_AS_IS)}

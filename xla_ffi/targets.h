@@ -1,4 +1,5 @@
-// The FFI targets of jax_ep: X(target name, handler symbol stem, ...), the arguments after
+// The FFI targets of jax_ep with a CPU and a CUDA handler (the CPU-only ones are in
+// cpu_only_targets.h): X(target name, handler symbol stem, ...), the arguments after
 // JAX_EP_TARGETS's first passed on to X (registrations.h passes a symbol suffix and a
 // wrapper). Each .cc / .cu file defines the symbols <stem>Cpu / <stem>Cuda with
 // XLA_FFI_DEFINE_HANDLER_SYMBOL (extern "C").
@@ -16,9 +17,3 @@
   X("jax_ep_logfmt_encode", JaxEpLogfmtEncode, __VA_ARGS__)            \
   X("jax_ep_logfmt_decode", JaxEpLogfmtDecode, __VA_ARGS__)            \
   X("jax_ep_peer_exchange", JaxEpPeerExchange, __VA_ARGS__)
-
-// CPU-only targets (<stem>Cpu): families whose GPU side is XLA's own, e.g. the grouped GEMM
-// (jax.lax.ragged_dot on GPUs).
-#define JAX_EP_CPU_ONLY_TARGETS(X, ...)                            \
-  X("jax_ep_grouped_gemm", JaxEpGroupedGemm, __VA_ARGS__)          \
-  X("jax_ep_grouped_gemm_dw", JaxEpGroupedGemmDw, __VA_ARGS__)

@@ -48,7 +48,7 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
     "blocks" or "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the
     first GEMM to the second (one gather in, one out) instead of calling grouped_matmul
     twice."""
-    impl = ops.grouped_matmul_impl(impl)
+    impl = ops.grouped_matmul_impl(impl, jnp.result_type(tokens, w_gate_up, w_down))
     if impl == "blocks":
         return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows)
     gmm = partial(ops.grouped_matmul, group_sizes=tokens_per_expert, impl=impl,
