@@ -45,6 +45,7 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_impl",
     "grouped_operands",
+    "grouped_tile_rows",
     "indices_to_multihot",
     "logfmt_decode",
     "logfmt_encode",
@@ -539,6 +540,13 @@ GROUPED_MATMUL_IMPLS = ("auto", "ffi", "tiled", "blocks", "ragged_dot")
 GROUPED_MATMUL_TILE_ROWS = 64
 
 
+def grouped_tile_rows(tile_rows):
+    """The tiled grouped GEMM's rows per tile: tile_rows checked positive, or
+    GROUPED_MATMUL_TILE_ROWS when it is None."""
+    return GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
+                                                                             "tile_rows")
+
+
 def grouped_matmul_impl(impl, dtype=None):
     """impl checked against GROUPED_MATMUL_IMPLS, "auto" resolved: "ragged_dot" on GPU/TPU
     (the platform of the enclosing mesh, else the default backend), "ffi" (the CPU handler)
@@ -627,8 +635,7 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     """
     check_grouped_operands(x, w, group_sizes)
     impl = grouped_matmul_impl(impl, jnp.result_type(x, w))
-    tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
-                                                                             "tile_rows")
+    tile = grouped_tile_rows(tile_rows)
     if impl == "ragged_dot":
         dtype = jnp.result_type(x, w)
         return jax.lax.ragged_dot(x.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32))
@@ -788,8 +795,7 @@ def tiled_grouped_matmul_grads(x, w, group_sizes, dy, tile_rows=None):
     dy [N,F], without rerunning its forward: (dx [N,H] in x's dtype, dw [G,H,F] in w's), by
     the tiled loop. x, w and group_sizes as grouped_operands returns them (one float dtype,
     int32 sizes)."""
-    tile = GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
-                                                                             "tile_rows")
+    tile = grouped_tile_rows(tile_rows)
     return _tiled_gmm_bwd(tile, (x, w, group_sizes), dy)[:2]
 
 

@@ -220,13 +220,18 @@ def test_grouped_matmul_auto_on_cpu_and_argument_checks(monkeypatch):
         ops.grouped_matmul(x, w, sizes.astype(jnp.float32), impl="blocks")
 
 
+def _group_rows(sizes, num_rows):
+    """The row slice of each group: consecutive from row 0, negative sizes as 0, cut at
+    num_rows."""
+    ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), num_rows)
+    return [slice(int(s), int(e)) for s, e in zip(np.concatenate([[0], ends[:-1]]), ends)]
+
+
 def _grouped_f64(x, w, sizes):
     """numpy float64 model: out[r] = x[r] @ w[g] for the rows of group g, 0 past the groups."""
-    out, start = np.zeros((x.shape[0], w.shape[2])), 0
-    for g, n in enumerate(sizes):
-        end = min(start + max(int(n), 0), x.shape[0])
-        out[start:end] = x[start:end].astype(np.float64) @ w[g].astype(np.float64)
-        start = end
+    out = np.zeros((x.shape[0], w.shape[2]))
+    for g, rows in enumerate(_group_rows(sizes, x.shape[0])):
+        out[rows] = x[rows].astype(np.float64) @ w[g].astype(np.float64)
     return out
 
 
@@ -255,12 +260,9 @@ def test_ffi_handlers_against_a_float64_model(rows, depth, width, sizes):
     np.testing.assert_allclose(dx, _grouped_f64(dy, w.swapaxes(1, 2), sizes), rtol=1e-5,
                                atol=1e-4)
     dw = call("jax_ep_grouped_gemm_dw", jax.ShapeDtypeStruct(w.shape, jnp.float32), x, dy, g)
-    start = 0
-    for k, n in enumerate(sizes):
-        end = min(start + max(n, 0), rows)
-        want = x[start:end].T.astype(np.float64) @ dy[start:end]
+    for k, group in enumerate(_group_rows(sizes, rows)):
+        want = x[group].T.astype(np.float64) @ dy[group]
         np.testing.assert_allclose(dw[k], want, rtol=1e-5, atol=1e-4)
-        start = end
 
 
 def test_ffi_handler_refuses_mismatched_operands():

@@ -29,7 +29,7 @@ from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
-from jax_ep._checks import check_float, check_positive
+from jax_ep._checks import check_float
 
 __all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "MoELayer", "dense_forward",
            "expert_tile_rows", "force_balance_key", "gate_up_from_etp", "gate_up_to_etp",
@@ -79,8 +79,7 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
                          f", H_out] to match w_gate_up {w_gate_up.shape}, got shape "
                          f"{w_down.shape}")
     check_float(w_down, "w_down")
-    tile = ops.GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
-                                                                                 "tile_rows")
+    tile = ops.grouped_tile_rows(tile_rows)
     operands = ops.grouped_operands((tokens, w_gate_up, w_down), tokens_per_expert)
     if tokens.size == 0 or w_gate_up.size == 0 or w_down.size == 0:
         return _ffi.vary_like(jnp.zeros((tokens.shape[0], w_down.shape[2]), operands[0].dtype),
