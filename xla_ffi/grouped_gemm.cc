@@ -47,13 +47,56 @@ struct View {
   const float* At(int64_t i, int64_t j) const { return data + i * row_stride + j * col_stride; }
 };
 
+Vec LoadVec(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+typedef int32_t LaneIndex __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// One stage of a kLanes x kLanes transpose held in rows r[0..kLanes): within every 2D x 2D
+// block, the upper-right and lower-left D x D blocks change places (rows i and i + D, i's bit
+// D clear: row i takes row i + D's lanes j - D for the lanes j with bit D set, and gives its
+// lanes j + D for the lanes j with bit D clear). The stages D = kLanes/2, ..., 1 together
+// swap the row and column index bits: the transpose.
+template <int D>
+void TransposeStages(Vec (&r)[kLanes]) {
+  LaneIndex to_upper, to_lower;
+  for (int j = 0; j < kLanes; ++j) {
+    to_upper[j] = (j & D) ? kLanes + j - D : j;
+    to_lower[j] = (j & D) ? kLanes + j : j + D;
+  }
+  for (int i = 0; i < kLanes; ++i) {
+    if (i & D) continue;
+    const Vec upper = __builtin_shuffle(r[i], r[i + D], to_upper);
+    r[i + D] = __builtin_shuffle(r[i], r[i + D], to_lower);
+    r[i] = upper;
+  }
+  if constexpr (D > 1) TransposeStages<D / 2>(r);
+}
+
 // packed[p * kPanel + j] = b(p0 + p, j0 + j) for p < depth, j < cols; 0 for cols <= j < kPanel.
-// A transposed b (row_stride 1) is read along its contiguous columns.
+// A transposed b (row_stride 1) is read along its contiguous columns kLanes x kLanes at a
+// time, each square transposed in registers and stored as whole rows of the panel.
 void PackPanel(View b, int64_t p0, int64_t depth, int64_t j0, int64_t cols, float* packed) {
   if (b.row_stride == 1) {
-    for (int64_t j = 0; j < cols; ++j) {
+    const int64_t whole_depth = depth - depth % kLanes, whole_cols = cols - cols % kLanes;
+    for (int64_t q = 0; q < whole_depth; q += kLanes) {
+      for (int64_t j = 0; j < whole_cols; j += kLanes) {
+        Vec square[kLanes];  // square[i][t] = b(p0 + q + t, j0 + j + i)
+        for (int i = 0; i < kLanes; ++i) square[i] = LoadVec(b.At(p0 + q, j0 + j + i));
+        TransposeStages<kLanes / 2>(square);  // now square[t][i]
+        for (int t = 0; t < kLanes; ++t) {
+          std::memcpy(packed + (q + t) * kPanel + j, &square[t], sizeof(Vec));
+        }
+      }
+    }
+    for (int64_t j = 0; j < cols; ++j) {  // the columns and depth the squares left
       const float* src = b.At(p0, j0 + j);
-      for (int64_t p = 0; p < depth; ++p) packed[p * kPanel + j] = src[p];
+      for (int64_t p = j < whole_cols ? whole_depth : 0; p < depth; ++p) {
+        packed[p * kPanel + j] = src[p];
+      }
     }
   }
   for (int64_t p = 0; p < depth; ++p) {
@@ -61,12 +104,6 @@ void PackPanel(View b, int64_t p0, int64_t depth, int64_t j0, int64_t cols, floa
     if (b.row_stride != 1) std::memcpy(dst, b.At(p0 + p, j0), cols * sizeof(float));
     std::fill(dst + cols, dst + kPanel, 0.0f);
   }
-}
-
-Vec LoadVec(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
 }
 
 // c[r, j] (+)= sum_p a(r, p) * b[p * ldb + j] for r < R, j < cols (c row stride ldc; b holds
