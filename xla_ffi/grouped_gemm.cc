@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -184,15 +185,22 @@ Groups MakeGroups(const int32_t* sizes, int64_t G, int64_t num_rows) {
   return groups;
 }
 
+// This thread's kDepth x kPanel floats for packed panels: allocated once per thread, never
+// initialised (every panel is written before it is read).
+float* PackedPanelScratch() {
+  thread_local const std::unique_ptr<float[]> scratch(new float[kDepth * kPanel]);
+  return scratch.get();
+}
+
 // Runs task(group, j0, cols, packed) for every (group, column panel) pair on the pool.
 template <typename Task>
 void ForEachPanel(ffi::ThreadPool& pool, int64_t G, int64_t width, const Task& task) {
   const int64_t panels = (width + kPanel - 1) / kPanel;
   ParallelFor(pool, G * panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> packed(kDepth * kPanel);
+    float* packed = PackedPanelScratch();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = (t % panels) * kPanel;
-      task(t / panels, j0, std::min(kPanel, width - j0), packed.data());
+      task(t / panels, j0, std::min(kPanel, width - j0), packed);
     }
   });
 }
