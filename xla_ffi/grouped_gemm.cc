@@ -280,6 +280,7 @@ ffi::Error GroupedGemmCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_size
   if (auto err = CheckOut("out", out, {M, N}); err.failure()) return err;
   const Groups groups = MakeGroups(group_sizes.typed_data(), G, M);
   float* c = out->typed_data();
+  AdviseHugePages(c, M * N * int64_t(sizeof(float)));
   std::fill(c + groups.rows() * N, c + M * N, 0.0f);
   const float* b = rhs.typed_data();
   GroupedProduct(pool, groups, lhs.typed_data(), K, [&](int64_t g) {
@@ -300,6 +301,7 @@ ffi::Error GroupedGemmDwCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_si
   }
   if (auto err = CheckOut("out", out, {G, K, N}); err.failure()) return err;
   const Groups groups = MakeGroups(group_sizes.typed_data(), G, M);
+  AdviseHugePages(out->typed_data(), G * K * N * int64_t(sizeof(float)));
   GroupedWeightGrad(pool, groups, lhs.typed_data(), K, rhs.typed_data(), N, out->typed_data());
   return ffi::Error::Success();
 }
