@@ -241,7 +241,7 @@ def _grouped_f64(x, w, sizes):
     (40, 16, 129, [0, 0, 0]),           # no rows in any group: all zero
     (300, 8, 16, [300]),                # one group, dw's depth (its rows) past 256
     (20, 32, 84, [9, 11]),              # last panel: one whole vector and part of another
-    (30, 40, 300, [10, 20]),            # dx's transposed pack: squares, tails, depth past 256
+    (30, 45, 301, [10, 20]),            # dx's transposed pack: squares, tails, depth past 256
 ])
 def test_ffi_handlers_against_a_float64_model(rows, depth, width, sizes):
     # The handlers themselves: forward, the transposed forward (dx) and dw, against float64;

@@ -17,10 +17,12 @@
 // contiguously (zero columns past N). Compiled with the build's SIMD width (AVX-512, AVX or 4
 // lanes) and contraction on: fused multiply-adds where the ISA has them (-march=native).
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -54,26 +56,25 @@ Vec LoadVec(const float* p) {
   return v;
 }
 
-typedef int32_t LaneIndex __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
 // One stage of a kLanes x kLanes transpose held in rows r[0..kLanes): within every 2D x 2D
 // block, the upper-right and lower-left D x D blocks change places (rows i and i + D, i's bit
 // D clear: row i takes row i + D's lanes j - D for the lanes j with bit D set, and gives its
 // lanes j + D for the lanes j with bit D clear). The stages D = kLanes/2, ..., 1 together
-// swap the row and column index bits: the transpose.
-template <int D>
-void TransposeStages(Vec (&r)[kLanes]) {
-  LaneIndex to_upper, to_lower;
-  for (int j = 0; j < kLanes; ++j) {
-    to_upper[j] = (j & D) ? kLanes + j - D : j;
-    to_lower[j] = (j & D) ? kLanes + j : j + D;
-  }
+// swap the row and column index bits: the transpose. J...: the lane indices 0..kLanes-1, so
+// each mask is a constant.
+template <int D, size_t... J>
+void TransposeStage(Vec (&r)[kLanes], std::index_sequence<J...>) {
   for (int i = 0; i < kLanes; ++i) {
     if (i & D) continue;
-    const Vec upper = __builtin_shuffle(r[i], r[i + D], to_upper);
-    r[i + D] = __builtin_shuffle(r[i], r[i + D], to_lower);
+    const Vec upper = __builtin_shufflevector(r[i], r[i + D], ((J & D) ? kLanes + J - D : J)...);
+    r[i + D] = __builtin_shufflevector(r[i], r[i + D], ((J & D) ? kLanes + J : J + D)...);
     r[i] = upper;
   }
+}
+
+template <int D>
+void TransposeStages(Vec (&r)[kLanes]) {
+  TransposeStage<D>(r, std::make_index_sequence<kLanes>{});
   if constexpr (D > 1) TransposeStages<D / 2>(r);
 }
 
@@ -185,10 +186,16 @@ Groups MakeGroups(const int32_t* sizes, int64_t G, int64_t num_rows) {
   return groups;
 }
 
-// This thread's kDepth x kPanel floats for packed panels: allocated once per thread, never
-// initialised (every panel is written before it is read).
+// This thread's kDepth x kPanel floats for packed panels, cache-line aligned: allocated once
+// per thread, never initialised (every panel is written before it is read). One chunk at a
+// time uses it: a chunk's task only packs and multiplies, and ParallelFor's caller waits
+// without running other tasks.
 float* PackedPanelScratch() {
-  thread_local const std::unique_ptr<float[]> scratch(new float[kDepth * kPanel]);
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  thread_local const std::unique_ptr<float, Free> scratch(static_cast<float*>(
+      std::aligned_alloc(64, kDepth * kPanel * sizeof(float))));
   return scratch.get();
 }
 
