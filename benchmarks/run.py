@@ -4,8 +4,8 @@
 
 Each benchmark runs in its own process (so its XLA_FLAGS device count takes effect before jax
 starts) with its defaults: bench_ops, bench_ops_sweep (`bench_ops --sweep`), bench_dispatch,
-bench_moe, each as `python -m benchmarks.<module> [args]` (plus `--out OUT` when OUT is not the
-default).
+bench_gemm, bench_moe, each as `python -m benchmarks.<module> [args]` (plus `--out OUT` when
+OUT is not the default).
 A benchmark that is missing or fails is recorded and the others still run. Every *.json a
 benchmark wrote under OUT during the run is merged into OUT/results.json, keyed by file name.
 """
@@ -22,7 +22,8 @@ import time
 
 # name -> (module under benchmarks/, extra arguments)
 BENCHMARKS = {"bench_ops": ("bench_ops", []), "bench_ops_sweep": ("bench_ops", ["--sweep"]),
-              "bench_dispatch": ("bench_dispatch", []), "bench_moe": ("bench_moe", [])}
+              "bench_dispatch": ("bench_dispatch", []), "bench_gemm": ("bench_gemm", []),
+              "bench_moe": ("bench_moe", [])}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
