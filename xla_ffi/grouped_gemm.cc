@@ -28,6 +28,10 @@
 #include "common.h"
 #include "cpu_util.h"
 
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE__)
+#include <immintrin.h>
+#endif
+
 namespace jax_ep {
 namespace {
 
@@ -108,13 +112,44 @@ void PackPanel(View b, int64_t p0, int64_t depth, int64_t j0, int64_t cols, floa
   }
 }
 
+// How a tile's sums reach c: overwriting it, added to it, or overwriting it with streaming
+// (non-temporal) stores, which skip reading c's lines first (an output larger than the caches
+// is then written once instead of read and written).
+enum class Store { kOverwrite, kAccumulate, kStream };
+
+// *dst = v, streamed where dst is aligned to a whole vector (x86 only; a plain store
+// elsewhere). Call StreamingFence() before the bytes are handed to another thread.
+void StoreVec(float* dst, Vec v, Store store) {
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE__)
+  if (store == Store::kStream && reinterpret_cast<uintptr_t>(dst) % sizeof(Vec) == 0) {
+#if defined(__AVX512F__)
+    __m512 x;
+#elif defined(__AVX__)
+    __m256 x;
+#else
+    __m128 x;
+#endif
+    static_assert(sizeof(x) == sizeof(Vec), "one register per vector");
+    std::memcpy(&x, &v, sizeof(x));
+#if defined(__AVX512F__)
+    _mm512_stream_ps(dst, x);
+#elif defined(__AVX__)
+    _mm256_stream_ps(dst, x);
+#else
+    _mm_stream_ps(dst, x);
+#endif
+    return;
+  }
+#endif
+  std::memcpy(dst, &v, sizeof(v));
+}
+
 // c[r, j] (+)= sum_p a(r, p) * b[p * ldb + j] for r < R, j < cols (c row stride ldc; b holds
-// kPanel readable columns per row): the sum overwrites c, or is added to it when
-// `accumulate`. The accumulators and the loaded vectors are only ever copied by value, so
-// they stay in registers.
+// kPanel readable columns per row), stored as `store` says. The accumulators and the loaded
+// vectors are only ever copied by value, so they stay in registers.
 template <int R>
 void Tile(View a, const float* b_panel, int64_t ldb, int64_t depth, float* c, int64_t ldc,
-          int64_t cols, bool accumulate) {
+          int64_t cols, Store store) {
   Vec acc[R][kPanelVectors] = {};
   for (int64_t p = 0; p < depth; ++p) {
     Vec b[kPanelVectors];
@@ -130,9 +165,10 @@ void Tile(View a, const float* b_panel, int64_t ldb, int64_t depth, float* c, in
       const int64_t j0 = v * kLanes, n = std::min<int64_t>(kLanes, cols - j0);
       if (n <= 0) break;
       Vec sums = acc[r][v];
+      const bool accumulate = store == Store::kAccumulate;
       if (n == kLanes) {
         if (accumulate) sums += LoadVec(row + j0);
-        std::memcpy(row + j0, &sums, sizeof(sums));
+        StoreVec(row + j0, sums, store);
       } else {
         for (int64_t j = 0; j < n; ++j) row[j0 + j] = accumulate ? row[j0 + j] + sums[j] : sums[j];
       }
@@ -140,15 +176,16 @@ void Tile(View a, const float* b_panel, int64_t ldb, int64_t depth, float* c, in
   }
 }
 
-using TileFn = void (*)(View, const float*, int64_t, int64_t, float*, int64_t, int64_t, bool);
+using TileFn = void (*)(View, const float*, int64_t, int64_t, float*, int64_t, int64_t, Store);
 constexpr TileFn kTiles[kRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>,
                                       Tile<4>, Tile<5>, Tile<6>};
 
 // Columns [j0, j0 + cols) of c[rows, .] (row stride ldc) = a[rows, depth] @ b[depth, .],
 // cols <= kPanel; `packed` holds kDepth x kPanel floats. A whole panel of a row-major b is
-// read where it lies; a transposed b, or the last columns, are packed first.
+// read where it lies; a transposed b, or the last columns, are packed first. `stream`: c is
+// written with streaming stores where the whole depth is one block (c is never read back).
 void PanelProduct(View a, View b, int64_t rows, int64_t depth, int64_t j0, int64_t cols,
-                  float* c, int64_t ldc, float* packed) {
+                  float* c, int64_t ldc, float* packed, bool stream) {
   if (depth == 0) {
     for (int64_t r = 0; r < rows; ++r) std::fill(c + r * ldc + j0, c + r * ldc + j0 + cols, 0.f);
     return;
@@ -162,7 +199,9 @@ void PanelProduct(View a, View b, int64_t rows, int64_t depth, int64_t j0, int64
     for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
       const int64_t r = std::min<int64_t>(kRows, rows - r0);
       const View a_tile{a.At(r0, p0), a.row_stride, a.col_stride};
-      kTiles[r](a_tile, b_panel, ldb, block, c + r0 * ldc + j0, ldc, cols, p0 > 0);
+      const Store store = p0 > 0 ? Store::kAccumulate
+                          : stream && depth <= kDepth ? Store::kStream : Store::kOverwrite;
+      kTiles[r](a_tile, b_panel, ldb, block, c + r0 * ldc + j0, ldc, cols, store);
     }
   }
 }
@@ -199,7 +238,8 @@ float* PackedPanelScratch() {
   return scratch.get();
 }
 
-// Runs task(group, j0, cols, packed) for every (group, column panel) pair on the pool.
+// Runs task(group, j0, cols, packed) for every (group, column panel) pair on the pool; each
+// chunk fences its streaming stores before ParallelFor counts it done.
 template <typename Task>
 void ForEachPanel(ffi::ThreadPool& pool, int64_t G, int64_t width, const Task& task) {
   const int64_t panels = (width + kPanel - 1) / kPanel;
@@ -209,6 +249,7 @@ void ForEachPanel(ffi::ThreadPool& pool, int64_t G, int64_t width, const Task& t
       const int64_t j0 = (t % panels) * kPanel;
       task(t / panels, j0, std::min(kPanel, width - j0), packed);
     }
+    StreamingFence();
   });
 }
 
@@ -223,19 +264,22 @@ void GroupedProduct(ffi::ThreadPool& pool, const Groups& groups, const float* a,
     const int64_t rows = groups.ends[g] - groups.starts[g];
     if (rows == 0) return;
     PanelProduct(View{a + groups.starts[g] * depth, depth, 1}, b_of(g), rows, depth, j0, cols,
-                 c + groups.starts[g] * width, width, packed);
+                 c + groups.starts[g] * width, width, packed, false);
   });
 }
 
 // c[g] [depth, width] = a_g^T @ b_g over the rows of each group g (a [., depth] and b
-// [., width] row-major); 0 for an empty group.
+// [., width] row-major); 0 for an empty group. An output of kStreamingStoreBytes or more
+// (the weights' gradient of many experts) is streamed where a group's rows are one block.
 void GroupedWeightGrad(ffi::ThreadPool& pool, const Groups& groups, const float* a,
                        int64_t depth, const float* b, int64_t width, float* c) {
+  const bool stream =
+      groups.size() * depth * width * int64_t(sizeof(float)) >= kStreamingStoreBytes;
   ForEachPanel(pool, groups.size(), width, [&](int64_t g, int64_t j0, int64_t cols,
                                                float* packed) {
     const int64_t s = groups.starts[g];
     PanelProduct(View{a + s * depth, 1, depth}, View{b + s * width, width, 1}, depth,
-                 groups.ends[g] - s, j0, cols, c + g * depth * width, width, packed);
+                 groups.ends[g] - s, j0, cols, c + g * depth * width, width, packed, stream);
   });
 }
 
