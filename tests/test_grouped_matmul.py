@@ -242,7 +242,8 @@ def _grouped_f64(x, w, sizes):
     (300, 8, 16, [300]),                # one group, dw's depth (its rows) past 256
     (20, 32, 84, [9, 11]),              # last panel: one whole vector and part of another
     (30, 45, 301, [10, 20]),            # dx's transposed pack: squares, tails, depth past 256
-    (330, 1024, 600, [20, 0, 290, 20]),  # dw's 9.4 MiB output streamed; a group past 256 rows
+    (330, 1024, 602, [20, 0, 290, 20]),  # dw's 9.4 MiB output streamed (rows of 2408 bytes:
+    #   aligned and not, at 4, 8 and 16 lanes); a group past 256 rows and an empty one
 ])
 def test_ffi_handlers_against_a_float64_model(rows, depth, width, sizes):
     # The handlers themselves: forward, the transposed forward (dx) and dw, against float64;

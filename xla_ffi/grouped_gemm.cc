@@ -28,7 +28,7 @@
 #include "common.h"
 #include "cpu_util.h"
 
-#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -117,10 +117,11 @@ void PackPanel(View b, int64_t p0, int64_t depth, int64_t j0, int64_t cols, floa
 // is then written once instead of read and written).
 enum class Store { kOverwrite, kAccumulate, kStream };
 
-// *dst = v, streamed where dst is aligned to a whole vector (x86 only; a plain store
-// elsewhere). Call StreamingFence() before the bytes are handed to another thread.
+// *dst = v, streamed where dst is aligned to a whole vector (x86-64 only, as StreamingFence;
+// a plain store elsewhere). Call StreamingFence() before the bytes are handed to another
+// thread.
 void StoreVec(float* dst, Vec v, Store store) {
-#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE__)
+#if defined(__x86_64__)
   if (store == Store::kStream && reinterpret_cast<uintptr_t>(dst) % sizeof(Vec) == 0) {
 #if defined(__AVX512F__)
     __m512 x;
