@@ -13,9 +13,11 @@
 // a register tile of kRows x kPanel outputs down the group's rows: kRows x kPanelVectors SIMD
 // accumulators; per step of the depth (in blocks of kDepth), kPanelVectors loads of the
 // right-hand panel and one broadcast of a left-hand value per row. A row-major right-hand
-// panel is read where it lies; a transposed one, or the last (narrower) panel, is first packed
-// contiguously (zero columns past N). Compiled with the build's SIMD width (AVX-512, AVX or 4
-// lanes) and contraction on: fused multiply-adds where the ISA has them (-march=native).
+// panel is read where it lies; a transposed one (in squares of kLanes x kLanes, transposed in
+// registers), or the last (narrower) panel, is first packed contiguously (zero columns past
+// N). dw streams an output of kStreamingStoreBytes or more past the caches. Compiled with the
+// build's SIMD width (AVX-512, AVX or 4 lanes) and contraction on: fused multiply-adds where
+// the ISA has them (-march=native).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -295,18 +297,9 @@ ffi::Error ShapeError(const char* name, const std::string& expected, const F32& 
                                      ShapeString(got.dimensions()));
 }
 
-// group_sizes has G entries.
-ffi::Error CheckGroups(const I32& group_sizes, int64_t G) {
-  if (group_sizes.dimensions().size() != 1 || group_sizes.dimensions()[0] != G) {
-    return ffi::Error::InvalidArgument("group_sizes: expected shape [" + std::to_string(G) +
-                                       "], got " + ShapeString(group_sizes.dimensions()));
-  }
-  return ffi::Error::Success();
-}
-
-// The result buffer has exactly the shape `want`.
-ffi::Error CheckOut(const char* name, F32Out& out, std::initializer_list<int64_t> want) {
-  const auto dims = out->dimensions();
+// The buffer `name` with dimensions `dims` has exactly the shape `want`.
+template <typename Dims>
+ffi::Error CheckShape(const char* name, const Dims& dims, std::initializer_list<int64_t> want) {
   if (!std::equal(dims.begin(), dims.end(), want.begin(), want.end())) {
     std::string expected = "[";
     for (int64_t d : want) expected += (expected.size() > 1 ? ", " : "") + std::to_string(d);
@@ -328,8 +321,10 @@ ffi::Error GroupedGemmCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_size
                                            : "[G, K=" + std::to_string(K) + ", N] to match lhs",
                       rhs);
   }
-  if (auto err = CheckGroups(group_sizes, G); err.failure()) return err;
-  if (auto err = CheckOut("out", out, {M, N}); err.failure()) return err;
+  if (auto err = CheckShape("group_sizes", group_sizes.dimensions(), {G}); err.failure()) {
+    return err;
+  }
+  if (auto err = CheckShape("out", out->dimensions(), {M, N}); err.failure()) return err;
   const Groups groups = MakeGroups(group_sizes.typed_data(), G, M);
   float* c = out->typed_data();
   AdviseHugePages(c, M * N * int64_t(sizeof(float)));
@@ -351,7 +346,7 @@ ffi::Error GroupedGemmDwCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_si
   if (rhs.dimensions()[0] != M) {
     return ShapeError("rhs", std::to_string(M) + " rows to match lhs", rhs);
   }
-  if (auto err = CheckOut("out", out, {G, K, N}); err.failure()) return err;
+  if (auto err = CheckShape("out", out->dimensions(), {G, K, N}); err.failure()) return err;
   const Groups groups = MakeGroups(group_sizes.typed_data(), G, M);
   AdviseHugePages(out->typed_data(), G * K * N * int64_t(sizeof(float)));
   GroupedWeightGrad(pool, groups, lhs.typed_data(), K, rhs.typed_data(), N, out->typed_data());
