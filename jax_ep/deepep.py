@@ -128,9 +128,8 @@ def _biased_rows(y, bias, handle):
 
 
 _biased_rows.defvjp(
-    lambda y, bias, handle: (internode.reduce_back(y, handle, bias), handle),
-    lambda handle, d_out: (internode.send_tokens(d_out, handle), d_out.astype(jnp.float32),
-                           None))
+    lambda y, bias, handle: (_biased_rows(y, bias, handle), handle),
+    lambda handle, d_out: (_sent_rows(d_out, handle), d_out.astype(jnp.float32), None))
 
 
 def _rows_summed_to(y, handle, dtype):

@@ -162,36 +162,39 @@ def _return_logfmt(y, h):
         back.shape[0], -1))
 
 
-def _combine_forward(y, slot_weights, h, use_logfmt):
-    back = _return_logfmt(y, h) if use_logfmt else _return(y, h)
+def _return_transpose(d_back, h):
+    """The return's transpose: cotangents of the return wire's rows [P*C, ...] -> [L, P*Tmax,
+    ...], moved in the dispatch direction into the slots they came from."""
+    num_local = h.src_info.shape[0]
+    d_y = _exchange(d_back, None, h, tp.DISPATCH_NAME, recv_rows=h.recv_slot)
+    return d_y.reshape((num_local, -1) + d_back.shape[1:])
+
+
+_returned = tp.with_transpose(_return, _return_transpose)
+_return_adjoint = tp.with_transpose(_return_transpose, _return)
+
+
+@jax.custom_vjp
+def _returned_logfmt(y, h):
+    return _return_logfmt(y, h)
+
+
+# Straight-through: the LogFMT cast counts as the identity, so the rows' cotangents (f32, as
+# the decoded rows) go back as the bf16 return's would.
+_returned_logfmt.defvjp(
+    lambda y, h: (_returned_logfmt(y, h), h),
+    lambda h, d_back: (_return_adjoint(d_back.astype(jnp.bfloat16), h), None))
+
+
+def _ll_combine_rows(y, slot_weights, h, use_logfmt):
+    """y [L, P*Tmax, H] -> [T, H] in y.dtype: every slot's row returned (LogFMT-encoded on
+    the wire with use_logfmt) and summed per source token with its weight slot_weights f32[P*C]
+    (ops.unpermute). Differentiable in y and slot_weights, to any order: each piece's VJP is
+    another piece (the return's is the dispatch-direction exchange, unpermute's a gather)."""
+    back = _returned_logfmt(y, h) if use_logfmt else _returned(y, h)
     out = ops.unpermute(back, h.send_token, num_tokens=h.num_tokens, probs=slot_weights,
                         impl=h.impl)
-    return out.astype(y.dtype), back
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ll_combine_rows(y, slot_weights, h, use_logfmt):
-    return _combine_forward(y, slot_weights, h, use_logfmt)[0]
-
-
-def _ll_combine_rows_fwd(y, slot_weights, h, use_logfmt):
-    out, back = _combine_forward(y, slot_weights, h, use_logfmt)
-    return out, (back, slot_weights, h)
-
-
-def _ll_combine_rows_bwd(use_logfmt, residuals, d_out):
-    # With use_logfmt the cast counts as the identity (straight-through): d_y is the bf16
-    # combine's, and the weights see the rows as they arrived (back, the decoded rows).
-    back, slot_weights, h = residuals
-    d_rows = ops.gather_rows(d_out, h.send_token, impl=h.impl).astype(jnp.float32)
-    d_slot_weights = (d_rows * back.astype(jnp.float32)).sum(axis=-1)
-    scaled = (d_rows * slot_weights[:, None]).astype(d_out.dtype)
-    num_local = h.src_info.shape[0]
-    d_y = _exchange(scaled, None, h, tp.DISPATCH_NAME, recv_rows=h.recv_slot)
-    return d_y.reshape((num_local, -1) + d_out.shape[1:]), d_slot_weights, None
-
-
-_ll_combine_rows.defvjp(_ll_combine_rows_fwd, _ll_combine_rows_bwd)
+    return out.astype(y.dtype)
 
 
 def _block_rows(counts, capacity):

@@ -5,9 +5,11 @@ reference in `jax_ep.reference`); both give the same results, bitwise for intege
 data movement. The LogFMT cast (logfmt_encode / logfmt_decode) is the exception: FFI only (its
 float64 log2 / exp2 have no bitwise pure-XLA twin; tests/logfmt_model.py is its numpy model).
 Arguments are checked at trace time and errors name the argument and the shape they got.
-permute, unpermute and indices_to_multihot are differentiable (`custom_vjp`:
-permute's backward is an unpermute and vice versa). Notation: T tokens, H hidden, K top-k,
-E experts, P ranks, L = E / P, N permuted rows.
+permute, unpermute, gather_rows, indices_to_multihot and grouped_matmul are differentiable
+(`custom_vjp`: permute's backward is an unpermute and vice versa, gather_rows' an unpermute;
+each backward is built from differentiable ops, so gradients of gradients work too; for
+grouped_matmul with impl="ffi"). Notation: T tokens, H hidden, K top-k, E experts, P ranks,
+L = E / P, N permuted rows.
 """
 
 from __future__ import annotations
@@ -197,7 +199,9 @@ _multihot.defvjp(_multihot_fwd, _multihot_bwd)
 
 def gather_rows(x, row_idx, *, impl="ffi"):
     """x [S,...], row_idx i32[N] -> [N,...] with out[r] = x[row_idx[r]] and zero rows where
-    row_idx is outside [0, S). The send-packing kernel (not differentiable by itself)."""
+    row_idx is outside [0, S). The send-packing kernel. Differentiable in a float32 / bfloat16
+    / float16 x (its VJP sums the cotangent rows back into x's rows: an unpermute, whose own
+    VJP is this gather, so gradients of gradients work too)."""
     _check_impl(impl)
     check_rank(row_idx, 1, "row_idx")
     if jnp.ndim(x) < 1:
@@ -211,8 +215,41 @@ def gather_rows(x, row_idx, *, impl="ffi"):
 def _gather_rows_ffi(x, row_idx):
     if x.size == 0 or row_idx.size == 0:
         return _ffi.vary_like(jnp.zeros(row_idx.shape + x.shape[1:], x.dtype), x, row_idx)
-    results = _sds(row_idx.shape + x.shape[1:], x.dtype)
-    return _ffi.call("jax_ep_gather_rows", results, x, row_idx)
+    if x.dtype in _DIFFERENTIABLE_ROWS:
+        return _gathered_rows(x, row_idx, x.shape[0])
+    return _gather_rows_call(x, row_idx)
+
+
+# Row dtypes whose gather has a VJP (the unpermute kernel's dtypes); others (FP8 codes, int
+# scales) are moved, not differentiated.
+_DIFFERENTIABLE_ROWS = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def _gather_rows_call(x, row_idx):
+    return _ffi.call("jax_ep_gather_rows", _sds(row_idx.shape + x.shape[1:], x.dtype), x,
+                     row_idx)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gathered_rows(x, row_idx, num_src):
+    del num_src  # x.shape[0], static for the backward
+    return _gather_rows_call(x, row_idx)
+
+
+def _gathered_rows_fwd(x, row_idx, num_src):
+    return _gathered_rows(x, row_idx, num_src), row_idx
+
+
+def _gathered_rows_bwd(num_src, row_idx, d_out):
+    """Each cotangent row summed into the x row it was read from (rows read from outside x
+    add nothing): unpermute with unit weights over the flattened rows."""
+    ids = jnp.where((row_idx >= 0) & (row_idx < num_src), row_idx, -1)
+    rows = d_out.reshape(d_out.shape[0], -1)
+    d_x = _unpermute_unweighted(rows, ids, num_src)
+    return d_x.reshape((num_src,) + d_out.shape[1:]), None
+
+
+_gathered_rows.defvjp(_gathered_rows_fwd, _gathered_rows_bwd)
 
 
 def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=None,
@@ -283,8 +320,7 @@ def _permute_bwd(num_out_tokens, pad_multiple, drop_and_pad, has_probs, residual
     sorted_indices, tokens_per_expert, routing_map = residuals
     d_permuted, d_permuted_probs = cotangents[0], cotangents[1]
     num_tokens = routing_map.shape[0]
-    d_tokens = _unpermute_ffi(d_permuted, sorted_indices, _unit_weights(num_out_tokens),
-                              num_tokens)
+    d_tokens = _unpermute_unweighted(d_permuted, sorted_indices, num_tokens)
     if not has_probs:
         return d_tokens, None, jnp.zeros(routing_map.shape, jnp.float32)
     # Row r of the permuted buffer belongs to the expert whose block contains it.
@@ -669,23 +705,62 @@ def _ffi_weight_grad(x, dy, group_sizes):
                      cuda_twin=False)
 
 
+# The handler's three products, each the others' VJP (so gradients of gradients work): per
+# group g, _ffi_gmm: x @ w[g]; _ffi_gmm_t: y @ w[g]^T; _ffi_gmm_dw: x_g^T @ y_g (float32).
 @jax.custom_vjp
 def _ffi_gmm(x, w, group_sizes):
     return _ffi_product(x, w, group_sizes)
 
 
 def _ffi_gmm_fwd(x, w, group_sizes):
-    return _ffi_product(x, w, group_sizes), (x, w, group_sizes)
+    return _ffi_gmm(x, w, group_sizes), (x, w, group_sizes)
 
 
 def _ffi_gmm_bwd(residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    dx = _ffi_product(dy, w, group_sizes, transpose_w=True)
-    return dx, _ffi_weight_grad(x, dy, group_sizes).astype(w.dtype), None
+    return (_ffi_gmm_t(dy, w, group_sizes),
+            _ffi_gmm_dw(x, dy, group_sizes).astype(w.dtype), None)
 
 
 _ffi_gmm.defvjp(_ffi_gmm_fwd, _ffi_gmm_bwd)
+
+
+@jax.custom_vjp
+def _ffi_gmm_t(y, w, group_sizes):
+    return _ffi_product(y, w, group_sizes, transpose_w=True)
+
+
+def _ffi_gmm_t_fwd(y, w, group_sizes):
+    return _ffi_gmm_t(y, w, group_sizes), (y, w, group_sizes)
+
+
+def _ffi_gmm_t_bwd(residuals, d_out):
+    y, w, group_sizes = residuals
+    d_out = d_out.astype(y.dtype)
+    return (_ffi_gmm(d_out, w, group_sizes),
+            _ffi_gmm_dw(d_out, y, group_sizes).astype(w.dtype), None)
+
+
+_ffi_gmm_t.defvjp(_ffi_gmm_t_fwd, _ffi_gmm_t_bwd)
+
+
+@jax.custom_vjp
+def _ffi_gmm_dw(x, y, group_sizes):
+    return _ffi_weight_grad(x, y, group_sizes)
+
+
+def _ffi_gmm_dw_fwd(x, y, group_sizes):
+    return _ffi_gmm_dw(x, y, group_sizes), (x, y, group_sizes)
+
+
+def _ffi_gmm_dw_bwd(residuals, d_w):
+    x, y, group_sizes = residuals
+    return (_ffi_gmm_t(y, d_w, group_sizes).astype(x.dtype),
+            _ffi_gmm(x, d_w, group_sizes).astype(y.dtype), None)
+
+
+_ffi_gmm_dw.defvjp(_ffi_gmm_dw_fwd, _ffi_gmm_dw_bwd)
 
 
 def _group_bounds(group_sizes, num_rows):

@@ -178,14 +178,21 @@ def exchange_rows(x, axis_name, transport, name):
 def with_transpose(forward, transpose):
     """A map rows -> forward(rows, handle) that is linear in rows, with `jax.custom_vjp` so its
     VJP is transpose(cotangent, handle) (e.g. a dispatch and the combine that returns its
-    rows); the handle gets no cotangent."""
+    rows); the handle gets no cotangent. The transpose is itself such a map, whose VJP is
+    forward, so gradients of gradients work."""
 
     @jax.custom_vjp
     def linear(rows, handle):
         return forward(rows, handle)
 
-    linear.defvjp(lambda rows, handle: (forward(rows, handle), handle),
-                  lambda handle, d_out: (transpose(d_out, handle), None))
+    @jax.custom_vjp
+    def adjoint(rows, handle):
+        return transpose(rows, handle)
+
+    linear.defvjp(lambda rows, handle: (linear(rows, handle), handle),
+                  lambda handle, d_out: (adjoint(d_out, handle), None))
+    adjoint.defvjp(lambda rows, handle: (adjoint(rows, handle), handle),
+                   lambda handle, d_out: (linear(d_out, handle), None))
     return linear
 
 
@@ -229,12 +236,14 @@ def with_fp8_wire(send, transpose):
         return _forward(x, handle, round_scale, use_ue8m0, cast_back)
 
     def _fwd(x, handle, round_scale, use_ue8m0, cast_back):
-        return _forward(x, handle, round_scale, use_ue8m0, cast_back), handle
+        return rows_fp8(x, handle, round_scale, use_ue8m0, cast_back), handle
+
+    straight_through = with_transpose(transpose, send)
 
     def _bwd(round_scale, use_ue8m0, cast_back, handle, d_out):
         if not cast_back:
             raise ValueError(FP8_PAIR_NO_GRAD)
-        return transpose(d_out, handle), None
+        return straight_through(d_out, handle), None
 
     rows_fp8.defvjp(_fwd, _bwd)
     return rows_fp8

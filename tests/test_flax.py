@@ -263,6 +263,44 @@ def test_moe_layer_forward_and_grad_match_dense(backend, extra):
     assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("backend,extra", [("deepep", {}), ("hybridep", {}),
+                                           ("deepep", dict(dropless_buffer_factor=1.25))])
+def test_gradient_penalty_through_the_layer_matches_dense(backend, extra):
+    """Second order: the gradient of the squared norm of the parameters' gradient (a gradient
+    penalty), through the layer with its default FFI ops and peer transport (every VJP on the
+    path is itself differentiable), equals the dense single-device forward's."""
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       moe_flex_dispatcher_backend=backend,
+                                       moe_permute_fusion=True, **extra)
+    mesh = _mesh()
+    layer, twin = _layer_pair(_moe(cfg, moe_shared_expert_intermediate_size=8,
+                                   moe_aux_loss_coeff=1e-2), mesh)
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+
+    def penalty_grad(forward, module, x):
+        graphdef, params = nnx.split(module)
+
+        def loss(params):
+            y, aux_loss = forward(nnx.merge(graphdef, params), x)
+            return jnp.sum(y * cot) + aux_loss
+
+        def penalty(params):
+            return sum(jnp.sum(g ** 2) for g in jax.tree.leaves(jax.grad(loss)(params)))
+        return jax.jit(jax.grad(penalty))(params)
+
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+    with jax.set_mesh(mesh):
+        got = penalty_grad(lambda m, x: (lambda y, a: (y, a["aux_loss"]))(*m(x)), layer, xs)
+    want = penalty_grad(lambda m, x: dense_forward(m, x)[:2], twin, x)
+    for (path, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                                 jax.tree_util.tree_flatten_with_path(want)[0]):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(b).max() > 0, path
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max(),
+                                   err_msg=str(path))
+
+
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (8, 1)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch_gives_empty_output_and_zero_gradients(backend, mesh_shape):

@@ -268,6 +268,34 @@ def test_ffi_handlers_against_a_float64_model(rows, depth, width, sizes):
         np.testing.assert_allclose(dw[k], want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("sizes", [[5, 0, 12, 4], [30, 0, 0, 0], [3, 9, 2, 1]])
+def test_ffi_gradients_of_gradients_match_a_dense_grouped_product(sizes):
+    """Second order through impl="ffi" (a gradient penalty: the gradient of the squared norm
+    of the gradient): its three handler products are each the others' VJPs, so they are
+    differentiable again; equal to the autodiff of a dense one-hot product, with rows past
+    the groups (sum 21 < 24), an empty group and a sum above the rows (30)."""
+    x, w = _operands(3, jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    rows = np.zeros(N, np.int32)
+    mask = np.zeros((N, 1), np.float32)
+    for g, sl in enumerate(_group_rows(sizes, N)):
+        rows[sl], mask[sl] = g, 1.0
+
+    def dense(x, w):
+        return jnp.einsum("nh,nhf->nf", x, w[rows]) * mask
+
+    def penalty(product):
+        def loss(x, w):
+            return jnp.sum(jnp.sin(product(x, w)))
+        return lambda x, w: sum(jnp.sum(g ** 2) for g in jax.grad(loss, argnums=(0, 1))(x, w))
+
+    got = jax.jit(jax.grad(penalty(lambda x, w: ops.grouped_matmul(
+        x, w, group_sizes, impl="ffi")), argnums=(0, 1)))(x, w)
+    want = jax.grad(penalty(dense), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
 def test_ffi_handler_refuses_mismatched_operands():
     call = functools.partial(ops._ffi.call, cuda_twin=False)
     x, w = np.zeros((6, 4), np.float32), np.zeros((2, 5, 3), np.float32)

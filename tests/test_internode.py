@@ -224,6 +224,31 @@ def test_forward_and_grad_equal_the_dense_reference(shape):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
 
 
+def test_gradients_of_gradients_equal_the_dense_reference():
+    # Second order through both hops (the gradient of a gradient penalty): each hop's VJP is
+    # the other direction's exchange, itself differentiable.
+    N, G, T, H, F, K, E = 2, 4, 3, 8, 6, 3, 16
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((N * G * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, N * G * T, K, E)
+    w_in = (rng.standard_normal((E, H, F)) / 3).astype(np.float32)
+    w_out = (rng.standard_normal((E, F, H)) / 3).astype(np.float32)
+    mesh = pair_mesh(N, G)
+    args = [jax.device_put(a, NamedSharding(mesh, SPEC)) for a in (x, idx, w)] + [
+        jax.device_put(a, NamedSharding(mesh, P())) for a in (w_in, w_out)]
+    loss = _moe_loss(mesh, *args)
+    dense = lambda x, i, w, a, b: jnp.sum(jnp.sin(dense_moe(x, i, w, a, b)))  # noqa: E731
+
+    def penalty(f):
+        argnums = (0, 2, 3, 4)
+        return lambda *a: sum(jnp.sum(g ** 2) for g in jax.grad(f, argnums=argnums)(*a))
+
+    got = jax.jit(jax.grad(penalty(loss), argnums=(0, 2, 3, 4)))(*args)
+    want = jax.grad(penalty(dense), argnums=(0, 2, 3, 4))(x, idx, w, w_in, w_out)
+    for g, r in zip(got, want):  # entries up to ~10: f32 sums in another order
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
 def test_cached_dispatch_replays_both_hops_and_its_gradient():
     N, G, T, H, K, E = 2, 4, 4, 8, 2, 16
     x, idx, w = _case(9, N * G, T, H, K, E)

@@ -217,6 +217,47 @@ def test_invalid_expert_id_on_one_rank_is_unrouted():
     np.testing.assert_array_equal(run_ep(invalid, ep_mesh(num_ranks), x, bad_idx), [1, 0, 0, 0])
 
 
+@pytest.mark.parametrize("transport", ["all_to_all", "peer"])  # ragged: GPU only
+def test_gradients_of_gradients_match_dense_reference(transport):
+    """Second order (the gradient of a gradient penalty) through dispatch -> tanh experts ->
+    combine: every VJP of the round trip is itself differentiable (the return's VJP is the
+    dispatch-direction exchange, unpermute's a gather, and back), equal to the dense model's."""
+    num_ranks, T, tmax, K, E, H = 4, 5, 6, 3, 8, 16
+    rng = np.random.default_rng(15)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    scale = rng.standard_normal((E, H)).astype(np.float32)
+    cot = rng.standard_normal(x.shape).astype(np.float32)
+    mesh = ep_mesh(num_ranks)
+    L = E // num_ranks
+
+    def body(x, i, w, scale):
+        recv, _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
+                                                 num_experts=E, axis_name=AXIS,
+                                                 transport=transport)
+        return jax_ep.low_latency_combine(jnp.tanh(recv * scale[:L, None, :]), i, w, h)
+
+    moe = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4, out_specs=P(AXIS))
+
+    def ep_loss(x, w, scale, i):
+        return jnp.sum(moe(x, i, w, scale) * cot)
+
+    def dense_loss(x, w, scale):
+        valid = idx >= 0
+        s = scale[np.where(valid, idx, 0)]  # [T,K,H]
+        y = jnp.sum(jnp.where(valid[..., None], w[..., None] * jnp.tanh(s * x[:, None, :]),
+                              0.0), axis=1)
+        return jnp.sum(y * cot)
+
+    def penalty(loss):
+        return lambda *a: sum(jnp.sum(g ** 2) for g in jax.grad(loss, argnums=(0, 1, 2))(*a))
+
+    got = jax.jit(jax.grad(penalty(ep_loss), argnums=(0, 1, 2)))(*shard(mesh, x, w, scale, idx))
+    want = jax.grad(penalty(dense_loss), argnums=(0, 1, 2))(x, w, scale)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5)
+
+
 def test_zero_tokens_dispatch_combine_and_gradients():
     # DeepEP allows T <= Tmax, T = 0 included.
     num_ranks, H, K, E, tmax = 4, 128, 2, 8, 3
@@ -420,6 +461,16 @@ def test_logfmt_combine_end_to_end_gradients_match_dense_reference():
     np.testing.assert_allclose(np.asarray(d_x, np.float32), np.asarray(want_x, np.float32),
                                rtol=2e-2, atol=1e-2)
     np.testing.assert_allclose(np.asarray(d_w), np.asarray(want_w), rtol=1e-4, atol=1e-3)
+    # Second order, straight-through again (a gradient penalty's gradient).
+    def penalty(f):
+        return lambda x, w, *rest: sum(jnp.sum(g.astype(jnp.float32) ** 2)
+                                       for g in jax.grad(f, argnums=(0, 1))(x, w, *rest))
+
+    got = jax.jit(jax.grad(penalty(loss), argnums=(0, 1)))(*shard(mesh, x, w, idx))
+    want = jax.grad(penalty(dense_loss), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.abs(r).max() > 0 and np.linalg.norm(g - r) <= 1e-2 * np.linalg.norm(r)
 
 
 def test_logfmt_combine_with_zero_tokens_and_an_empty_rank():

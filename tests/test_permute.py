@@ -606,6 +606,61 @@ def test_permute_unpermute_chain_grad(rng):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _grad_of_grad(loss, argnums):
+    """d/d(args) of the sum of squares of loss's gradient in `argnums` (reverse over reverse):
+    a gradient penalty, which differentiates the ops' VJPs themselves."""
+    def penalty(*args):
+        return sum(jnp.sum(g.astype(jnp.float32) ** 2)
+                   for g in jax.grad(loss, argnums=argnums)(*args))
+    return jax.jit(jax.grad(penalty, argnums=argnums), static_argnums=len(argnums))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_permute_unpermute_gradients_of_gradients_match_reference(rng, dtype):
+    """Second order through permute -> scaling -> unpermute(probs): the FFI ops' VJPs are
+    themselves differentiable (each the other's VJP) and equal the reference's autodiff, with
+    padded blocks, drop-and-pad and dropped rows."""
+    T, E, H = 12, 4, 8
+    routing_map, probs = _routing_and_probs(rng, T, E, density=0.5)
+    tokens = jnp.asarray(rng.standard_normal((T, H)), dtype)
+    scale = jnp.asarray(rng.standard_normal((12 * E, H)), dtype)
+    rmap, p = jnp.asarray(routing_map), jnp.asarray(probs)
+    for pad, drop, n in [(None, False, int(routing_map.sum())), (4, False, 12 * E),
+                         (None, True, 3 * E), (None, False, 5)]:
+        def loss(tokens, p, impl):
+            permuted, pp, si, _ = ops.permute(tokens, rmap, p, num_out_tokens=n,
+                                              pad_multiple=pad, drop_and_pad=drop, impl=impl)
+            y = jnp.sin(permuted * scale[:n])
+            out = ops.unpermute(y, si, num_tokens=T, probs=pp, impl=impl)
+            plain = ops.unpermute(y, si, num_tokens=T, impl=impl)
+            return (out.astype(jnp.float32) ** 3).sum() + jnp.sum(jnp.cos(plain))
+
+        got, want = (_grad_of_grad(loss, (0, 1))(tokens, p, impl) for impl in ("ffi", "xla"))
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            if dtype == F32:
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            else:  # bf16 roundings in a different order on the two paths (~10 bf16 ulps)
+                assert np.linalg.norm(a - b) <= 4e-2 * np.linalg.norm(b)
+
+
+def test_gather_rows_gradients_of_gradients_match_reference(rng):
+    """gather_rows' VJP sums cotangent rows back (repeated and out-of-range indices, rows of
+    any trailing shape) and is itself differentiable."""
+    x = jnp.asarray(rng.standard_normal((6, 3, 4)).astype(np.float32))
+    idx = jnp.asarray([0, 5, -1, 2, 2, 7, 1, 5], jnp.int32)
+
+    def loss(x, impl):
+        return jnp.sum(ops.gather_rows(x, idx, impl=impl) ** 3)
+
+    got, want = (_grad_of_grad(loss, (0,))(x, impl)[0] for impl in ("ffi", "xla"))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    first = jax.grad(loss)(x, "ffi")  # rows 3 and 4 are never read, row 5 twice
+    assert not np.asarray(first[3:5]).any()
+    np.testing.assert_allclose(first[5], 2 * 3 * np.asarray(x[5]) ** 2, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- hypothesis
 
 ROUTING = dict(T=st.integers(1, 10), E=st.integers(1, 6), H=st.sampled_from([1, 3]),
