@@ -186,10 +186,21 @@ _COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 12
                     48: (1, 288, 8, 128), 64: (1, 288, 8, 128), 96: (1, 480, 8, 128),
                     128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
 
+# UCCL-EP's own tables (its Buffer, off EFA: on AWS EFA it uses 512 RDMA receive bytes at 16 and
+# 32 ranks).
+_UCCL_DISPATCH_CONFIGS = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128),
+                          16: (36, 288, 20, 128), 24: (8, 288, 32, 128), 32: (32, 288, 32, 128),
+                          64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
+                          144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
+_UCCL_COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128),
+                         16: (4, 288, 12, 128), 24: (1, 288, 8, 128), 32: (1, 288, 8, 128),
+                         64: (1, 288, 20, 128), 128: (1, 560, 12, 128), 144: (2, 720, 8, 128),
+                         160: (2, 720, 8, 128)}
+
 
 def _recommended(table, num_ranks) -> Config:
-    """DeepEP's recommended Config for num_ranks; a rank count outside its table (DeepEP
-    asserts there; jax_ep runs any P) gets Config's defaults with Buffer.num_sms."""
+    """The recommended Config for num_ranks from `table`; a rank count outside it (DeepEP and
+    UCCL-EP assert there; jax_ep runs any P) gets Config's defaults with Buffer.num_sms."""
     num_ranks = check_positive(num_ranks, "num_ranks")
     if num_ranks not in table:
         return Config(Buffer.num_sms)
@@ -556,3 +567,35 @@ class UCCLBuffer(Buffer):
                          num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
                          explicitly_destroy, isinstance(group, str), use_fabric, enable_shrink,
                          comm)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out=None,
+                            combine_wait_recv_cost_stats=None, overlap: bool = False,
+                            packed_recv_count=None, comp_signal=None, block_m: int = 64,
+                            threshold: int = 0, num_sms: int = 0, src_signals=None,
+                            src_signal_expect_value: int = 0):
+        """Buffer.low_latency_combine with UCCL-EP's overlap keywords: overlap=True (combine
+        fused with the next GEMM by a GPU signal handshake) raises NotImplementedError, as
+        UCCL-EP's does; packed_recv_count, comp_signal, block_m, threshold, num_sms,
+        src_signals and src_signal_expect_value (that handshake's parameters) are accepted
+        and, without overlap, have no effect, as in UCCL-EP."""
+        if overlap:
+            raise NotImplementedError("overlap: the combine fused with the next GEMM (UCCL-EP's "
+                                      "signal handshake) is not implemented, as in UCCL-EP; "
+                                      "use overlap=False")
+        return super().low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
+                                           zero_copy, async_finish, return_recv_hook, out,
+                                           combine_wait_recv_cost_stats)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """UCCL-EP's recommended dispatch `Config` for num_ranks (its own table, off EFA; no
+        effect under XLA); a rank count outside the table gets `Config`'s defaults."""
+        return _recommended(_UCCL_DISPATCH_CONFIGS, num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """UCCL-EP's recommended combine `Config` for num_ranks (its own table, off EFA; no
+        effect under XLA); a rank count outside the table gets `Config`'s defaults."""
+        return _recommended(_UCCL_COMBINE_CONFIGS, num_ranks)

@@ -19,6 +19,7 @@ with the hybridep mode).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -203,7 +204,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         hop-1 rows, filled source node by source node, the rows that do not fit dropped by
         their senders (highest token indices first) and counted. transport may be a
         (node hop, local hop) pair. The handle is then an InternodeHandle
-        (num_tokens_per_rdma_rank i32[N], num_rdma_recv_tokens i32[]).
+        (num_tokens_per_rdma_rank i32[N], num_rdma_recv_tokens i32[]). With
+        backend="uccl_ep" the handle reads as UCCL-EP's handle tuple (its tuple_layout).
     Returns (recv_x [R,H], recv_topk_idx i32[R,K], recv_topk_weights f32[R,K], handle).
     """
     impl = check_backend(backend)
@@ -245,6 +247,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
             handle = internode.routing_plan(topk_idx, num_experts, axis_name,
                                             transport=transports, impl=impl, **sizes,
                                             send_counts=send_counts)
+        if backend == "uccl_ep":  # reads as UCCL-EP's handle tuple
+            handle = dataclasses.replace(handle, tuple_layout="uccl_ep")
     elif not isinstance(handle, HANDLES):
         raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got "
                          f"{type(handle).__name__}")

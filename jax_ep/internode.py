@@ -53,25 +53,30 @@ __all__ = [
 ]
 
 
+# The PyTorch systems whose handle tuples a handle reads as (its tuple_layout field).
+TUPLE_LAYOUTS = {"deepep": "DeepEP", "uccl_ep": "UCCL-EP"}
+
+
 class _DeepEPTupleView:
-    """Reads a handle as DeepEP's handle tuple, by int index or slice: a subclass lists the
-    tuple's entries in _DEEPEP_TUPLE and reads one with _deepep_item(name), None for an entry
-    it does not keep (handle[i] then raises a ValueError naming it and, by _DEEPEP_KEPT, what
-    is kept)."""
+    """Reads a handle as DeepEP's or UCCL-EP's handle tuple (by its tuple_layout: "deepep" or
+    "uccl_ep"), by int index or slice: a subclass lists each tuple's entries in _TUPLES and
+    reads one with _deepep_item(name), None for an entry it does not keep (handle[i] then
+    raises a ValueError naming it and, by _KEPT, what is kept)."""
 
     def __len__(self) -> int:
-        return len(self._DEEPEP_TUPLE)
+        return len(self._TUPLES[self.tuple_layout])
 
     def __getitem__(self, index):
         position = range(len(self))[index]
         if isinstance(position, range):
             return tuple(self[i] for i in position)
-        name = self._DEEPEP_TUPLE[position]
+        name = self._TUPLES[self.tuple_layout][position]
         item = self._deepep_item(name)
         if item is None:
-            raise ValueError(f"handle[{index}]: DeepEP's {name} has no counterpart here (XLA's "
-                             f"exchange has no channels or send buffers); {self._DEEPEP_KEPT}, "
-                             "and the handle's fields carry the rest")
+            raise ValueError(f"handle[{index}]: {TUPLE_LAYOUTS[self.tuple_layout]}'s {name} "
+                             f"has no counterpart here (XLA's exchange has no channels or send "
+                             f"buffers); {self._KEPT[self.tuple_layout]}, and the handle's "
+                             f"fields carry the rest")
         return item
 
 
@@ -80,7 +85,7 @@ class _DeepEPTupleView:
                       "num_recv_tokens", "num_recv_tokens_per_expert", "num_dropped",
                       "num_invalid"],
          meta_fields=["num_tokens", "num_recv", "capacity", "num_experts", "axis_name",
-                      "transport", "impl"])
+                      "transport", "impl", "tuple_layout"])
 @dataclasses.dataclass(frozen=True)
 class DispatchHandle(_DeepEPTupleView):
     """What combine (and a cached dispatch) needs; a pytree of arrays plus static fields.
@@ -95,7 +100,9 @@ class DispatchHandle(_DeepEPTupleView):
       to a destination's num_worst_tokens budget.
     num_invalid i32[]: expert ids outside [-1, E) seen; they are routed nowhere, on every
       platform (the layer-1 CPU kernels would raise, on one rank, mid-exchange).
-    handle[0] reads DeepEP's rank_prefix_matrix (see _deepep_item).
+    tuple_layout: "deepep" (default) or "uccl_ep" (a dispatch with backend="uccl_ep"): the
+      handle tuple it reads as. handle[0] reads rank_prefix_matrix in both; UCCL-EP's tuple
+      holds num_recv_tokens at [3] (see _deepep_item).
     """
 
     plan: tp.ExchangePlan
@@ -113,18 +120,27 @@ class DispatchHandle(_DeepEPTupleView):
     axis_name: str
     transport: str
     impl: str
+    tuple_layout: str = "deepep"
 
-    _DEEPEP_TUPLE = ("rank_prefix_matrix", "channel_prefix_matrix",
-                     "recv_channel_prefix_matrix", "recv_src_idx", "is_token_in_rank",
-                     "send_head")
-    _DEEPEP_KEPT = "handle[0] is rank_prefix_matrix"
+    _TUPLES = {
+        "deepep": ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+                   "recv_src_idx", "is_token_in_rank", "send_head"),
+        "uccl_ep": ("rank_prefix_matrix", "channel_prefix_matrix",
+                    "recv_channel_prefix_matrix", "num_recv_tokens", "recv_src_idx",
+                    "is_token_in_rank", "send_head"),
+    }
+    _KEPT = {"deepep": "handle[0] is rank_prefix_matrix",
+             "uccl_ep": "handle[0] is rank_prefix_matrix and handle[3] num_recv_tokens"}
 
     def _deepep_item(self, name):
         """handle[0], rank_prefix_matrix i32[P,P]: [i, j] = the rows rank j received from
         ranks 0..i (its received rows are grouped by source rank, so rows [M[i-1, j], M[i, j])
-        came from rank i). It is gathered over the axis, so read it inside the shard_map. The
-        other entries of DeepEP's intranode tuple describe its channels and send buffers,
-        which this exchange does not have."""
+        came from rank i). It is gathered over the axis, so read it inside the shard_map.
+        UCCL-EP's handle[3], num_recv_tokens i32[]: the rows this rank received. The other
+        entries of the intranode tuples describe channels and send buffers, which this
+        exchange does not have."""
+        if name == "num_recv_tokens":
+            return self.num_recv_tokens
         if name != "rank_prefix_matrix":
             return None
         column = jnp.cumsum(self.plan.recv_counts).astype(jnp.int32)  # this rank's column
@@ -329,7 +345,7 @@ def return_local(y, hop, *, num_forward, hop_cap, local_axis, transport, impl):
                       "num_recv_tokens_per_expert", "num_tokens_per_rdma_rank",
                       "num_rdma_recv_tokens", "num_dropped", "num_invalid"],
          meta_fields=["num_tokens", "num_recv", "num_rdma_recv", "capacity", "hop_capacity",
-                      "num_experts", "axis_name", "transport", "impl"])
+                      "num_experts", "axis_name", "transport", "impl", "tuple_layout"])
 @dataclasses.dataclass(frozen=True)
 class InternodeHandle(_DeepEPTupleView):
     """The handle of a two-hop dispatch over axis_name=(node_axis, local_axis), N x G ranks.
@@ -345,8 +361,11 @@ class InternodeHandle(_DeepEPTupleView):
       hop-2 rows it dropped as a forwarder (capacity, num_worst_tokens); summed over the
       ranks it equals the flat exchange's count when hop 1 drops nothing.
     num_invalid i32[]: expert ids outside [-1, E) seen (routed nowhere).
-    handle[4] and handle[6] (handle[-4]) read DeepEP's recv_rdma_rank_prefix_sum and
-    recv_gbl_rank_prefix_sum (see _deepep_item).
+    tuple_layout: "deepep" (default) or "uccl_ep" (a dispatch with backend="uccl_ep"): the
+      handle tuple it reads as. handle[4] and handle[6] read recv_rdma_rank_prefix_sum and
+      recv_gbl_rank_prefix_sum in both (DeepEP's 10 entries: handle[-4] is the latter;
+      UCCL-EP's 12 add num_recv_tokens and num_rdma_recv_tokens at [7] and [8], so there it
+      is handle[-6]); see _deepep_item.
     """
 
     hop1: DispatchHandle
@@ -367,21 +386,34 @@ class InternodeHandle(_DeepEPTupleView):
     axis_name: tuple
     transport: tuple
     impl: str
+    tuple_layout: str = "deepep"
 
-    _DEEPEP_TUPLE = ("is_token_in_rank", "rdma_channel_prefix_matrix",
-                     "gbl_channel_prefix_matrix", "recv_rdma_channel_prefix_matrix",
-                     "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
-                     "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head",
-                     "send_nvl_head")
-    _DEEPEP_KEPT = "handle[4] and handle[6] are the receive prefix sums"
+    _TUPLES = {
+        "deepep": ("is_token_in_rank", "rdma_channel_prefix_matrix",
+                   "gbl_channel_prefix_matrix", "recv_rdma_channel_prefix_matrix",
+                   "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                   "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head",
+                   "send_nvl_head"),
+        "uccl_ep": ("is_token_in_rank", "rdma_channel_prefix_matrix",
+                    "gbl_channel_prefix_matrix", "recv_rdma_channel_prefix_matrix",
+                    "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                    "recv_gbl_rank_prefix_sum", "num_recv_tokens", "num_rdma_recv_tokens",
+                    "recv_src_meta", "send_rdma_head", "send_nvl_head"),
+    }
+    _KEPT = {"deepep": "handle[4] and handle[6] are the receive prefix sums",
+             "uccl_ep": "handle[4] and handle[6] are the receive prefix sums, handle[7] and "
+                        "handle[8] the received row counts"}
 
     def _deepep_item(self, name):
         """handle[4], recv_rdma_rank_prefix_sum i32[N]: the inclusive prefix of the hop-1 rows
-        this rank received from each node; handle[6] = handle[-4], recv_gbl_rank_prefix_sum
-        i32[N*G]: that of the rows it finally received from each global rank n*G + g (rows
-        [S[i-1], S[i]) came from rank i). The other entries of DeepEP's internode tuple
-        describe its channels and send buffers (or the sender's is_token_in_rank, which
-        get_dispatch_layout returns)."""
+        this rank received from each node; handle[6] (DeepEP's handle[-4], UCCL-EP's
+        handle[-6]), recv_gbl_rank_prefix_sum i32[N*G]: that of the rows it finally received
+        from each global rank n*G + g (rows [S[i-1], S[i]) came from rank i). UCCL-EP's
+        handle[7] num_recv_tokens i32[] and handle[8] num_rdma_recv_tokens i32[]: the rows it
+        received (flat) and on hop 1. The other entries describe channels and send buffers
+        (or the sender's is_token_in_rank, which get_dispatch_layout returns)."""
+        if name in ("num_recv_tokens", "num_rdma_recv_tokens"):
+            return getattr(self, name)
         if name == "recv_rdma_rank_prefix_sum":
             return jnp.cumsum(self.hop1.plan.recv_counts).astype(jnp.int32)
         if name == "recv_gbl_rank_prefix_sum":

@@ -73,9 +73,17 @@ def _params(fn, skip_self):
     return [(p.name, p.default) for p in params]
 
 
+# UCCL-EP's low_latency_combine adds the overlap keywords (after DeepEP's, by name).
+UCCL_COMBINE_OVERLAP = [("overlap", False), ("packed_recv_count", None), ("comp_signal", None),
+                        ("block_m", 64), ("threshold", 0), ("num_sms", 0),
+                        ("src_signals", None), ("src_signal_expect_value", 0)]
+
+
 @pytest.mark.parametrize("cls", [jax_ep.Buffer, jax_ep.UCCLBuffer])
 def test_signatures_match_deepep(cls):
     for name, want in SIGNATURES.items():
+        if cls is jax_ep.UCCLBuffer and name == "low_latency_combine":
+            want = want + UCCL_COMBINE_OVERLAP
         assert _params(getattr(cls, name), skip_self=True) == want, name
     for name, want in STATIC_SIGNATURES.items():
         assert isinstance(inspect.getattr_static(jax_ep.Buffer, name), staticmethod), name
@@ -114,6 +122,12 @@ def test_inert_pieces():
     assert jax_ep.Buffer.get_combine_config(16) == jax_ep.Config(20, 4, 288, 12, 128)
     # outside DeepEP's table (which asserts): Config's defaults, any P runs here
     assert jax_ep.Buffer.get_dispatch_config(7) == jax_ep.Config(20)
+    # UCCL-EP's own tables differ from DeepEP's at 24, 32, 64 and 128 ranks and stop at 48/96
+    assert jax_ep.UCCLBuffer.get_dispatch_config(64) == jax_ep.Config(20, 20, 288, 28, 128)
+    assert jax_ep.Buffer.get_dispatch_config(64) == jax_ep.Config(20, 32, 288, 8, 128)
+    assert jax_ep.UCCLBuffer.get_combine_config(128) == jax_ep.Config(20, 1, 560, 12, 128)
+    assert jax_ep.UCCLBuffer.get_dispatch_config(8) == buf.get_dispatch_config(8)
+    assert jax_ep.UCCLBuffer.get_dispatch_config(48) == jax_ep.Config(20)
     with pytest.raises(ValueError, match="num_ranks"):
         jax_ep.Buffer.get_dispatch_config(0)
     assert buf.destroy() is None and buf.reset_rdma_buffer() is None
@@ -497,11 +511,20 @@ def test_dispatch_without_topk_and_fp8_pair():
         (f_q, f_s), f_ri, _, f_h = jax_ep.dispatch(pair, idx, w, num_experts=E, axis_name=AXIS,
                                                   backend="uccl_ep")
         rank = jnp.broadcast_to(buf.rank, (1,))
+        # UCCL-EP's intranode handle tuple: DeepEP's six with num_recv_tokens at [3].
+        assert len(handle) == 7 and handle.tuple_layout == "uccl_ep"
+        with pytest.raises(ValueError, match=r"handle\[4\]: UCCL-EP's recv_src_idx"):
+            handle[4]
         return (rx, per_local, c, in_rank.sum(1), q.view(jnp.uint8), s, f_q.view(jnp.uint8), f_s,
-                rank, jnp.full((1,), buf.group_size))
+                rank, jnp.full((1,), buf.group_size), handle[3][None],
+                handle[0][-1, buf.rank][None])
 
-    rx, per_local, c, owners, q, s, f_q, f_s, rank, size = [
+    rx, per_local, c, owners, q, s, f_q, f_s, rank, size, n, prefix_last = [
         np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
+    # handle[3] (num_recv_tokens) is the rows each rank received: rank_prefix_matrix's last row
+    np.testing.assert_array_equal(n, prefix_last)
+    np.testing.assert_array_equal(n, [len(deepep_layout(x, idx, w, num_ranks, E)[d]["src"])
+                                      for d in range(num_ranks)])
     assert kinds["no_topk"] == (None, None) and kinds["combine"] is None
     want = deepep_layout(x, idx, w, num_ranks, E)
     R = num_ranks * T
@@ -568,6 +591,32 @@ def test_low_latency_equals_functional_api():
     np.testing.assert_array_equal(count, f_count)
     np.testing.assert_array_equal(stats2, stats0 + 2 * f_count)
     np.testing.assert_array_equal(combined.astype(np.float32), f_combined.astype(np.float32))
+
+
+def test_uccl_low_latency_combine_takes_the_overlap_keywords():
+    # UCCL-EP's SGLang-facing keywords: accepted and without effect when overlap is off (the
+    # same combined rows), overlap=True refused as UCCL-EP refuses it.
+    num_ranks, T, tmax, H, K, E = 4, 3, 4, 128, 2, 8
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    buf = jax_ep.UCCLBuffer(AXIS, low_latency_mode=True)
+
+    def body(x, idx, w):
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, tmax, E, use_fp8=False)
+        plain, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        signals = jnp.zeros((E // num_ranks,), jnp.int32)
+        tuned, _, _ = buf.low_latency_combine(
+            recv, idx, w, handle, overlap=False, packed_recv_count=count, comp_signal=signals,
+            block_m=128, threshold=4, num_sms=3, src_signals=signals,
+            src_signal_expect_value=1)
+        with pytest.raises(NotImplementedError, match="overlap"):
+            buf.low_latency_combine(recv, idx, w, handle, overlap=True)
+        return plain, tuned
+
+    plain, tuned = _ll_mesh_run(body, num_ranks, x, idx, w)
+    assert np.abs(plain.astype(np.float32)).max() > 0
+    np.testing.assert_array_equal(plain, tuned)
 
 
 def test_low_latency_logfmt_combine_equals_functional_api():

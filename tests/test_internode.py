@@ -381,11 +381,21 @@ def test_buffer_over_a_pair_runs_two_hops(cls, N, G):
                                                 num_tokens_per_expert=per_expert,
                                                 topk_idx=idx, topk_weights=w)
         combined = buf.combine(rx, h)[0]
-        assert len(h) == 10
-        with pytest.raises(ValueError, match=r"handle\[0\]: DeepEP's is_token_in_rank"):
-            h[0]
-        return (rx, ri, combined, per_node, h.num_tokens_per_rdma_rank, h[-4], h[4],
-                h.num_recv_tokens[None], h.num_rdma_recv_tokens[None])
+        # The tests of each system read recv_gbl_rank_prefix_sum from the end of its tuple:
+        # DeepEP's 10 entries (handle[-4]), UCCL-EP's 12 (handle[-6]; num_recv_tokens and
+        # num_rdma_recv_tokens at [7] and [8]).
+        if cls is jax_ep.UCCLBuffer:
+            assert len(h) == 12
+            gbl, n, n_rdma = h[-6], h[7], h[8]
+            with pytest.raises(ValueError, match=r"handle\[0\]: UCCL-EP's is_token_in_rank"):
+                h[0]
+        else:
+            assert len(h) == 10
+            gbl, n, n_rdma = h[-4], h.num_recv_tokens, h.num_rdma_recv_tokens
+            with pytest.raises(ValueError, match=r"handle\[0\]: DeepEP's is_token_in_rank"):
+                h[0]
+        return (rx, ri, combined, per_node, h.num_tokens_per_rdma_rank, gbl, h[4], n[None],
+                n_rdma[None])
     rx, ri, combined, per_node, rdma, gbl_prefix, rdma_prefix, n, n_rdma = run_pair(
         body, mesh, x, idx, w)
     flat = _dispatch_combine(mesh, x, idx, w, E, hierarchical=False)
