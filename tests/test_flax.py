@@ -548,6 +548,38 @@ def test_token_permutation_from_dense_probs(backend):
 
 
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_megatron_call_form_with_a_routing_map(backend):
+    """Megatron's dispatcher calls: dispatch_preprocess(hidden, routing_map, probs) (the map in
+    NeMo's num_local_tokens place), token_dispatch / token_combine for the exchanges. HybridEP
+    routes by the map itself, here one that leaves some tokens with a single expert though
+    probs has K non-zeros; the deepep family by the top-k of probs, as Megatron's DeepEP
+    manager (which ignores the map)."""
+    num_ranks, T, H, K, E = 4, 4, 8, 2, 8
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    dense = np.zeros((num_ranks * T, E), np.float32)
+    np.put_along_axis(dense, idx, w, axis=1)
+    routing_map = dense > 0
+    routing_map[::3, idx[::3, 1]] = False  # every third token keeps its first expert only
+    d = _dispatcher(num_ranks, E, K, moe_flex_dispatcher_backend=backend)
+
+    def body(x, routing_map, probs):
+        hidden, state = d.dispatch_preprocess(x, routing_map, probs)
+        received, state = d.token_dispatch(hidden, state)
+        tokens, tpe, pp, state = d.dispatch_postprocess(received, state)
+        back = d.combine_preprocess(tokens * pp[:, None].astype(tokens.dtype), state)
+        return d.combine_postprocess(d.token_combine(back, state), state)
+
+    out = np.asarray(run_ep(body, ep_mesh(num_ranks), x, routing_map, dense))
+    used = routing_map if backend == "hybridep" else dense > 0
+    np.testing.assert_allclose(out, x * np.where(used, dense, 0).sum(1, keepdims=True),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match=r"routing_map: expected bool\[T, num_moe_experts=8\]"):
+        run_ep(body, ep_mesh(num_ranks), x, dense, dense)
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
 def test_dense_probs_route_only_the_top_k(backend):
     """Megatron's dropless dispatcher test passes probs = 1/K for every expert: each token goes
     to its K highest-prob experts (ties to the lowest ids, as torch.topk), never to all E, so

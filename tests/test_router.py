@@ -454,16 +454,48 @@ def test_topk_above_the_experts_builds_and_fails_when_called():
 def test_moe_config_from_dict_names_unknown_fields_or_warns():
     pasted = dict(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
                   moe_flex_dispatcher_backend="alltoall", moe_grouped_gemm=True,
-                  moe_layer_recompute=False)
-    with pytest.raises(ValueError, match=r"\['moe_grouped_gemm', 'moe_layer_recompute'\]"):
+                  moe_layer_recompute=False, moe_shared_expert_overlap=True)
+    unknown = r"\['moe_layer_recompute', 'moe_shared_expert_overlap'\]"
+    with pytest.raises(ValueError, match=unknown):
         MoEConfig.from_dict(pasted)
-    with pytest.warns(UserWarning, match=r"\['moe_grouped_gemm', 'moe_layer_recompute'\]"):
+    with pytest.warns(UserWarning, match=unknown):
         c = MoEConfig.from_dict(pasted, ignore_unknown=True)
     assert c.moe_aux_loss_coeff == 1e-2 and c.token_dispatcher.backend == "alltoall"
     assert c.dispatcher_config().num_moe_experts == 8
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         MoEConfig.from_dict(dict(num_moe_experts=8))
+
+
+def test_moe_config_from_dict_reads_megatrons_implementation_fields():
+    # Megatron's unit-test configs set these: each is read into jax_ep's field of the same
+    # effect, or accepted without one (a kernel choice).
+    base = dict(num_moe_experts=8, moe_router_topk=2, moe_grouped_gemm=True,
+                moe_router_fusion=True, expert_model_parallel_size=4, ffn_hidden_size=48)
+    c = MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="alltoall",
+                                 moe_router_padding_for_fp8=True))
+    assert c.token_dispatcher.backend == "alltoall" and c.moe_ffn_hidden_size == 48
+    assert c.dispatcher_config().moe_router_expert_pad_multiple == 16
+    c = MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="allgather",
+                                 moe_router_padding_for_quantization=True, fp8_recipe="mxfp8",
+                                 moe_ffn_hidden_size=24))
+    assert c.token_dispatcher.backend == "alltoall" and c.moe_ffn_hidden_size == 24
+    assert c.token_dispatcher.moe_router_expert_pad_multiple == 32
+    c = MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="flex",
+                                 moe_flex_dispatcher_backend="hybridep",
+                                 moe_permute_fusion_into_hybridep=True))
+    assert c.token_dispatcher.backend == "hybridep"
+    assert c.token_dispatcher.moe_hybridep_permute_fusion is True
+    c = MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="flex",
+                                 moe_router_padding_for_fp8=False))
+    assert c.token_dispatcher.backend == "deepep"
+    assert c.token_dispatcher.moe_router_expert_pad_multiple is None
+    with pytest.raises(ValueError, match="MoEConfig.moe_token_dispatcher_type: expected one of"):
+        MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="ncclep"))
+    layer = MoELayer(MoEConfig.from_dict(dict(base, moe_router_padding_for_fp8=True)), H,
+                     rngs=nnx.Rngs(0), mesh=_mesh())
+    assert layer.w_down.shape == (E, 48, H)
+    assert layer.dispatcher.config.moe_router_expert_pad_multiple == 16
 
 
 @pytest.mark.parametrize("field,value", [
@@ -715,6 +747,12 @@ def test_layer_losses_statistics_and_gradients_match_megatron(name):
                                    atol=1e-7, err_msg=kind)
     np.testing.assert_allclose(float(aux["load_balancing_loss"]), sum(losses.values()),
                                rtol=1e-5, atol=1e-7)
+    # Megatron's tracker names for the sequence and global losses, where computed
+    for kind, name in (("seq_aux_loss", "seq_load_balancing_loss"),
+                       ("global_aux_loss", "global_load_balancing_loss")):
+        assert (name in aux) == (kind in losses), name
+        if kind in losses:
+            assert float(aux[name]) == float(aux["load_balancing_losses"][kind])
     np.testing.assert_allclose(float(aux["z_loss"]), z, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(float(aux["aux_loss"]), total, rtol=1e-5, atol=1e-8)
     maps = [np_route(b @ W, c, bias)[1] for b in np.split(xf, 8)]
@@ -820,8 +858,12 @@ def test_layer_takes_its_sizes_from_the_config_and_shows_its_signature():
                      rngs=nnx.Rngs(0), mesh=mesh)
     assert layer.w_gate_up.shape == (E, H, 48) and layer.shared_down.shape == (8, H)
     assert layer.expert_bias is None
-    with pytest.raises(ValueError, match="ffn_hidden_size"):
-        MoELayer(_cfg(), H, rngs=nnx.Rngs(0), mesh=mesh)
+    # neither given: Megatron's default, ffn_hidden_size = 4 * hidden_size
+    default = MoELayer(_cfg(), H, rngs=nnx.Rngs(0), mesh=mesh)
+    assert default.w_gate_up.shape == (E, H, 8 * H) and default.w_down.shape == (E, 4 * H, H)
+    # Megatron's attribute names
+    assert default.token_dispatcher is default.dispatcher
+    assert default.num_local_experts == E // mesh.shape["expert"]
     with pytest.raises(ValueError, match="config"):
         MoELayer(dict(num_moe_experts=E), H, 32, rngs=nnx.Rngs(0), mesh=mesh)
     params = inspect.signature(MoELayer).parameters

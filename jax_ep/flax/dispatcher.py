@@ -216,12 +216,23 @@ class MoEFlexTokenDispatcher(nnx.Module):
         Every backend routes each token to its moe_router_topk highest-prob experts, as
         NeMo's DeepEP manager does with torch.topk (zero probs unrouted only with
         moe_expert_capacity_factor set, as there). HybridEP's dense routing map is built from
-        that top-k too: jax_ep's choice, since this signature carries no routing map (Megatron's
-        HybridEP takes the router's, which is the same top-k). So dense probs with more than K
-        non-zeros per row (Megatron's dropless test passes 1/K for every expert) route K."""
+        that top-k too: jax_ep's choice, since this signature carries no routing map. So dense
+        probs with more than K non-zeros per row (Megatron's dropless test passes 1/K for every
+        expert) route K.
+        Megatron's form, dispatch_preprocess(hidden_states, routing_map, probs), passes the
+        router's routing_map bool[T,E] where num_local_tokens goes: the deepep family still
+        routes by the top-k of probs (Megatron's DeepEP manager ignores the map), HybridEP
+        (dense routing) takes the map itself, with probs where it is True."""
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
         num_experts = self.config.num_moe_experts
+        routing_map = None
+        if jnp.ndim(num_local_tokens) == 2:  # Megatron's routing_map in its place
+            routing_map = num_local_tokens
+            if routing_map.dtype != jnp.bool_ or routing_map.shape[1] != num_experts:
+                raise ValueError(f"routing_map: expected bool[T, num_moe_experts={num_experts}]"
+                                 f", got {routing_map.dtype}{list(routing_map.shape)}")
+            num_local_tokens = routing_map.shape[0]
         if jnp.size(probs) != num_local_tokens * num_experts:
             raise ValueError(f"probs: expected [num_local_tokens={num_local_tokens}, "
                              f"num_moe_experts={num_experts}] values, got shape "
@@ -232,8 +243,11 @@ class MoEFlexTokenDispatcher(nnx.Module):
                     "TokenDispatcherConfig.moe_router_topk", "num_moe_experts")
         indices, values = self._topk_from_probs(probs)
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
-            routing_map, dense = ops.indices_to_multihot(indices, values,
-                                                         num_experts=num_experts, impl="xla")
+            if routing_map is None:
+                routing_map, dense = ops.indices_to_multihot(indices, values,
+                                                             num_experts=num_experts, impl="xla")
+            else:
+                dense = jnp.where(routing_map, probs, 0).astype(values.dtype)
             state = DispatchState(routing_map=routing_map, probs=dense,
                                   hidden_shape=hidden_shape)
         else:
@@ -339,7 +353,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
     def token_permutation(self, hidden_states, num_local_tokens, probs):
         """preprocess -> all_to_all -> postprocess. Returns (global_input_tokens,
-        tokens_per_expert, permuted_probs, state)."""
+        tokens_per_expert, permuted_probs, state). num_local_tokens may be Megatron's
+        routing_map (see dispatch_preprocess)."""
         hidden, state = self.dispatch_preprocess(hidden_states, num_local_tokens, probs)
         received, state = self.dispatch_all_to_all(hidden, state)
         return self.dispatch_postprocess(received, state)
@@ -374,6 +389,11 @@ class MoEFlexTokenDispatcher(nnx.Module):
         if self.backend == "hybridep":
             return hybridep.hybridep_combine(hidden_states, state.handle)
         return deepep.combine(hidden_states, state.handle)[0]
+
+    # Megatron's names of the two exchanges (its MoEFlexTokenDispatcher), with the state
+    # passed as here.
+    token_dispatch = dispatch_all_to_all
+    token_combine = combine_all_to_all
 
     def combine_postprocess(self, hidden_states, state):
         """[T,H] -> the dispatch input's original shape."""

@@ -382,10 +382,17 @@ def load_ratio(tokens_per_expert):
     return ratio.astype(jnp.float32)
 
 
+# The names Megatron's aux-loss tracker logs the sequence and global balancing losses under.
+_TRACKER_NAMES = {"seq_aux_loss": "seq_load_balancing_loss",
+                  "global_aux_loss": "global_load_balancing_loss"}
+
+
 def _aux(cfg: MoEConfig, balancing, z, counts, dropped):
     lb = sum(balancing.values(), jnp.zeros((), jnp.float32))
+    tracked = {_TRACKER_NAMES[kind]: loss for kind, loss in balancing.items()
+               if kind in _TRACKER_NAMES}
     return {"aux_loss": _scaled(cfg, balancing, z), "load_balancing_loss": lb,
-            "load_balancing_losses": balancing, "z_loss": z,
+            "load_balancing_losses": balancing, **tracked, "z_loss": z,
             "tokens_per_expert": counts, "load_ratio": load_ratio(counts),
             "num_dropped": dropped}
 
@@ -470,7 +477,10 @@ class MoELayer(nnx.Module):
         batch with the expert counts averaged over this step's micro-batches so far (the
         tracker); 0 for "none" or moe_aux_loss_coeff=0 (not computed, as Megatron). With a list
         of types, the sum of their unscaled losses.
-      "load_balancing_losses" {type: f32[]}: each computed type's unscaled loss.
+      "load_balancing_losses" {type: f32[]}: each computed type's unscaled loss; also under
+        Megatron's tracker names "seq_load_balancing_loss" and "global_load_balancing_loss"
+        where computed (Megatron's "load_balancing_loss", the "aux_loss" type alone, is
+        load_balancing_losses["aux_loss"]).
       "z_loss" f32[]: unscaled, each device's mean over its tokens of logsumexp(logits)^2,
         averaged over the devices (Megatron's per-rank z-loss under DDP; 0 without a coeff).
       "tokens_per_expert" i32[E]: (token, expert) slots each expert got, after the capacity
@@ -504,9 +514,8 @@ class MoELayer(nnx.Module):
         if num_experts % expert_parallel_size:
             raise ValueError(f"num_moe_experts ({num_experts}) must be divisible by the expert "
                              f"parallel size ({expert_parallel_size})")
-        F = ffn_hidden_size or config.moe_ffn_hidden_size
-        if not F:
-            raise ValueError("ffn_hidden_size: pass it or set MoEConfig.moe_ffn_hidden_size")
+        # Megatron: moe_ffn_hidden_size defaults to ffn_hidden_size, which defaults to 4 * H.
+        F = ffn_hidden_size or config.moe_ffn_hidden_size or 4 * hidden_size
         if F % config.expert_tensor_parallel_size:
             raise ValueError(f"MoEConfig.expert_tensor_parallel_size: "
                              f"{config.expert_tensor_parallel_size} must divide "
@@ -554,6 +563,16 @@ class MoELayer(nnx.Module):
             if config.moe_router_force_load_balancing else None)
         num_local = num_experts // expert_parallel_size
         self.dispatcher = dispatcher or shared_dispatcher(num_local, dcfg, axis)
+
+    @property
+    def token_dispatcher(self) -> MoEFlexTokenDispatcher:
+        """The layer's dispatcher under Megatron's attribute name (MoELayer.token_dispatcher)."""
+        return self.dispatcher
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts per expert-parallel rank, L = E / P (Megatron's MoELayer attribute)."""
+        return self.dispatcher.num_local_experts
 
     def update_expert_bias(self, tokens_per_expert):
         """Aux-loss-free balancing, once per step outside autodiff (Megatron's rule): the

@@ -14,7 +14,7 @@ import numpy as np
 from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
 
 __all__ = ["AUX_LOSS_TYPES", "DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig",
-           "SCORE_FUNCTIONS"]
+           "SCORE_FUNCTIONS", "megatron_fields"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -255,9 +255,11 @@ class MoEConfig:
     @classmethod
     def from_dict(cls, fields: dict, *, ignore_unknown: bool = False) -> "MoEConfig":
         """A config from a flat dict of Megatron MoE fields and TokenDispatcherConfig fields
-        (what a PyTorch user has: e.g. `vars(args)` restricted to the MoE ones). Unknown names
+        (what a PyTorch user has: e.g. `vars(args)` restricted to the MoE ones). Megatron's
+        fields that choose an implementation are read as `megatron_fields` says. Unknown names
         raise ValueError listing them, or with ignore_unknown=True warn (UserWarning) listing
         them and are skipped."""
+        fields = megatron_fields(fields)
         own = {f.name for f in dataclasses.fields(cls)} - {"token_dispatcher"}
         disp = {f.name for f in dataclasses.fields(TokenDispatcherConfig)}
         unknown = sorted(set(fields) - own - disp)
@@ -272,3 +274,48 @@ class MoEConfig:
                                               if k in disp and k not in SHARED_FIELDS})
         return cls(**{k: v for k, v in fields.items() if k in own},
                    token_dispatcher=dispatcher)
+
+
+# Megatron's dispatcher types and the backend that gives their results here.
+_DISPATCHER_TYPES = {"alltoall": "alltoall", "allgather": "alltoall", "flex": None}
+# Megatron fields that pick a kernel, not a result: accepted, no effect under XLA.
+_KERNEL_CHOICES = ("moe_grouped_gemm", "moe_router_fusion", "moe_use_legacy_grouped_gemm",
+                   "expert_model_parallel_size")
+
+
+def megatron_fields(fields: dict) -> dict:
+    """`fields` with Megatron's implementation-choosing fields read into jax_ep's (what
+    MoEConfig.from_dict does first):
+      moe_token_dispatcher_type: "alltoall" or "allgather" -> moe_flex_dispatcher_backend
+        "alltoall" (the same results by XLA's all-to-all); "flex" -> the given
+        moe_flex_dispatcher_backend (default "deepep").
+      moe_router_padding_for_quantization / moe_router_padding_for_fp8 (its older name): True
+        -> moe_router_expert_pad_multiple 16, or 32 with fp8_recipe "mxfp8" (Megatron's
+        alignment for FP8 / MXFP8 grouped GEMMs; here zero rows, see the config); fp8_recipe
+        is read for that only.
+      moe_permute_fusion_into_hybridep -> moe_hybridep_permute_fusion.
+      ffn_hidden_size -> moe_ffn_hidden_size where that is not given (Megatron's default).
+      moe_grouped_gemm, moe_router_fusion, moe_use_legacy_grouped_gemm (kernel choices: the
+        experts are always one grouped GEMM, the router one XLA program) and
+        expert_model_parallel_size (the mesh's expert axis decides P): accepted, no effect.
+    Invalid values raise ValueError naming the field."""
+    fields = dict(fields)
+    kind = fields.pop("moe_token_dispatcher_type", None)
+    if kind is not None:
+        _require(kind in _DISPATCHER_TYPES, "moe_token_dispatcher_type",
+                 f"one of {tuple(_DISPATCHER_TYPES)}", kind)
+        if _DISPATCHER_TYPES[kind] is not None:
+            fields["moe_flex_dispatcher_backend"] = _DISPATCHER_TYPES[kind]
+    recipe = fields.pop("fp8_recipe", None)
+    padded = [name for name in ("moe_router_padding_for_quantization",
+                                "moe_router_padding_for_fp8") if fields.pop(name, False)]
+    if padded and fields.get("moe_router_expert_pad_multiple") is None:
+        fields["moe_router_expert_pad_multiple"] = 32 if recipe == "mxfp8" else 16
+    if "moe_permute_fusion_into_hybridep" in fields:
+        fields["moe_hybridep_permute_fusion"] = fields.pop("moe_permute_fusion_into_hybridep")
+    ffn = fields.pop("ffn_hidden_size", None)
+    if ffn is not None and fields.get("moe_ffn_hidden_size") is None:
+        fields["moe_ffn_hidden_size"] = ffn
+    for name in _KERNEL_CHOICES:
+        fields.pop(name, None)
+    return fields
