@@ -6,6 +6,7 @@ switch_load_balancing_loss_func, z_loss_func, get_updated_expert_bias."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 import warnings
 
 import jax
@@ -1151,3 +1152,132 @@ def test_pad_expert_input_to_capacity_pads_the_gemm_and_changes_no_value(backend
     # each of the L = 2 local experts.
     assert seen1 and all(seen == ("blocks", 2 * 4) for seen in seen1), seen1
     assert seen0 and all(kind == "grouped" and rows != 2 * 4 for kind, rows in seen0), seen0
+
+
+# ----------------------------------------------------------------- TopKRouter (the module)
+
+ROUTER_MODULE_CASES = {
+    "softmax_aux_z": dict(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-2),
+    "sigmoid_groups_bias": dict(moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                                moe_router_group_topk=2, moe_router_enable_expert_bias=True,
+                                moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.1),
+    "seq_aux_capacity": dict(moe_router_load_balancing_type="seq_aux_loss",
+                             moe_aux_loss_coeff=0.1, moe_expert_capacity_factor=1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTER_MODULE_CASES))
+def test_topk_router_module_matches_megatron(name):
+    """jax_ep.flax.TopKRouter: Megatron's weight layout [E,H], (probs [T,E], routing_map [T,E])
+    equal to the float64 model of topk_softmax_with_capacity + token dropping, and the
+    gradient of a loss of probs alone carrying the scaled aux losses (MoEAuxLossAutoScaler),
+    as Megatron's router adds them in its backward."""
+    c = _cfg(**ROUTER_MODULE_CASES[name])
+    router = jax_ep.flax.TopKRouter(c, H, rngs=nnx.Rngs(3))
+    if router.expert_bias is not None:
+        router.expert_bias[...] = jnp.asarray(np.linspace(-0.3, 0.3, E), jnp.float32)
+    assert router.weight.shape == (E, H) and (router.topk, router.num_experts) == (K, E)
+    assert router.score_function == c.moe_router_score_function
+    B, S = 2, 6
+    x = jax.random.normal(jax.random.key(2), (B, S, H))
+    probs, routing_map = router(x)
+    W = np.asarray(router.weight[...], np.float64)
+    logits = np.asarray(x, np.float64).reshape(-1, H) @ W.T
+    bias = None if router.expert_bias is None else np.asarray(router.expert_bias[...])
+    want_probs, want_map = np_route(logits, c, bias)
+    np.testing.assert_array_equal(np.asarray(routing_map), want_map)
+    np.testing.assert_allclose(np.asarray(probs), want_probs, rtol=1e-5, atol=1e-7)
+
+    cot = jax.random.normal(jax.random.key(4), (B * S, E))
+    graphdef, state = nnx.split(router)
+    kept = jnp.asarray(routing_map)  # the capacity drop's choice (no gradient)
+
+    def loss(state):
+        return jnp.sum(nnx.merge(graphdef, state)(x)[0] * cot)
+
+    def probs_of(w):  # the routed probs as Megatron's topk_routing_with_score_function gives
+        lg = x.reshape(-1, H) @ w.T
+        return lg, routing.topk_routing_with_score_function(
+            lg, K, use_pre_softmax=c.moe_router_pre_softmax,
+            num_groups=c.moe_router_num_groups, group_topk=c.moe_router_group_topk,
+            scaling_factor=c.moe_router_topk_scaling_factor,
+            score_function=c.moe_router_score_function,
+            expert_bias=None if bias is None else jnp.asarray(bias, jnp.float32))[0] * kept
+
+    def scaled_losses(lg):  # each loss by Megatron's function, times its coefficient
+        types = np_types(c)
+        if "aux_loss" in types:
+            total = types["aux_loss"] * _switch(lg, c)
+        else:
+            total = types["seq_aux_loss"] * sum(_switch(lg[i * S:(i + 1) * S], c)
+                                                for i in range(B)) / B
+        if c.moe_z_loss_coeff is not None:
+            total = total + routing.z_loss_func(lg, c.moe_z_loss_coeff)
+        return total
+
+    def explicit(w, scale=1.0):
+        lg, p = probs_of(w)
+        return jnp.sum(p * cot) + scale * scaled_losses(lg)
+
+    w = router.weight[...]
+    got = jax.grad(loss)(state)["weight"][...]
+    np.testing.assert_allclose(got, jax.grad(explicit)(w), rtol=1e-4, atol=1e-6)
+    probs_only = jax.grad(lambda w: jnp.sum(probs_of(w)[1] * cot))(w)
+    assert np.abs(np.asarray(got - probs_only)).max() > 1e-4  # the losses do reach W
+    try:  # Megatron's set_loss_scale: the losses' cotangent
+        jax_ep.flax.MoEAuxLossAutoScaler.set_loss_scale(2.0)
+        doubled = jax.grad(loss)(state)["weight"][...]
+    finally:
+        jax_ep.flax.MoEAuxLossAutoScaler.set_loss_scale(1.0)
+    np.testing.assert_allclose(doubled, jax.grad(partial(explicit, scale=2.0))(w), rtol=1e-4,
+                               atol=1e-6)
+    router.deterministic = True  # eval: no loss attached, as Megatron outside training
+    np.testing.assert_allclose(jax.grad(loss)(nnx.split(router)[1])["weight"][...], probs_only,
+                               rtol=1e-5, atol=1e-7)
+
+
+def _switch(logits, c):
+    """Megatron's switch_load_balancing_loss_func (coefficient 1) of these tokens."""
+    routing_map, scores = routing.compute_routing_scores_for_aux_loss(
+        logits, K, c.moe_router_score_function)
+    return routing.switch_load_balancing_loss_func(scores, routing_map.sum(0), logits.shape[0],
+                                                   K, E, 1.0)
+
+
+def test_topk_router_module_state_padding_and_refusals():
+    """The global_aux_loss tracker counts one micro-batch per training call (not when
+    deterministic) and resets; a padding mask leaves padding tokens out of the losses (their
+    routing still computed); aux is sown with sow_aux; force load balancing and a wrong
+    hidden size are refused naming the field / argument."""
+    c = _cfg(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.1)
+    router = jax_ep.flax.TopKRouter(c, H, rngs=nnx.Rngs(5), sow_aux=True)
+    x = jax.random.normal(jax.random.key(6), (2, 5, H))
+    run = nnx.jit(nnx.capture(lambda m, x, pad=None: m(x, pad), nnx.Intermediate))
+    run(router, x)
+    _, sown = run(router, x)
+    assert float(router.ga_steps[...]) == 2
+    logits = np.asarray(x, np.float64).reshape(-1, H) @ np.asarray(router.weight[...]).T
+    np.testing.assert_allclose(np.asarray(router.global_tokens_per_expert[...]),
+                               2 * np_switch_counts(logits, c)[1], rtol=1e-6)
+    (aux,) = sown["router_aux"]
+    assert float(aux["global_load_balancing_loss"]) > 0
+    router.deterministic = True
+    run(router, x)
+    assert float(router.ga_steps[...]) == 2
+    router.reset_global_aux_loss_tracker()
+    assert float(router.ga_steps[...]) == 0
+
+    plain = jax_ep.flax.TopKRouter(_cfg(moe_aux_loss_coeff=0.1), H, rngs=nnx.Rngs(5),
+                                   sow_aux=True)
+    pad = np.zeros((2, 5), bool)
+    pad[1, 3:] = True  # three padding tokens
+    (probs, routing_map), sown = run(plain, x, jnp.asarray(pad))
+    assert int(np.asarray(routing_map).sum()) == 10 * K  # still routed
+    (aux,) = sown["router_aux"]
+    valid = logits[~pad.reshape(-1)]
+    np.testing.assert_allclose(float(aux["load_balancing_loss"]), np_switch(valid, plain.config),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="moe_router_force_load_balancing"):
+        jax_ep.flax.TopKRouter(_cfg(moe_router_force_load_balancing=True), H, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"x: expected \[..., hidden_size=16\]"):
+        plain(jnp.zeros((3, H + 1)))

@@ -29,12 +29,12 @@ from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
-from jax_ep._checks import check_float
+from jax_ep._checks import check_float, check_positive, check_shape
 
-__all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "MoELayer", "dense_forward",
-           "expert_tile_rows", "force_balance_key", "gate_up_from_etp", "gate_up_to_etp",
-           "load_ratio", "pad_expert_blocks", "shard_params", "swiglu_expert_blocks",
-           "swiglu_experts", "unpad_expert_blocks"]
+__all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "MoEAuxLossAutoScaler", "MoELayer",
+           "TopKRouter", "dense_forward", "expert_tile_rows", "force_balance_key",
+           "gate_up_from_etp", "gate_up_to_etp", "load_ratio", "pad_expert_blocks",
+           "shard_params", "swiglu_expert_blocks", "swiglu_experts", "unpad_expert_blocks"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
 _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(".")[:2])
                  >= (0, 12) else "sharding_names")
@@ -409,6 +409,56 @@ def _as_moe_config(config):
                      f"{type(config).__name__}")
 
 
+class _RouterState:
+    """The router's non-trainable state and its updates, shared by MoELayer and TopKRouter:
+    expert_bias (ExpertBias f32[E] or None) and the global_aux_loss tracker
+    (global_tokens_per_expert f32[E], ga_steps f32[], or None)."""
+
+    def _init_router_state(self, config: MoEConfig):
+        E = config.num_moe_experts
+        self.expert_bias = (ExpertBias(jnp.zeros((E,), jnp.float32), eager_sharding=False,
+                                       **{_SHARDING_KEY: (None,)})
+                            if config.moe_router_enable_expert_bias else None)
+        if "global_aux_loss" in config.aux_losses():
+            self.global_tokens_per_expert = AuxLossTracker(
+                jnp.zeros((E,), jnp.float32), eager_sharding=False, **{_SHARDING_KEY: (None,)})
+            self.ga_steps = AuxLossTracker(jnp.zeros((), jnp.float32), eager_sharding=False,
+                                           **{_SHARDING_KEY: ()})
+        else:
+            self.global_tokens_per_expert = self.ga_steps = None
+
+    def update_expert_bias(self, tokens_per_expert):
+        """Aux-loss-free balancing, once per step outside autodiff (Megatron's rule): the
+        bias moves by moe_router_bias_update_rate up for experts below the mean of
+        tokens_per_expert i32[E] (the global aux["tokens_per_expert"] of the step), down for
+        those above."""
+        if self.expert_bias is None:
+            raise ValueError("update_expert_bias: there is no expert bias "
+                             "(MoEConfig.moe_router_enable_expert_bias=False)")
+        self.expert_bias[...] = routing.get_updated_expert_bias(
+            tokens_per_expert, self.expert_bias[...], self.config.moe_router_bias_update_rate)
+
+    def reset_global_aux_loss_tracker(self):
+        """Zeroes the global_aux_loss tracker (Megatron's reset_global_aux_loss_tracker): call
+        it once per optimizer step, after the step's micro-batches. No-op without one."""
+        if self.ga_steps is not None:
+            self.global_tokens_per_expert[...] = jnp.zeros_like(
+                self.global_tokens_per_expert[...])
+            self.ga_steps[...] = jnp.zeros_like(self.ga_steps[...])
+
+    def _tracker(self):
+        """(global_tokens_per_expert f32[E], ga_steps f32[]) or None."""
+        if self.ga_steps is None:
+            return None
+        return self.global_tokens_per_expert[...], self.ga_steps[...]
+
+    def _track(self, tracked, tracker):
+        """Stores the tracker's new counts after a training call (not with deterministic)."""
+        if tracked is not None and not self.deterministic:
+            self.global_tokens_per_expert[...] = tracked
+            self.ga_steps[...] = tracker[1] + 1.0
+
+
 class ExpertBias(nnx.Variable):
     """The router's aux-loss-free expert bias f32[E]: non-trainable state (not an nnx.Param),
     changed only by `MoELayer.update_expert_bias`."""
@@ -433,7 +483,7 @@ def force_balance_key(step, device):
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(42), step), device)
 
 
-class MoELayer(nnx.Module):
+class MoELayer(_RouterState, nnx.Module):
     """Mixture-of-experts feed-forward layer with expert parallelism (Megatron-Core's MoELayer).
 
       config: a MoEConfig (router, losses, capacity, expert sizes, its TokenDispatcherConfig),
@@ -546,17 +596,7 @@ class MoELayer(nnx.Module):
             self.shared_down = param(rngs.params(), (S, H), S ** -0.5, (None, None))
         else:
             self.shared_gate_up = self.shared_down = None
-        self.expert_bias = (ExpertBias(jnp.zeros((num_experts,), jnp.float32),
-                                       eager_sharding=False, **{_SHARDING_KEY: (None,)})
-                            if config.moe_router_enable_expert_bias else None)
-        if "global_aux_loss" in config.aux_losses():
-            self.global_tokens_per_expert = AuxLossTracker(
-                jnp.zeros((num_experts,), jnp.float32), eager_sharding=False,
-                **{_SHARDING_KEY: (None,)})
-            self.ga_steps = AuxLossTracker(jnp.zeros((), jnp.float32), eager_sharding=False,
-                                           **{_SHARDING_KEY: ()})
-        else:
-            self.global_tokens_per_expert = self.ga_steps = None
+        self._init_router_state(config)
         self.force_balance_step = (  # a random start: each layer draws its own logits
             ForceBalanceStep(jax.random.randint(rngs.params(), (), 0, 2**30, jnp.int32),
                              eager_sharding=False, **{_SHARDING_KEY: ()})
@@ -573,31 +613,6 @@ class MoELayer(nnx.Module):
     def num_local_experts(self) -> int:
         """Experts per expert-parallel rank, L = E / P (Megatron's MoELayer attribute)."""
         return self.dispatcher.num_local_experts
-
-    def update_expert_bias(self, tokens_per_expert):
-        """Aux-loss-free balancing, once per step outside autodiff (Megatron's rule): the
-        bias moves by moe_router_bias_update_rate up for experts below the mean of
-        tokens_per_expert i32[E] (the global aux["tokens_per_expert"] of the step), down for
-        those above."""
-        if self.expert_bias is None:
-            raise ValueError("update_expert_bias: the layer has no expert bias "
-                             "(MoEConfig.moe_router_enable_expert_bias=False)")
-        self.expert_bias[...] = routing.get_updated_expert_bias(
-            tokens_per_expert, self.expert_bias[...], self.config.moe_router_bias_update_rate)
-
-    def reset_global_aux_loss_tracker(self):
-        """Zeroes the global_aux_loss tracker (Megatron's reset_global_aux_loss_tracker): call
-        it once per optimizer step, after the step's micro-batches. No-op without one."""
-        if self.ga_steps is not None:
-            self.global_tokens_per_expert[...] = jnp.zeros_like(
-                self.global_tokens_per_expert[...])
-            self.ga_steps[...] = jnp.zeros_like(self.ga_steps[...])
-
-    def _tracker(self):
-        """(global_tokens_per_expert f32[E], ga_steps f32[]) or None."""
-        if self.ga_steps is None:
-            return None
-        return self.global_tokens_per_expert[...], self.ga_steps[...]
 
     def _token_axes(self):
         axes = _names(self.dispatch_config.expert_axis_name)
@@ -718,9 +733,7 @@ class MoELayer(nnx.Module):
             y, aux, tracked = self._local(x, *params)
         else:
             y, aux, tracked = self._sharded(x, params)
-        if tracked is not None and not self.deterministic:
-            self.global_tokens_per_expert[...] = tracked
-            self.ga_steps[...] = tracker[1] + 1.0
+        self._track(tracked, tracker)
         if step is not None:
             self.force_balance_step[...] = step + 1
         if self.sow_aux:
@@ -768,6 +781,137 @@ class MoELayer(nnx.Module):
 # help(MoELayer) shows __init__'s signature (nnx.Module's metaclass hides it otherwise).
 MoELayer.__signature__ = inspect.signature(MoELayer.__init__).replace(
     parameters=list(inspect.signature(MoELayer.__init__).parameters.values())[1:])
+
+
+class MoEAuxLossAutoScaler:
+    """Megatron's MoEAuxLossAutoScaler: `apply(output, aux_loss)` returns output unchanged and,
+    in the backward pass, gives aux_loss f32[] the cotangent main_loss_backward_scale (1 unless
+    `set_loss_scale` changed it), so the gradient of any loss of `output` also carries that of
+    aux_loss: how Megatron's router adds its losses without returning them. The scale is read
+    when the function is traced (a Python float, not a traced value)."""
+
+    main_loss_backward_scale: float = 1.0
+
+    @staticmethod
+    def apply(output, aux_loss):
+        return _with_aux_loss(output, aux_loss, MoEAuxLossAutoScaler.main_loss_backward_scale)
+
+    @staticmethod
+    def set_loss_scale(scale):
+        """The cotangent aux losses get from now on (Megatron sets 1 / the number of
+        micro-batches when the main loss is scaled so); a finite number."""
+        value = float(scale)
+        if not math.isfinite(value):
+            raise ValueError(f"scale: expected a finite number, got {scale!r}")
+        MoEAuxLossAutoScaler.main_loss_backward_scale = value
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _with_aux_loss(output, aux_loss, scale):
+    del aux_loss, scale
+    return output
+
+
+def _with_aux_loss_fwd(output, aux_loss, scale):
+    return output, aux_loss
+
+
+def _with_aux_loss_bwd(scale, aux_loss, d_output):
+    # aux_loss * 0 + scale: typed like aux_loss (varying over the same mesh axes)
+    return d_output, aux_loss * 0 + jnp.asarray(scale, aux_loss.dtype)
+
+
+_with_aux_loss.defvjp(_with_aux_loss_fwd, _with_aux_loss_bwd)
+
+
+class TopKRouter(_RouterState, nnx.Module):
+    """Megatron-Core's TopKRouter as an NNX module, for code written against the router alone
+    (MoELayer routes the same way, with its own router weight [H,E]).
+
+      config: a MoEConfig (or TokenDispatcherConfig); hidden_size H.
+      weight: nnx.Param [E, H] (Megatron's layout), normal with std H^-0.5.
+      expert_bias, global_tokens_per_expert / ga_steps: as MoELayer's (update_expert_bias,
+        reset_global_aux_loss_tracker).
+      topk, score_function, num_experts: K, the score function and E (Megatron's attributes).
+      deterministic: Megatron's `not module.training` (sinkhorn routing, the tracker).
+    gating(x [T,H]) -> logits [T,E] in moe_router_dtype (router_gating_linear).
+    routing(logits [T,E], padding_mask=None, seq_len=1) -> (probs [T,E] in the logits' dtype,
+      routing_map bool[T,E]): the layer's top-k (and sinkhorn, groups, expert bias, capacity
+      drop), dense; the losses of the config over these T tokens (one device's: Megatron's
+      per-rank losses; seq_aux_loss over sequences of seq_len tokens) attached to probs by
+      MoEAuxLossAutoScaler while training (not deterministic), so a loss of probs carries
+      their gradient, as in Megatron.
+    __call__(x [..., H], padding_mask=None) -> routing(gating(x)) of x's tokens (seq_len: x's
+      second-to-last axis). With sow_aux the unscaled losses are sown as nnx.Intermediate
+      "router_aux" (MoELayer's aux keys: aux_loss, load_balancing_loss(es), z_loss, ...).
+    moe_router_force_load_balancing is refused (the layer has it: its draw counter is per
+    layer and device).
+    """
+
+    def __init__(self, config, hidden_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 sow_aux: bool = False, deterministic: bool = False):
+        config = _as_moe_config(config)
+        if config.moe_router_force_load_balancing:
+            raise ValueError("MoEConfig.moe_router_force_load_balancing: TopKRouter has no "
+                             "random-logit draw counter; use MoELayer, which has one")
+        E, H = config.num_moe_experts, check_positive(hidden_size, "hidden_size")
+        self.config = config
+        self.weight = nnx.Param(jax.nn.initializers.normal(H ** -0.5)(
+            rngs.params(), (E, H), param_dtype))
+        self._init_router_state(config)
+        self.sow_aux, self.deterministic = sow_aux, deterministic
+
+    @property
+    def topk(self) -> int:
+        return self.config.moe_router_topk
+
+    @property
+    def score_function(self) -> str:
+        return self.config.moe_router_score_function
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_moe_experts
+
+    def gating(self, x):
+        """x [T,H] -> logits [T,E] in moe_router_dtype (None: x's dtype)."""
+        dtype = router_dtype(self.config.dispatcher_config(), x.dtype)
+        return routing.router_gating_linear(x, self.weight[...], None, dtype)
+
+    def routing(self, logits, padding_mask=None, seq_len: int = 1):
+        cfg = self.config
+        E = cfg.num_moe_experts
+        check_shape(logits, (logits.shape[0], E), "logits")
+        valid = None if padding_mask is None else ~padding_mask.reshape(-1)
+        bias = None if self.expert_bias is None else self.expert_bias[...]
+        probs, ids, dropped = routing.capacity_drop(
+            *routing.route(logits, cfg, bias, not self.deterministic), cfg)
+        tracker = self._tracker()
+        balancing, z, tracked = _losses(logits, seq_len, cfg, (), tracker=tracker, valid=valid)
+        self._track(tracked, tracker)
+        counted = ids >= 0 if valid is None else (ids >= 0) & valid[:, None]
+        counts = jnp.zeros((E,), jnp.int32).at[jnp.where(counted, ids, E).reshape(-1)].add(
+            1, mode="drop")
+        aux = _aux(cfg, balancing, z, counts, dropped.sum())
+        if self.sow_aux:
+            self.sow(nnx.Intermediate, "router_aux", aux)
+        routing_map, dense = ops.indices_to_multihot(ids, probs.astype(jnp.float32),
+                                                     num_experts=E, impl="xla")
+        dense = dense.astype(logits.dtype)
+        if not self.deterministic:  # Megatron attaches its losses while training only
+            dense = MoEAuxLossAutoScaler.apply(dense, aux["aux_loss"])
+        return dense, routing_map
+
+    def __call__(self, x, padding_mask=None):
+        H = self.weight.shape[1]
+        if jnp.ndim(x) < 1 or x.shape[-1] != H:
+            raise ValueError(f"x: expected [..., hidden_size={H}], got shape {jnp.shape(x)}")
+        if "seq_aux_loss" in self.config.load_balancing_types() and jnp.ndim(x) < 3:
+            raise ValueError(f"x: seq_aux_loss needs [batch, seq, hidden_size], got shape "
+                             f"{jnp.shape(x)}")
+        mask = _checked_padding_mask(padding_mask, x)
+        return self.routing(self.gating(x.reshape(-1, H)), mask,
+                            x.shape[-2] if x.ndim > 2 else 1)
 
 
 def _checked_padding_mask(padding_mask, x):
