@@ -128,102 +128,12 @@ def test_fp8_halves_the_wire_bytes(padded_auto):
     assert rows + "ui16>" in wire(False)  # bf16 rows travel as their bits
 
 
-def test_gradients_match_dense_reference():
+def _expert_scaling_losses(seed, transport="auto", activation=lambda v: v):
+    """(loss of the low-latency round trip dispatch -> activation(rows * scale[expert]) ->
+    combine, the dense model's loss, their sharded and plain arguments): 4 ranks, T = 5,
+    Tmax = 6, K = 3, E = 8, H = 16, a fixed random cotangent."""
     num_ranks, T, tmax, K, E, H = 4, 5, 6, 3, 8, 16
-    rng = np.random.default_rng(5)
-    idx, w = random_routing(rng, num_ranks * T, K, E)
-    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
-    scale = rng.standard_normal((E, H)).astype(np.float32)
-    cot = rng.standard_normal(x.shape).astype(np.float32)
-    mesh = ep_mesh(num_ranks)
-    L = E // num_ranks
-
-    def body(x, i, w, scale):
-        recv, _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
-                                                 num_experts=E, axis_name=AXIS)
-        return jax_ep.low_latency_combine(recv * scale[:L, None, :], i, w, h)
-
-    moe = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4, out_specs=P(AXIS))
-
-    def ep_loss(x, w, scale, i):
-        return jnp.sum(moe(x, i, w, scale) * cot)
-
-    def dense_loss(x, w, scale):
-        valid = idx >= 0
-        s = scale[np.where(valid, idx, 0)]  # [T,K,H]
-        y = jnp.sum(jnp.where(valid[..., None], w[..., None] * s * x[:, None, :], 0.0), axis=1)
-        return jnp.sum(y * cot)
-
-    got = jax.jit(jax.grad(ep_loss, argnums=(0, 1, 2)))(*shard(mesh, x, w, scale, idx))
-    want = jax.grad(dense_loss, argnums=(0, 1, 2))(x, w, scale)
-    for g, r in zip(got, want):
-        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5)
-
-
-def test_bad_inputs():
-    mesh = ep_mesh(2)
-    x = np.zeros((8, 100), np.float32)
-    idx = np.zeros((8, 2), np.int32)
-
-    def call(**kw):
-        args = dict(num_max_dispatch_tokens_per_rank=4, num_experts=4, axis_name=AXIS) | kw
-        return run_ep(lambda x, i: jax_ep.low_latency_dispatch(x, i, **args)[1], mesh, x, idx)
-
-    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
-        call(num_max_dispatch_tokens_per_rank=3)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        call(use_fp8=True)
-    with pytest.raises(ValueError, match="use_ue8m0"):
-        run_ep(lambda x, i: jax_ep.low_latency_dispatch(
-            x, i, num_max_dispatch_tokens_per_rank=4, num_experts=4, axis_name=AXIS,
-            use_fp8=True, use_ue8m0=True)[1], mesh, np.zeros((8, 128), np.float32), idx)
-
-
-def test_fp8_pair_refuses_to_be_differentiated():
-    # The pair is forward-only; fp8_output="cast_back" is the differentiable FP8 dispatch
-    # (tests/test_fp8_dispatch.py).
-    num_ranks, T, tmax, K, E, H = 2, 4, 4, 2, 4, 128
-    rng = np.random.default_rng(9)
-    idx, w = random_routing(rng, num_ranks * T, K, E)
-    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
-    mesh = ep_mesh(num_ranks)
-
-    def f(x, i, w):
-        (q, _), _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
-                                                   num_experts=E, axis_name=AXIS, use_fp8=True)
-        return jax_ep.low_latency_combine(q.astype(jnp.float32), i, w, h)
-
-    g = jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
-    with pytest.raises(ValueError, match="fp8_output.*cast_back"):
-        jax.jit(jax.grad(lambda x, i, w: jnp.sum(g(x, i, w))))(*shard(mesh, x, idx, w))
-
-
-def test_invalid_expert_id_on_one_rank_is_unrouted():
-    # Routed nowhere (as on GPU) rather than an error on one rank mid-exchange.
-    num_ranks, T, H, K, E, tmax = 4, 5, 128, 2, 8, 6
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
-    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
-    bad_idx, clean_idx = idx.copy(), idx.copy()
-    bad_idx[1, 1], clean_idx[1, 1] = E + 3, -1
-    got = _dispatch(num_ranks, x, bad_idx, w, tmax, E)
-    want = _dispatch(num_ranks, x, clean_idx, w, tmax, E)
-    for g, c in zip(got, want):
-        np.testing.assert_array_equal(g, c)
-
-    def invalid(x, i):
-        return jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
-                                           num_experts=E, axis_name=AXIS)[2].num_invalid[None]
-    np.testing.assert_array_equal(run_ep(invalid, ep_mesh(num_ranks), x, bad_idx), [1, 0, 0, 0])
-
-
-@pytest.mark.parametrize("transport", ["all_to_all", "peer"])  # ragged: GPU only
-def test_gradients_of_gradients_match_dense_reference(transport):
-    """Second order (the gradient of a gradient penalty) through dispatch -> tanh experts ->
-    combine: every VJP of the round trip is itself differentiable (the return's VJP is the
-    dispatch-direction exchange, unpermute's a gather, and back), equal to the dense model's."""
-    num_ranks, T, tmax, K, E, H = 4, 5, 6, 3, 8, 16
-    rng = np.random.default_rng(15)
+    rng = np.random.default_rng(seed)
     idx, w = random_routing(rng, num_ranks * T, K, E)
     x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
     scale = rng.standard_normal((E, H)).astype(np.float32)
@@ -235,7 +145,7 @@ def test_gradients_of_gradients_match_dense_reference(transport):
         recv, _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
                                                  num_experts=E, axis_name=AXIS,
                                                  transport=transport)
-        return jax_ep.low_latency_combine(jnp.tanh(recv * scale[:L, None, :]), i, w, h)
+        return jax_ep.low_latency_combine(activation(recv * scale[:L, None, :]), i, w, h)
 
     moe = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4, out_specs=P(AXIS))
 
@@ -245,15 +155,33 @@ def test_gradients_of_gradients_match_dense_reference(transport):
     def dense_loss(x, w, scale):
         valid = idx >= 0
         s = scale[np.where(valid, idx, 0)]  # [T,K,H]
-        y = jnp.sum(jnp.where(valid[..., None], w[..., None] * jnp.tanh(s * x[:, None, :]),
+        y = jnp.sum(jnp.where(valid[..., None], w[..., None] * activation(s * x[:, None, :]),
                               0.0), axis=1)
         return jnp.sum(y * cot)
+
+    return ep_loss, dense_loss, shard(mesh, x, w, scale, idx), (x, w, scale)
+
+
+def test_gradients_match_dense_reference():
+    ep_loss, dense_loss, sharded, plain = _expert_scaling_losses(5)
+    got = jax.jit(jax.grad(ep_loss, argnums=(0, 1, 2)))(*sharded)
+    want = jax.grad(dense_loss, argnums=(0, 1, 2))(*plain)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transport", ["all_to_all", "peer"])  # ragged: GPU only
+def test_gradients_of_gradients_match_dense_reference(transport):
+    """Second order (the gradient of a gradient penalty) through dispatch -> tanh experts ->
+    combine: every VJP of the round trip is itself differentiable (the return's VJP is the
+    dispatch-direction exchange, unpermute's a gather, and back), equal to the dense model's."""
+    ep_loss, dense_loss, sharded, plain = _expert_scaling_losses(15, transport, jnp.tanh)
 
     def penalty(loss):
         return lambda *a: sum(jnp.sum(g ** 2) for g in jax.grad(loss, argnums=(0, 1, 2))(*a))
 
-    got = jax.jit(jax.grad(penalty(ep_loss), argnums=(0, 1, 2)))(*shard(mesh, x, w, scale, idx))
-    want = jax.grad(penalty(dense_loss), argnums=(0, 1, 2))(x, w, scale)
+    got = jax.jit(jax.grad(penalty(ep_loss), argnums=(0, 1, 2)))(*sharded)
+    want = jax.grad(penalty(dense_loss), argnums=(0, 1, 2))(*plain)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5)
 

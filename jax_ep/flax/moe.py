@@ -705,12 +705,7 @@ class MoELayer(_RouterState, nnx.Module):
 
     def __call__(self, x, padding_mask=None):
         routing.check_top_k(self.config)
-        hidden = self.router.shape[0]
-        if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
-            raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")
-        if "seq_aux_loss" in self.config.load_balancing_types() and jnp.ndim(x) < 3:
-            raise ValueError(f"x: seq_aux_loss needs [batch, seq, hidden_size], got shape "
-                             f"{jnp.shape(x)}")
+        _check_tokens(x, self.router.shape[0], self.config)
         weights = [self.router[...], self.w_gate_up[...], self.w_down[...]]
         if self.shared_gate_up is not None:
             weights += [self.shared_gate_up[...], self.shared_down[...]]
@@ -904,14 +899,19 @@ class TopKRouter(_RouterState, nnx.Module):
 
     def __call__(self, x, padding_mask=None):
         H = self.weight.shape[1]
-        if jnp.ndim(x) < 1 or x.shape[-1] != H:
-            raise ValueError(f"x: expected [..., hidden_size={H}], got shape {jnp.shape(x)}")
-        if "seq_aux_loss" in self.config.load_balancing_types() and jnp.ndim(x) < 3:
-            raise ValueError(f"x: seq_aux_loss needs [batch, seq, hidden_size], got shape "
-                             f"{jnp.shape(x)}")
+        _check_tokens(x, H, self.config)
         mask = _checked_padding_mask(padding_mask, x)
         return self.routing(self.gating(x.reshape(-1, H)), mask,
                             x.shape[-2] if x.ndim > 2 else 1)
+
+
+def _check_tokens(x, hidden: int, cfg: MoEConfig):
+    """x [..., hidden] (and [batch, seq, hidden] for seq_aux_loss), else ValueError."""
+    if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
+        raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")
+    if "seq_aux_loss" in cfg.load_balancing_types() and jnp.ndim(x) < 3:
+        raise ValueError(f"x: seq_aux_loss needs [batch, seq, hidden_size], got shape "
+                         f"{jnp.shape(x)}")
 
 
 def _checked_padding_mask(padding_mask, x):
