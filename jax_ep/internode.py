@@ -63,6 +63,11 @@ class _DeepEPTupleView:
     reads one with _deepep_item(name), None for an entry it does not keep (handle[i] then
     raises a ValueError naming it and, by _KEPT, what is kept)."""
 
+    def __post_init__(self):
+        if self.tuple_layout not in TUPLE_LAYOUTS:
+            raise ValueError(f"tuple_layout: expected one of {tuple(TUPLE_LAYOUTS)}, got "
+                             f"{self.tuple_layout!r}")
+
     def __len__(self) -> int:
         return len(self._TUPLES[self.tuple_layout])
 

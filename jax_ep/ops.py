@@ -216,6 +216,10 @@ def _gather_rows_ffi(x, row_idx):
     if x.size == 0 or row_idx.size == 0:
         return _ffi.vary_like(jnp.zeros(row_idx.shape + x.shape[1:], x.dtype), x, row_idx)
     if x.dtype in _DIFFERENTIABLE_ROWS:
+        # Inside shard_map x is typed as varying like row_idx first (a table replicated over
+        # axes the ids vary over gets its cotangent summed over them by that cast's VJP).
+        axes = _ffi.varying_axes(x) | _ffi.varying_axes(row_idx)
+        x, row_idx = _ffi.make_varying(x, axes), _ffi.make_varying(row_idx, axes)
         return _gathered_rows(x, row_idx, x.shape[0])
     return _gather_rows_call(x, row_idx)
 

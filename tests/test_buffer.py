@@ -3,6 +3,8 @@ signatures as DeepEP's, results equal to the functional API."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 
 import jax
@@ -513,6 +515,8 @@ def test_dispatch_without_topk_and_fp8_pair():
         rank = jnp.broadcast_to(buf.rank, (1,))
         # UCCL-EP's intranode handle tuple: DeepEP's six with num_recv_tokens at [3].
         assert len(handle) == 7 and handle.tuple_layout == "uccl_ep"
+        with pytest.raises(ValueError, match="tuple_layout: expected one of"):
+            dataclasses.replace(handle, tuple_layout="nccl_ep")
         with pytest.raises(ValueError, match=r"handle\[4\]: UCCL-EP's recv_src_idx"):
             handle[4]
         return (rx, per_local, c, in_rank.sum(1), q.view(jnp.uint8), s, f_q.view(jnp.uint8), f_s,

@@ -186,6 +186,63 @@ def test_gradients_of_gradients_match_dense_reference(transport):
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-5)
 
 
+def test_bad_inputs():
+    mesh = ep_mesh(2)
+    x = np.zeros((8, 100), np.float32)
+    idx = np.zeros((8, 2), np.int32)
+
+    def call(**kw):
+        args = dict(num_max_dispatch_tokens_per_rank=4, num_experts=4, axis_name=AXIS) | kw
+        return run_ep(lambda x, i: jax_ep.low_latency_dispatch(x, i, **args)[1], mesh, x, idx)
+
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
+        call(num_max_dispatch_tokens_per_rank=3)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        call(use_fp8=True)
+    with pytest.raises(ValueError, match="use_ue8m0"):
+        run_ep(lambda x, i: jax_ep.low_latency_dispatch(
+            x, i, num_max_dispatch_tokens_per_rank=4, num_experts=4, axis_name=AXIS,
+            use_fp8=True, use_ue8m0=True)[1], mesh, np.zeros((8, 128), np.float32), idx)
+
+
+def test_fp8_pair_refuses_to_be_differentiated():
+    # The pair is forward-only; fp8_output="cast_back" is the differentiable FP8 dispatch
+    # (tests/test_fp8_dispatch.py).
+    num_ranks, T, tmax, K, E, H = 2, 4, 4, 2, 4, 128
+    rng = np.random.default_rng(9)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    mesh = ep_mesh(num_ranks)
+
+    def f(x, i, w):
+        (q, _), _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
+                                                   num_experts=E, axis_name=AXIS, use_fp8=True)
+        return jax_ep.low_latency_combine(q.astype(jnp.float32), i, w, h)
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS))
+    with pytest.raises(ValueError, match="fp8_output.*cast_back"):
+        jax.jit(jax.grad(lambda x, i, w: jnp.sum(g(x, i, w))))(*shard(mesh, x, idx, w))
+
+
+def test_invalid_expert_id_on_one_rank_is_unrouted():
+    # Routed nowhere (as on GPU) rather than an error on one rank mid-exchange.
+    num_ranks, T, H, K, E, tmax = 4, 5, 128, 2, 8, 6
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    bad_idx, clean_idx = idx.copy(), idx.copy()
+    bad_idx[1, 1], clean_idx[1, 1] = E + 3, -1
+    got = _dispatch(num_ranks, x, bad_idx, w, tmax, E)
+    want = _dispatch(num_ranks, x, clean_idx, w, tmax, E)
+    for g, c in zip(got, want):
+        np.testing.assert_array_equal(g, c)
+
+    def invalid(x, i):
+        return jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=tmax,
+                                           num_experts=E, axis_name=AXIS)[2].num_invalid[None]
+    np.testing.assert_array_equal(run_ep(invalid, ep_mesh(num_ranks), x, bad_idx), [1, 0, 0, 0])
+
+
 def test_zero_tokens_dispatch_combine_and_gradients():
     # DeepEP allows T <= Tmax, T = 0 included.
     num_ranks, H, K, E, tmax = 4, 128, 2, 8, 3

@@ -661,6 +661,23 @@ def test_gather_rows_gradients_of_gradients_match_reference(rng):
     np.testing.assert_allclose(first[5], 2 * 3 * np.asarray(x[5]) ** 2, rtol=1e-6)
 
 
+def test_gather_rows_grad_of_a_replicated_table_inside_shard_map(ep_mesh, rng):
+    """A table replicated over the mesh (P()) read by ids that vary over it: the gradient sums
+    every device's reads, as the reference's does (the table is typed varying first)."""
+    x = jnp.asarray(rng.standard_normal((6, 3)).astype(np.float32))
+    idx = jnp.asarray(rng.integers(-1, 7, 4 * ep_mesh.size), jnp.int32)
+    grads = {}
+    for impl in ("ffi", "xla"):
+        def loss(x, idx, impl=impl):
+            per_device = jax.shard_map(
+                lambda x, i: jnp.sum(ops.gather_rows(x, i, impl=impl) ** 2)[None],
+                mesh=ep_mesh, in_specs=(P(), P("ep")), out_specs=P("ep"))
+            return jnp.sum(per_device(x, idx))
+        grads[impl] = jax.jit(jax.grad(loss))(x, idx)
+    np.testing.assert_allclose(grads["ffi"], grads["xla"], rtol=1e-6)
+    assert np.abs(np.asarray(grads["ffi"])).max() > 0
+
+
 # ----------------------------------------------------------------------------- hypothesis
 
 ROUTING = dict(T=st.integers(1, 10), E=st.integers(1, 6), H=st.sampled_from([1, 3]),

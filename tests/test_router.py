@@ -482,6 +482,8 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
                                  moe_ffn_hidden_size=24))
     assert c.token_dispatcher.backend == "alltoall" and c.moe_ffn_hidden_size == 24
     assert c.token_dispatcher.moe_router_expert_pad_multiple == 32
+    c = MoEConfig.from_dict(dict(base, moe_router_padding_for_quantization=True, fp4="nvfp4"))
+    assert c.token_dispatcher.moe_router_expert_pad_multiple == 32
     c = MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="flex",
                                  moe_flex_dispatcher_backend="hybridep",
                                  moe_permute_fusion_into_hybridep=True))

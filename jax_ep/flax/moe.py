@@ -782,8 +782,10 @@ class MoEAuxLossAutoScaler:
     """Megatron's MoEAuxLossAutoScaler: `apply(output, aux_loss)` returns output unchanged and,
     in the backward pass, gives aux_loss f32[] the cotangent main_loss_backward_scale (1 unless
     `set_loss_scale` changed it), so the gradient of any loss of `output` also carries that of
-    aux_loss: how Megatron's router adds its losses without returning them. The scale is read
-    when the function is traced (a Python float, not a traced value)."""
+    aux_loss: how Megatron's router adds its losses without returning them. The scale is a
+    Python float read when `apply` is traced (Megatron reads it in the backward): set it
+    before the first trace of a jitted step; a jitted function already traced keeps the scale
+    it was traced with (jit's cache does not see the change)."""
 
     main_loss_backward_scale: float = 1.0
 
@@ -812,8 +814,9 @@ def _with_aux_loss_fwd(output, aux_loss, scale):
 
 
 def _with_aux_loss_bwd(scale, aux_loss, d_output):
-    # aux_loss * 0 + scale: typed like aux_loss (varying over the same mesh axes)
-    return d_output, aux_loss * 0 + jnp.asarray(scale, aux_loss.dtype)
+    # typed like aux_loss (varying over the same mesh axes), whatever its value (NaN included)
+    return d_output, _ffi.vary_like(jnp.full(jnp.shape(aux_loss), scale, aux_loss.dtype),
+                                    aux_loss)
 
 
 _with_aux_loss.defvjp(_with_aux_loss_fwd, _with_aux_loss_bwd)
@@ -832,12 +835,14 @@ class TopKRouter(_RouterState, nnx.Module):
     gating(x [T,H]) -> logits [T,E] in moe_router_dtype (router_gating_linear).
     routing(logits [T,E], padding_mask=None, seq_len=1) -> (probs [T,E] in the logits' dtype,
       routing_map bool[T,E]): the layer's top-k (and sinkhorn, groups, expert bias, capacity
-      drop), dense; the losses of the config over these T tokens (one device's: Megatron's
-      per-rank losses; seq_aux_loss over sequences of seq_len tokens) attached to probs by
+      drop), dense; the losses of the config over these T tokens only (seq_aux_loss over
+      sequences of seq_len consecutive tokens; no reduction over other devices: Megatron
+      all-reduces global_aux_loss's counts over its tp/dp/cp group, and aux_loss's over tp/cp
+      when those are > 1; MoELayer sums over its mesh) attached to probs by
       MoEAuxLossAutoScaler while training (not deterministic), so a loss of probs carries
-      their gradient, as in Megatron.
-    __call__(x [..., H], padding_mask=None) -> routing(gating(x)) of x's tokens (seq_len: x's
-      second-to-last axis). With sow_aux the unscaled losses are sown as nnx.Intermediate
+      their gradient, as in Megatron. padding_mask bool[T] (True: padding).
+    __call__(x [..., H], padding_mask=None) -> routing(gating(x)) of x's tokens, x [B, S, H]
+      as MoELayer's (not Megatron's [S, B, H]: seq_len is x's second-to-last axis). With sow_aux the unscaled losses are sown as nnx.Intermediate
       "router_aux" (MoELayer's aux keys: aux_loss, load_balancing_loss(es), z_loss, ...).
     moe_router_force_load_balancing is refused (the layer has it: its draw counter is per
     layer and device).
@@ -877,6 +882,8 @@ class TopKRouter(_RouterState, nnx.Module):
         cfg = self.config
         E = cfg.num_moe_experts
         check_shape(logits, (logits.shape[0], E), "logits")
+        if padding_mask is not None:
+            check_shape(padding_mask, (logits.shape[0],), "padding_mask")
         valid = None if padding_mask is None else ~padding_mask.reshape(-1)
         bias = None if self.expert_bias is None else self.expert_bias[...]
         probs, ids, dropped = routing.capacity_drop(
@@ -901,7 +908,8 @@ class TopKRouter(_RouterState, nnx.Module):
         H = self.weight.shape[1]
         _check_tokens(x, H, self.config)
         mask = _checked_padding_mask(padding_mask, x)
-        return self.routing(self.gating(x.reshape(-1, H)), mask,
+        return self.routing(self.gating(x.reshape(-1, H)),
+                            None if mask is None else mask.reshape(-1),
                             x.shape[-2] if x.ndim > 2 else 1)
 
 

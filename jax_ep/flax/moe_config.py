@@ -287,12 +287,14 @@ def megatron_fields(fields: dict) -> dict:
     """`fields` with Megatron's implementation-choosing fields read into jax_ep's (what
     MoEConfig.from_dict does first):
       moe_token_dispatcher_type: "alltoall" or "allgather" -> moe_flex_dispatcher_backend
-        "alltoall" (the same results by XLA's all-to-all); "flex" -> the given
-        moe_flex_dispatcher_backend (default "deepep").
+        "alltoall" (the same results by XLA's all-to-all; Megatron ignores its flex backend
+        field then, and so does this); "flex" -> the given moe_flex_dispatcher_backend
+        (default "deepep").
       moe_router_padding_for_quantization / moe_router_padding_for_fp8 (its older name): True
-        -> moe_router_expert_pad_multiple 16, or 32 with fp8_recipe "mxfp8" (Megatron's
-        alignment for FP8 / MXFP8 grouped GEMMs; here zero rows, see the config); fp8_recipe
-        is read for that only.
+        -> moe_router_expert_pad_multiple 16, or 32 with fp4 set or fp8_recipe "mxfp8"
+        (Megatron's alignment for FP8 / MXFP8 / FP4 grouped GEMMs; here zero rows, see the
+        config); fp4 and fp8_recipe are read for that only. (Megatron refuses the padding
+        with the "allgather" dispatcher; here every backend pads.)
       moe_permute_fusion_into_hybridep -> moe_hybridep_permute_fusion.
       ffn_hidden_size -> moe_ffn_hidden_size where that is not given (Megatron's default).
       moe_grouped_gemm, moe_router_fusion, moe_use_legacy_grouped_gemm (kernel choices: the
@@ -306,11 +308,11 @@ def megatron_fields(fields: dict) -> dict:
                  f"one of {tuple(_DISPATCHER_TYPES)}", kind)
         if _DISPATCHER_TYPES[kind] is not None:
             fields["moe_flex_dispatcher_backend"] = _DISPATCHER_TYPES[kind]
-    recipe = fields.pop("fp8_recipe", None)
+    wide = fields.pop("fp8_recipe", None) == "mxfp8" or bool(fields.pop("fp4", None))
     padded = [name for name in ("moe_router_padding_for_quantization",
                                 "moe_router_padding_for_fp8") if fields.pop(name, False)]
     if padded and fields.get("moe_router_expert_pad_multiple") is None:
-        fields["moe_router_expert_pad_multiple"] = 32 if recipe == "mxfp8" else 16
+        fields["moe_router_expert_pad_multiple"] = 32 if wide else 16
     if "moe_permute_fusion_into_hybridep" in fields:
         fields["moe_hybridep_permute_fusion"] = fields.pop("moe_permute_fusion_into_hybridep")
     ffn = fields.pop("ffn_hidden_size", None)
