@@ -4,7 +4,6 @@ signatures as DeepEP's, results equal to the functional API."""
 from __future__ import annotations
 
 import dataclasses
-
 import inspect
 
 import jax

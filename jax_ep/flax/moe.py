@@ -842,8 +842,9 @@ class TopKRouter(_RouterState, nnx.Module):
       MoEAuxLossAutoScaler while training (not deterministic), so a loss of probs carries
       their gradient, as in Megatron. padding_mask bool[T] (True: padding).
     __call__(x [..., H], padding_mask=None) -> routing(gating(x)) of x's tokens, x [B, S, H]
-      as MoELayer's (not Megatron's [S, B, H]: seq_len is x's second-to-last axis). With sow_aux the unscaled losses are sown as nnx.Intermediate
-      "router_aux" (MoELayer's aux keys: aux_loss, load_balancing_loss(es), z_loss, ...).
+      as MoELayer's (not Megatron's [S, B, H]: seq_len is x's second-to-last axis). With
+      sow_aux the unscaled losses are sown as nnx.Intermediate "router_aux" (MoELayer's aux
+      keys: aux_loss, load_balancing_loss(es), z_loss, ...).
     moe_router_force_load_balancing is refused (the layer has it: its draw counter is per
     layer and device).
     """
