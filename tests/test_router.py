@@ -1284,3 +1284,37 @@ def test_topk_router_module_state_padding_and_refusals():
         jax_ep.flax.TopKRouter(_cfg(moe_router_force_load_balancing=True), H, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"x: expected \[..., hidden_size=16\]"):
         plain(jnp.zeros((3, H + 1)))
+
+
+def np_pad_routing_map(routing_map, pad_multiple):
+    """Megatron's pad_routing_map, line by line in numpy."""
+    routing_map = routing_map.T.copy()  # [E, T]
+    num_to_pad = (-routing_map.sum(axis=1)) % pad_multiple
+    zero_ranks = np.cumsum(routing_map == 0, axis=1)
+    routing_map[zero_ranks <= num_to_pad[:, None]] = 1
+    return routing_map.T
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [bool, np.int32])
+def test_pad_routing_map_matches_megatron(pad_multiple, dtype):
+    rng = np.random.default_rng(pad_multiple)
+    routing_map = (rng.random((40, E)) < 0.3).astype(dtype)
+    routing_map[:, 1] = 0
+    routing_map[-1, 1] = 1  # one routed token, the last: padded with the first tokens
+    routing_map[:, 2] = 1  # no unrouted token left to pad with
+    routing_map[:3, 3] = 0
+    routing_map[3:, 3] = 1  # three unrouted tokens: all used when more are needed
+    got = np.asarray(routing.pad_routing_map(jnp.asarray(routing_map), pad_multiple))
+    want = np_pad_routing_map(routing_map, pad_multiple)
+    assert got.dtype == routing_map.dtype
+    np.testing.assert_array_equal(got, want)
+    counts = got.astype(np.int64).sum(0)
+    assert (counts[[0, 1] + list(range(4, E))] % pad_multiple == 0).all()
+    assert (got >= routing_map).all()  # only unrouted tokens are flipped, the first ones
+    # expert 1: its last token routed, then the first pad_multiple - 1 tokens
+    np.testing.assert_array_equal(got[:, 1].astype(bool),
+                                  (np.arange(40) < pad_multiple - 1) | (np.arange(40) == 39))
+    assert routing.pad_routing_map(jnp.zeros((0, E), bool), 4).shape == (0, E)
+    with pytest.raises(ValueError, match="pad_multiple"):
+        routing.pad_routing_map(jnp.asarray(routing_map), 0)

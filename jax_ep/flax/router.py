@@ -14,7 +14,8 @@ from jax_ep.flax.moe_config import MoEConfig
 
 __all__ = ["apply_random_logits", "apply_router_token_dropping", "capacity_drop",
            "check_top_k", "compute_routing_scores_for_aux_loss", "get_capacity",
-           "get_updated_expert_bias", "group_limited_topk", "route", "router_gating_linear",
+           "get_updated_expert_bias", "group_limited_topk", "pad_routing_map", "route",
+           "router_gating_linear",
            "sinkhorn", "switch_load_balancing_loss_func", "switch_loss_terms",
            "topk_routing_with_score_function", "z_loss_func", "z_loss_terms"]
 
@@ -295,6 +296,23 @@ def apply_router_token_dropping(routing_probs, routing_map, router_topk, capacit
         capacity_mask = deepep.top_per_expert(score, capacity)
     final_map = capacity_mask if pad_to_capacity else routing_map & capacity_mask
     return routing_probs * final_map, final_map
+
+
+def pad_routing_map(routing_map, pad_multiple):
+    """Megatron's pad_routing_map (same arguments and result): routing_map [T,E] (bool or
+    integer) -> the same map with, in each expert's column, its first (-count) % pad_multiple
+    unrouted tokens (in token order) marked routed, so that each expert's token count is a
+    multiple of pad_multiple where the column has that many unrouted tokens (all of them
+    otherwise). Megatron's alignment for FP8 grouped GEMMs (moe_router_padding_for_fp8): the
+    padding tokens are real ones, with prob 0; jax_ep's moe_router_expert_pad_multiple pads
+    with zero rows instead."""
+    pad_multiple = _checks.check_positive(pad_multiple, "pad_multiple")
+    _checks.check_rank(routing_map, 2, "routing_map")
+    is_zero = routing_map == 0
+    num_to_pad = (-(~is_zero).sum(axis=0)) % pad_multiple
+    zero_ranks = jnp.cumsum(is_zero.astype(jnp.int32), axis=0)
+    return jnp.where(zero_ranks <= num_to_pad[None, :], jnp.ones_like(routing_map),
+                     routing_map)
 
 
 def get_updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_rate,
