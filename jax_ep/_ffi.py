@@ -20,7 +20,8 @@ from jax_ep import _jax_ep
 
 __all__ = ["EMULATED_CUDA_SUFFIX", "WITH_CUDA", "WITH_CUDA_EMU", "call",
            "emulated_cuda_launch_counts", "handlers",
-           "make_varying", "trace_platform", "use_handlers", "vary_like", "varying_axes"]
+           "make_varying", "trace_platform", "use_handlers", "vary_like", "vary_together",
+           "varying_axes"]
 
 WITH_CUDA: bool = bool(_jax_ep.with_cuda)
 EMULATED_CUDA_SUFFIX = "_cuda_emu"
@@ -127,6 +128,13 @@ def vary_like(x, *likes):
     return make_varying(x, frozenset().union(*(varying_axes(a) for a in likes)))
 
 
+def vary_together(*arrays):
+    """The arrays, each typed as varying over the union of the manual mesh axes any of them
+    varies over (inside shard_map; unchanged outside): operands of one per-device op."""
+    axes = frozenset().union(*(varying_axes(a) for a in arrays))
+    return tuple(make_varying(a, axes) for a in arrays)
+
+
 def _varying_result(result, axes: frozenset, like):
     if not axes:
         return result
@@ -147,8 +155,8 @@ def call(target: str, results, *args, cuda_twin: bool = True, **attrs):
     axes and the results are typed the same way (an FFI call is per-device work). Batching
     under `vmap` runs the handler once per batch element.
     """
-    axes = frozenset().union(*(varying_axes(a) for a in args))
-    args = tuple(make_varying(a, axes) for a in args)
+    args = vary_together(*args)
+    axes = varying_axes(args[0])  # every argument's now
     single = not isinstance(results, (tuple, list))
     typed = [_varying_result(r, axes, args[0]) for r in ([results] if single else results)]
     if handlers() == "cuda_emu" and cuda_twin:

@@ -344,8 +344,7 @@ def combine_with_bias(y, handle, bias, *, topk_weights=None, name="y"):
         check_float(b, "bias" if len(biases) == 1 else f"bias[{i}]")
         b = jnp.asarray(b).astype(jnp.float32)
         total = b if total is None else total + b
-    axes = _ffi.varying_axes(y) | _ffi.varying_axes(total)  # e.g. a replicated bias
-    summed = _biased_rows(_ffi.make_varying(y, axes), _ffi.make_varying(total, axes), handle)
+    summed = _biased_rows(*_ffi.vary_together(y, total), handle)  # e.g. a replicated bias
     return summed, _combined_weights(topk_weights, handle)
 
 

@@ -59,9 +59,10 @@ TUPLE_LAYOUTS = {"deepep": "DeepEP", "uccl_ep": "UCCL-EP"}
 
 class _DeepEPTupleView:
     """Reads a handle as DeepEP's or UCCL-EP's handle tuple (by its tuple_layout: "deepep" or
-    "uccl_ep"), by int index or slice: a subclass lists each tuple's entries in _TUPLES and
-    reads one with _deepep_item(name), None for an entry it does not keep (handle[i] then
-    raises a ValueError naming it and, by _KEPT, what is kept)."""
+    "uccl_ep"), by int index or slice: a subclass lists each tuple's entries in _TUPLES; an
+    entry named as one of the handle's fields reads that field, another _deepep_item(name),
+    None for an entry it does not keep (handle[i] then raises a ValueError naming it and, by
+    _KEPT, what is kept)."""
 
     def __post_init__(self):
         if self.tuple_layout not in TUPLE_LAYOUTS:
@@ -76,7 +77,8 @@ class _DeepEPTupleView:
         if isinstance(position, range):
             return tuple(self[i] for i in position)
         name = self._TUPLES[self.tuple_layout][position]
-        item = self._deepep_item(name)
+        fields = {field.name for field in dataclasses.fields(self)}
+        item = getattr(self, name) if name in fields else self._deepep_item(name)
         if item is None:
             raise ValueError(f"handle[{index}]: {TUPLE_LAYOUTS[self.tuple_layout]}'s {name} "
                              f"has no counterpart here (XLA's exchange has no channels or send "
@@ -141,11 +143,8 @@ class DispatchHandle(_DeepEPTupleView):
         """handle[0], rank_prefix_matrix i32[P,P]: [i, j] = the rows rank j received from
         ranks 0..i (its received rows are grouped by source rank, so rows [M[i-1, j], M[i, j])
         came from rank i). It is gathered over the axis, so read it inside the shard_map.
-        UCCL-EP's handle[3], num_recv_tokens i32[]: the rows this rank received. The other
-        entries of the intranode tuples describe channels and send buffers, which this
-        exchange does not have."""
-        if name == "num_recv_tokens":
-            return self.num_recv_tokens
+        (UCCL-EP's handle[3] is the field num_recv_tokens.) The other entries of the intranode
+        tuples describe channels and send buffers, which this exchange does not have."""
         if name != "rank_prefix_matrix":
             return None
         column = jnp.cumsum(self.plan.recv_counts).astype(jnp.int32)  # this rank's column
@@ -413,12 +412,10 @@ class InternodeHandle(_DeepEPTupleView):
         """handle[4], recv_rdma_rank_prefix_sum i32[N]: the inclusive prefix of the hop-1 rows
         this rank received from each node; handle[6] (DeepEP's handle[-4], UCCL-EP's
         handle[-6]), recv_gbl_rank_prefix_sum i32[N*G]: that of the rows it finally received
-        from each global rank n*G + g (rows [S[i-1], S[i]) came from rank i). UCCL-EP's
-        handle[7] num_recv_tokens i32[] and handle[8] num_rdma_recv_tokens i32[]: the rows it
-        received (flat) and on hop 1. The other entries describe channels and send buffers
-        (or the sender's is_token_in_rank, which get_dispatch_layout returns)."""
-        if name in ("num_recv_tokens", "num_rdma_recv_tokens"):
-            return getattr(self, name)
+        from each global rank n*G + g (rows [S[i-1], S[i]) came from rank i). (UCCL-EP's
+        handle[7] and handle[8] are the fields num_recv_tokens and num_rdma_recv_tokens.) The
+        other entries describe channels and send buffers (or the sender's is_token_in_rank,
+        which get_dispatch_layout returns)."""
         if name == "recv_rdma_rank_prefix_sum":
             return jnp.cumsum(self.hop1.plan.recv_counts).astype(jnp.int32)
         if name == "recv_gbl_rank_prefix_sum":

@@ -171,7 +171,6 @@ def _return_transpose(d_back, h):
 
 
 _returned = tp.with_transpose(_return, _return_transpose)
-_return_adjoint = tp.with_transpose(_return_transpose, _return)
 
 
 @jax.custom_vjp
@@ -183,7 +182,7 @@ def _returned_logfmt(y, h):
 # the decoded rows) go back as the bf16 return's would.
 _returned_logfmt.defvjp(
     lambda y, h: (_returned_logfmt(y, h), h),
-    lambda h, d_back: (_return_adjoint(d_back.astype(jnp.bfloat16), h), None))
+    lambda h, d_back: (_returned.adjoint(d_back.astype(jnp.bfloat16), h), None))
 
 
 def _ll_combine_rows(y, slot_weights, h, use_logfmt):

@@ -218,8 +218,7 @@ def _gather_rows_ffi(x, row_idx):
     if x.dtype in _DIFFERENTIABLE_ROWS:
         # Inside shard_map x is typed as varying like row_idx first (a table replicated over
         # axes the ids vary over gets its cotangent summed over them by that cast's VJP).
-        axes = _ffi.varying_axes(x) | _ffi.varying_axes(row_idx)
-        x, row_idx = _ffi.make_varying(x, axes), _ffi.make_varying(row_idx, axes)
+        x, row_idx = _ffi.vary_together(x, row_idx)
         return _gathered_rows(x, row_idx, x.shape[0])
     return _gather_rows_call(x, row_idx)
 
@@ -631,9 +630,7 @@ def grouped_operands(arrays, group_sizes):
     mesh axes inside shard_map (weights replicated over a data axis the tokens vary over: AD
     then sums the weights' gradients over that axis, as it does for ragged_dot)."""
     dtype = jnp.result_type(*arrays)
-    operands = (*(a.astype(dtype) for a in arrays), group_sizes.astype(jnp.int32))
-    axes = frozenset().union(*(_ffi.varying_axes(a) for a in operands))
-    return tuple(_ffi.make_varying(a, axes) for a in operands)
+    return _ffi.vary_together(*(a.astype(dtype) for a in arrays), group_sizes.astype(jnp.int32))
 
 
 def block_matmul(spec, a, w):
@@ -711,13 +708,14 @@ def _ffi_weight_grad(x, dy, group_sizes):
 
 # The handler's three products, each the others' VJP (so gradients of gradients work): per
 # group g, _ffi_gmm: x @ w[g]; _ffi_gmm_t: y @ w[g]^T; _ffi_gmm_dw: x_g^T @ y_g (float32).
+# Each forward rule is the product itself (differentiable again) saving its operands.
+def _saving_operands(product):
+    return lambda *operands: (product(*operands), operands)
+
+
 @jax.custom_vjp
 def _ffi_gmm(x, w, group_sizes):
     return _ffi_product(x, w, group_sizes)
-
-
-def _ffi_gmm_fwd(x, w, group_sizes):
-    return _ffi_gmm(x, w, group_sizes), (x, w, group_sizes)
 
 
 def _ffi_gmm_bwd(residuals, dy):
@@ -727,16 +725,12 @@ def _ffi_gmm_bwd(residuals, dy):
             _ffi_gmm_dw(x, dy, group_sizes).astype(w.dtype), None)
 
 
-_ffi_gmm.defvjp(_ffi_gmm_fwd, _ffi_gmm_bwd)
+_ffi_gmm.defvjp(_saving_operands(_ffi_gmm), _ffi_gmm_bwd)
 
 
 @jax.custom_vjp
 def _ffi_gmm_t(y, w, group_sizes):
     return _ffi_product(y, w, group_sizes, transpose_w=True)
-
-
-def _ffi_gmm_t_fwd(y, w, group_sizes):
-    return _ffi_gmm_t(y, w, group_sizes), (y, w, group_sizes)
 
 
 def _ffi_gmm_t_bwd(residuals, d_out):
@@ -746,16 +740,12 @@ def _ffi_gmm_t_bwd(residuals, d_out):
             _ffi_gmm_dw(d_out, y, group_sizes).astype(w.dtype), None)
 
 
-_ffi_gmm_t.defvjp(_ffi_gmm_t_fwd, _ffi_gmm_t_bwd)
+_ffi_gmm_t.defvjp(_saving_operands(_ffi_gmm_t), _ffi_gmm_t_bwd)
 
 
 @jax.custom_vjp
 def _ffi_gmm_dw(x, y, group_sizes):
     return _ffi_weight_grad(x, y, group_sizes)
-
-
-def _ffi_gmm_dw_fwd(x, y, group_sizes):
-    return _ffi_gmm_dw(x, y, group_sizes), (x, y, group_sizes)
 
 
 def _ffi_gmm_dw_bwd(residuals, d_w):
@@ -764,7 +754,7 @@ def _ffi_gmm_dw_bwd(residuals, d_w):
             _ffi_gmm(x, d_w, group_sizes).astype(y.dtype), None)
 
 
-_ffi_gmm_dw.defvjp(_ffi_gmm_dw_fwd, _ffi_gmm_dw_bwd)
+_ffi_gmm_dw.defvjp(_saving_operands(_ffi_gmm_dw), _ffi_gmm_dw_bwd)
 
 
 def _group_bounds(group_sizes, num_rows):

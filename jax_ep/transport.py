@@ -179,7 +179,7 @@ def with_transpose(forward, transpose):
     """A map rows -> forward(rows, handle) that is linear in rows, with `jax.custom_vjp` so its
     VJP is transpose(cotangent, handle) (e.g. a dispatch and the combine that returns its
     rows); the handle gets no cotangent. The transpose is itself such a map, whose VJP is
-    forward, so gradients of gradients work."""
+    forward, so gradients of gradients work; it is the result's `adjoint` attribute."""
 
     @jax.custom_vjp
     def linear(rows, handle):
@@ -193,6 +193,7 @@ def with_transpose(forward, transpose):
                   lambda handle, d_out: (adjoint(d_out, handle), None))
     adjoint.defvjp(lambda rows, handle: (adjoint(rows, handle), handle),
                    lambda handle, d_out: (linear(d_out, handle), None))
+    linear.adjoint = adjoint
     return linear
 
 
@@ -238,7 +239,7 @@ def with_fp8_wire(send, transpose):
     def _fwd(x, handle, round_scale, use_ue8m0, cast_back):
         return rows_fp8(x, handle, round_scale, use_ue8m0, cast_back), handle
 
-    straight_through = with_transpose(transpose, send)
+    straight_through = with_transpose(send, transpose).adjoint
 
     def _bwd(round_scale, use_ue8m0, cast_back, handle, d_out):
         if not cast_back:

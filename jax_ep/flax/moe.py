@@ -271,19 +271,37 @@ def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True, noise_key
     """tokens [T,H] -> (logits [T,E] router dtype, top-k probs f32[T,K], ids i32[T,K],
     dropped i32[E]: slots each expert dropped to the capacity factor). noise_key: with
     moe_router_force_load_balancing, this device's key of the random logits."""
-    dcfg = cfg.token_dispatcher
-    dtype = router_dtype(cfg.dispatcher_config(), tokens.dtype)
-    logits = routing.router_gating_linear(tokens, router.T, None, dtype)
+    logits = _gate(tokens, router.T, cfg)
     if noise_key is not None:
         logits = routing.apply_random_logits(logits, noise_key)
+    return (logits, *_routed(logits, cfg, expert_bias, training))
+
+
+def _gate(tokens, weight, cfg: MoEConfig):
+    """tokens [T,H], weight [E,H] -> logits [T,E] in moe_router_dtype (None: the tokens')."""
+    dtype = router_dtype(cfg.dispatcher_config(), tokens.dtype)
+    return routing.router_gating_linear(tokens, weight, None, dtype)
+
+
+def _routed(logits, cfg: MoEConfig, expert_bias, training):
+    """logits [T,E] -> (top-k probs f32[T,K], ids i32[T,K], dropped i32[E]): the router's
+    choice (or moe_benchmark_static_routing's), then the capacity drop."""
     probs, ids = routing.route(logits, cfg, expert_bias, training)
-    if dcfg.moe_benchmark_static_routing:  # forced balance: token t takes (t*K + k) mod E
+    if cfg.token_dispatcher.moe_benchmark_static_routing:  # token t takes (t*K + k) mod E
         k = cfg.moe_router_topk
-        t = jnp.arange(tokens.shape[0])[:, None]
+        t = jnp.arange(logits.shape[0])[:, None]
         ids = ((t * k + jnp.arange(k)) % cfg.num_moe_experts).astype(jnp.int32)
-        probs = jnp.full(ids.shape, 1.0 / k, dtype)
+        probs = jnp.full(ids.shape, 1.0 / k, logits.dtype)
     probs, ids, dropped = routing.capacity_drop(probs, ids, cfg)
-    return logits, probs.astype(jnp.float32), ids, dropped
+    return probs.astype(jnp.float32), ids, dropped
+
+
+def _tokens_per_expert(ids, valid, num_experts):
+    """ids i32[T,K] (-1: dropped), valid bool[T] or None (False: padding) -> i32[E]: the slots
+    each expert got, dropped slots and padding tokens counting nowhere."""
+    counted = ids >= 0 if valid is None else (ids >= 0) & valid[:, None]
+    return jnp.zeros((num_experts,), jnp.int32).at[
+        jnp.where(counted, ids, num_experts).reshape(-1)].add(1, mode="drop")
 
 
 def _sum_over(axes, *values):
@@ -675,9 +693,7 @@ class MoELayer(_RouterState, nnx.Module):
         if shared is not None:
             y = y + _swiglu(tokens, *shared)
         E = cfg.num_moe_experts
-        counted = ids >= 0 if valid is None else (ids >= 0) & valid[:, None]
-        counts = jnp.zeros((E,), jnp.int32).at[jnp.where(counted, ids, E).reshape(-1)].add(
-            1, mode="drop")  # dropped slots (-1) and padding tokens count nowhere
+        counts = _tokens_per_expert(ids, valid, E)
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
         aux = _aux(cfg, balancing, z, counts, dropped)
         if overflow is not None:
@@ -876,8 +892,7 @@ class TopKRouter(_RouterState, nnx.Module):
 
     def gating(self, x):
         """x [T,H] -> logits [T,E] in moe_router_dtype (None: x's dtype)."""
-        dtype = router_dtype(self.config.dispatcher_config(), x.dtype)
-        return routing.router_gating_linear(x, self.weight[...], None, dtype)
+        return _gate(x, self.weight[...], self.config)
 
     def routing(self, logits, padding_mask=None, seq_len: int = 1):
         cfg = self.config
@@ -887,19 +902,15 @@ class TopKRouter(_RouterState, nnx.Module):
             check_shape(padding_mask, (logits.shape[0],), "padding_mask")
         valid = None if padding_mask is None else ~padding_mask.reshape(-1)
         bias = None if self.expert_bias is None else self.expert_bias[...]
-        probs, ids, dropped = routing.capacity_drop(
-            *routing.route(logits, cfg, bias, not self.deterministic), cfg)
+        probs, ids, dropped = _routed(logits, cfg, bias, not self.deterministic)
         tracker = self._tracker()
         balancing, z, tracked = _losses(logits, seq_len, cfg, (), tracker=tracker, valid=valid)
         self._track(tracked, tracker)
-        counted = ids >= 0 if valid is None else (ids >= 0) & valid[:, None]
-        counts = jnp.zeros((E,), jnp.int32).at[jnp.where(counted, ids, E).reshape(-1)].add(
-            1, mode="drop")
+        counts = _tokens_per_expert(ids, valid, E)
         aux = _aux(cfg, balancing, z, counts, dropped.sum())
         if self.sow_aux:
             self.sow(nnx.Intermediate, "router_aux", aux)
-        routing_map, dense = ops.indices_to_multihot(ids, probs.astype(jnp.float32),
-                                                     num_experts=E, impl="xla")
+        routing_map, dense = ops.indices_to_multihot(ids, probs, num_experts=E, impl="xla")
         dense = dense.astype(logits.dtype)
         if not self.deterministic:  # Megatron attaches its losses while training only
             dense = MoEAuxLossAutoScaler.apply(dense, aux["aux_loss"])
