@@ -37,6 +37,7 @@ from jax_ep._checks import (
     check_routing,
     check_shape,
 )
+from jax_ep._index import search, segment_of
 
 __all__ = [
     "COMBINE_CHUNK",
@@ -182,11 +183,7 @@ def _recv_probs(probs, h):
 
 def _send_ranks(r):
     """Destination rank of every compact send row (rank-major layout)."""
-    num_rows = r.send_token_idx.shape[0]
-    j = jnp.arange(num_rows)
-    num_ranks = r.plan.send_counts.shape[0]
-    return jnp.clip(jnp.searchsorted(r.plan.send_offsets, j, side="right") - 1, 0,
-                    num_ranks - 1).astype(jnp.int32)
+    return segment_of(r.plan.send_offsets, jnp.arange(r.send_token_idx.shape[0]))
 
 
 def _permute_probs(probs, h):
@@ -347,10 +344,9 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
                        num_out_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
                        impl=impl, return_num_dropped=True)
     _, _, sorted_rows, tokens_per_expert, num_dropped = plan
-    row_expert = jnp.searchsorted(jnp.cumsum(tokens_per_expert),
-                                  jnp.arange(num_permuted_tokens), side="right")
+    row_expert = search(jnp.cumsum(tokens_per_expert), jnp.arange(num_permuted_tokens))
     h = HybridEPHandle(routing=routing, recv_map=recv_map, sorted_rows=sorted_rows,
-                       row_expert=row_expert.astype(jnp.int32),
+                       row_expert=row_expert,
                        tokens_per_expert=tokens_per_expert, num_dropped=num_dropped,
                        num_tokens=num_tokens, compact=compact)
     # first: the programs' collective order

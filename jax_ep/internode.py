@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from jax_ep import ops, transport as tp
 from jax_ep._checks import check_experts, check_positive, unroute_invalid_experts
+from jax_ep._index import segment_of
 
 __all__ = [
     "DispatchHandle",
@@ -245,9 +246,8 @@ def source_of_rows(recv_counts, recv_offsets, num_rows):
     """i32[num_rows]: the source (block index) of each compact receive row, given the
     per-source counts / offsets i32[S] of an ExchangePlan (rows past the end: S)."""
     r = jnp.arange(num_rows, dtype=jnp.int32)
-    s = jnp.clip(jnp.searchsorted(recv_offsets, r, side="right") - 1, 0,
-                 recv_counts.shape[0] - 1)
-    return jnp.where(r < recv_counts.sum(), s, recv_counts.shape[0]).astype(jnp.int32)
+    s = segment_of(recv_offsets, r)
+    return jnp.where(r < recv_counts.sum(), s, recv_counts.shape[0])
 
 
 def hop_capacity(num_nodes, capacity, num_recv, num_forward):
@@ -310,7 +310,7 @@ def plan_local_hop(recv_idx, source_node, *, num_nodes, num_local_experts, local
     flat_counts = k.reshape(-1)
     flat_off = tp.exclusive_cumsum(flat_counts)
     r = jnp.arange(num_recv, dtype=jnp.int32)
-    b = jnp.clip(jnp.searchsorted(flat_off, r, side="right") - 1, 0, flat_counts.shape[0] - 1)
+    b = segment_of(flat_off, r)
     jr = r - flat_off[b]
     flat_slot = jnp.where(jr < flat_counts[b], arrival_off.reshape(-1)[b] + jr, -1)
     arrival_row = jnp.full((num_recv,), -1, jnp.int32).at[

@@ -33,6 +33,7 @@ from jax_ep._checks import (
     check_shape,
     unroute_invalid_experts,
 )
+from jax_ep._index import segment_of
 
 __all__ = ["LowLatencyHandle", "low_latency_combine", "low_latency_dispatch"]
 
@@ -201,8 +202,7 @@ def _block_rows(counts, capacity):
     every row of the blocks (expert-major, row j of that expert), expert -1 past the used."""
     begin = tp.exclusive_cumsum(counts, axis=1)
     c = jnp.arange(capacity, dtype=jnp.int32)
-    expert = jax.vmap(lambda b: jnp.searchsorted(b, c, side="right") - 1)(begin)
-    expert = jnp.clip(expert, 0, counts.shape[1] - 1)
+    expert = jax.vmap(lambda b: segment_of(b, c))(begin)
     j = c[None, :] - jnp.take_along_axis(begin, expert, axis=1)
     used = c[None, :] < counts.sum(axis=1, keepdims=True)
     return jnp.where(used, expert, -1), j
@@ -235,8 +235,7 @@ def _plan(topk_idx, num_experts, tmax, axis_name, transport, impl):
     begin = tp.exclusive_cumsum(recv_counts, axis=1)
     # Output row (l, i) <- row (begin of expert l in source p's block) + j of wire block p.
     i = jnp.arange(num_ranks * tmax, dtype=jnp.int32)
-    p = jax.vmap(lambda b: jnp.searchsorted(b, i, side="right") - 1)(begin)
-    p = jnp.clip(p, 0, num_ranks - 1)
+    p = jax.vmap(lambda b: segment_of(b, i))(begin)
     j = i[None, :] - jnp.take_along_axis(begin, p, axis=1)
     valid = j < jnp.take_along_axis(recv_counts, p, axis=1)
     in_block = tp.exclusive_cumsum(counts, axis=1).T  # [L, P_src]

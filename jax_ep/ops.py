@@ -31,6 +31,7 @@ from jax_ep._checks import (
     check_routing,
     check_shape,
 )
+from jax_ep._index import search
 from jax_ep.reference import SendLayout
 
 __all__ = [
@@ -327,8 +328,7 @@ def _permute_bwd(num_out_tokens, pad_multiple, drop_and_pad, has_probs, residual
     if not has_probs:
         return d_tokens, None, jnp.zeros(routing_map.shape, jnp.float32)
     # Row r of the permuted buffer belongs to the expert whose block contains it.
-    row_expert = jnp.searchsorted(jnp.cumsum(tokens_per_expert), jnp.arange(num_out_tokens),
-                                  side="right")
+    row_expert = search(jnp.cumsum(tokens_per_expert), jnp.arange(num_out_tokens))
     token = jnp.where(sorted_indices >= 0, sorted_indices, num_tokens)
     d_probs = jnp.zeros(routing_map.shape, jnp.float32)
     return d_tokens, None, d_probs.at[token, row_expert].add(d_permuted_probs, mode="drop")
@@ -774,8 +774,7 @@ def _tile_visits(group_sizes, num_rows, tile):
     visit_end = jnp.cumsum(tiles)
     num_slots = -(-num_rows // tile) + num_groups - 1
     v = jnp.arange(num_slots, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(visit_end, v, side="right"), num_groups - 1)
-    group = group.astype(jnp.int32)
+    group = jnp.minimum(search(visit_end, v), num_groups - 1)
     tile_of = starts[group] // tile + v - (visit_end[group] - tiles[group])
     return group, tile_of, visit_end[-1], starts, ends
 
@@ -896,7 +895,7 @@ def from_group_blocks(blocks, starts, ends, num_rows):
     """to_group_blocks' inverse: blocks [G, C, F] -> [num_rows, F], rows outside every group 0."""
     num_groups, capacity, width = blocks.shape
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), num_groups - 1)
+    group = jnp.minimum(search(ends, rows), num_groups - 1)
     src = jnp.where(rows < ends[-1], group * capacity + rows - starts[group],
                     num_groups * capacity)
     return jnp.take(blocks.reshape(-1, width), src, axis=0, mode="fill", fill_value=0)
@@ -915,7 +914,7 @@ def group_block_choice(group_sizes, num_rows, ladder):
     (index i32[], starts i32[G], ends i32[G])."""
     starts, ends = _group_bounds(group_sizes, num_rows)
     sizes = jnp.asarray(ladder, jnp.int32)
-    index = jnp.searchsorted(sizes, jnp.max(ends - starts), side="left")
+    index = search(sizes, jnp.max(ends - starts), side="left")
     num_groups = group_sizes.shape[0]
     bound = BLOCKS_MAX_WORK * ends[-1] + BLOCK_MIN_ROWS * num_groups
     too_much = num_groups * sizes[jnp.minimum(index, len(ladder) - 1)] > bound

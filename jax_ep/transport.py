@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import _ffi, ops
+from jax_ep._index import segment_of
 
 __all__ = [
     "BACKENDS",
@@ -304,7 +305,7 @@ def _block_slots(counts, offsets, capacity):
 def _compact_slots(counts, offsets, capacity, num_rows):
     """[num_rows] padded slot p*C + j holding compact row r (grouped by p), -1 past the end."""
     r = jnp.arange(num_rows, dtype=jnp.int32)
-    p = jnp.clip(jnp.searchsorted(offsets, r, side="right") - 1, 0, counts.shape[0] - 1)
+    p = segment_of(offsets, r)
     j = r - offsets[p]
     return jnp.where(j < counts[p], p * capacity + j, -1).astype(jnp.int32)
 
@@ -500,9 +501,9 @@ def return_rows(y, send_map, plan, *, num_send, capacity, axis_name, transport, 
             rows = _ragged(y, num_send, plan.recv_offsets, plan.recv_counts,
                            plan.remote_send_offsets, plan.send_counts, axis_name, COMBINE_NAME)
         j = jnp.arange(num_send, dtype=jnp.int32)
-        p = jnp.clip(jnp.searchsorted(plan.send_offsets, j, side="right") - 1, 0, size - 1)
+        p = segment_of(plan.send_offsets, j)
         sent = (j - plan.send_offsets[p]) < plan.send_counts[p]
-        return rows, jnp.where(sent, send_map, -1), p.astype(jnp.int32)
+        return rows, jnp.where(sent, send_map, -1), p
     padded = y if prepacked else ops.gather_rows(
         y, _block_slots(plan.recv_counts, plan.recv_offsets, capacity), impl=impl)
     if size > 1:

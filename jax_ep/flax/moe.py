@@ -30,6 +30,7 @@ from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
 from jax_ep._checks import check_float, check_positive, check_shape
+from jax_ep._index import search
 
 __all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "MoEAuxLossAutoScaler", "MoELayer",
            "TopKRouter", "dense_forward", "expert_tile_rows", "force_balance_key",
@@ -193,7 +194,7 @@ def _expert_major_order(counts, num_rows):
     sizes = jnp.concatenate([counts, num_rows - counts.sum(axis=1, keepdims=True)], axis=1)
     ends = jnp.cumsum(sizes, axis=1)  # [S, L+1]; the padding is group L
     rows = jnp.arange(num_rows, dtype=counts.dtype)
-    group = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends)  # [S, N]
+    group = jax.vmap(lambda e: search(e, rows))(ends)  # [S, N]
     within = rows - jnp.take_along_axis(ends - sizes, group, axis=1)
     totals = sizes.sum(axis=0)
     earlier_blocks = jnp.cumsum(sizes, axis=0) - sizes

@@ -1,0 +1,26 @@
+"""Index arithmetic shared by every floor: which block of a blocked layout holds a row."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+__all__ = ["search", "segment_of"]
+
+
+def search(sorted_values, queries, side: str = "right"):
+    """jnp.searchsorted(sorted_values, queries, side=side) for a 1-D ascending sorted_values
+    [S] and queries of any shape: i32 like queries.
+
+    An unrolled binary search: log2(S) steps of straight-line XLA ops, which fuse. JAX's
+    default ("scan") is a while loop, and on XLA:CPU each of its iterations is a few runtime
+    thunks: 512 queries into 4 offsets take about 3x as long, 100,000 into 256 about 2.7x.
+    """
+    return jnp.searchsorted(sorted_values, queries, side=side,
+                            method="scan_unrolled").astype(jnp.int32)
+
+
+def segment_of(starts, positions):
+    """The segment holding each position, given the ascending start offsets i32[S] of S
+    consecutive segments (empty ones allowed): i32 like positions, in [0, S). A position
+    past the last segment's end gets the last segment, whose bounds the caller checks."""
+    return jnp.clip(search(starts, positions) - 1, 0, starts.shape[0] - 1)
