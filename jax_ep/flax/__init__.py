@@ -21,6 +21,7 @@ from jax_ep.flax.moe import (
 )
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import compilations, shard_state
+from jax_ep.flax import moe_utils
 
 __all__ = [
     "AuxLossTracker",
@@ -35,6 +36,7 @@ __all__ = [
     "compilations",
     "dense_forward",
     "expert_tile_rows",
+    "moe_utils",
     "gate_up_from_etp",
     "gate_up_to_etp",
     "pad_expert_blocks",
