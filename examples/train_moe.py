@@ -16,6 +16,7 @@ plot and a JSON log.
   python examples/train_moe.py --preset deepseek-v3-tiny   # E=256 K=8, 8 groups top-4,
                                          # sigmoid + expert bias, shared expert, 2 nodes
   python examples/train_moe.py --preset qwen3-moe-tiny     # E=128 K=8, softmax, global aux
+  python examples/train_moe.py --preset gpt-oss-tiny       # E=32 K=4, clamped Quick-GEGLU
   python examples/train_moe.py --grad-accum 4       # 4 micro-batches per optimizer step
   python examples/train_moe.py --gpu                 # every local GPU on the expert axis
   # checkpoint every 50 steps with orbax; a later run with --resume continues up to --steps:
@@ -45,7 +46,9 @@ from pathlib import Path
 # (E=256, K=8, 8 groups of which 4 per token, sigmoid scores renormalised and scaled by 2.5, the
 # aux-loss-free expert bias with a 1e-4 sequence-wise aux loss, one shared expert, routing
 # limited to groups placed on nodes) and Qwen3-30B-A3B (E=128, K=8, softmax over the K chosen,
-# no shared expert, the global-batch aux loss 1e-3). The bias update rate is DeepSeek-V3's 1e-3
+# no shared expert, the global-batch aux loss 1e-3), and gpt-oss-20b's MoE (E=32, K=4, softmax
+# over the K chosen, no shared expert, the experts' Quick-GEGLU with linear offset 1 and clamp
+# 7; without gpt-oss's expert biases, which jax_ep's experts lack). The bias update rate is DeepSeek-V3's 1e-3
 # times 10, so the expert bias balances the load within a run of 120 steps instead of
 # thousands. Flags given on the command line win.
 PRESETS = {
@@ -57,6 +60,9 @@ PRESETS = {
     "qwen3-moe-tiny": dict(experts=128, topk=8, score_function="softmax",
                            load_balancing="global_aux_loss", aux_loss_coeff=1e-3, d_model=64,
                            ffn=32, shared_ffn=0, steps=120, lr=3e-3),
+    "gpt-oss-tiny": dict(experts=32, topk=4, score_function="softmax", activation="quick_gelu",
+                         glu_linear_offset=1.0, activation_clamp=7.0, d_model=64, ffn=64,
+                         shared_ffn=0, steps=120, lr=3e-3),
 }
 
 
@@ -114,6 +120,12 @@ def parse_args(argv=None):
                    help="moe_router_group_topk: groups each token may use")
     p.add_argument("--topk-scaling-factor", type=float, default=None,
                    help="moe_router_topk_scaling_factor")
+    p.add_argument("--activation", default="silu",
+                   choices=["silu", "gelu", "gelu_tanh", "quick_gelu"],
+                   help="the experts' gate activation (activation_func; silu: SwiGLU)")
+    p.add_argument("--glu-linear-offset", type=float, default=0.0, help="glu_linear_offset")
+    p.add_argument("--activation-clamp", type=float, default=None,
+                   help="activation_func_clamp_value")
     p.add_argument("--force-load-balancing", action="store_true",
                    help="moe_router_force_load_balancing (Megatron's benchmark switch): route "
                         "by random logits, the gradient straight through to the router")
@@ -228,7 +240,9 @@ def build_model(args, mesh, jax):
         moe_router_group_topk=args.router_group_topk,
         moe_router_topk_scaling_factor=args.topk_scaling_factor,
         moe_router_force_load_balancing=args.force_load_balancing,
-        expert_tensor_parallel_size=args.etp,
+        expert_tensor_parallel_size=args.etp, activation_func=args.activation,
+        glu_linear_offset=args.glu_linear_offset,
+        activation_func_clamp_value=args.activation_clamp,
         token_dispatcher=jax_ep.TokenDispatcherConfig(
             moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
             grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,

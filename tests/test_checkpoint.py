@@ -200,6 +200,9 @@ def test_presets_set_the_recipes_routing_and_flags_override_them(train_moe, tmp_
     qwen = train_moe.parse_args(["--preset", "qwen3-moe-tiny"])
     assert (qwen.experts, qwen.topk, qwen.shared_ffn, qwen.load_balancing) == (
         128, 8, 0, "global_aux_loss")
+    oss = train_moe.parse_args(["--preset", "gpt-oss-tiny", "--activation-clamp", "5"])
+    assert (oss.experts, oss.topk, oss.shared_ffn, oss.activation, oss.glu_linear_offset,
+            oss.activation_clamp) == (32, 4, 0, "quick_gelu", 1.0, 5.0)
     records = train_moe.train(train_moe.parse_args(
         ["--preset", "deepseek-v3-tiny", "--steps", "2", "--batch", "16", "--seq", "16",
          "--layers", "1", "--no-progress", "--out", str(tmp_path / "ds")]))

@@ -25,12 +25,12 @@ AXES = ("data", "expert", "tensor")
 H, F = 16, 32
 
 
-def _config(etp, backend="deepep", capacity=None, **dispatcher):
+def _config(etp, backend="deepep", capacity=None, activation=None, **dispatcher):
     return MoEConfig(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
                      moe_z_loss_coeff=1e-3, moe_shared_expert_intermediate_size=8,
                      moe_expert_capacity_factor=capacity, expert_tensor_parallel_size=etp,
                      token_dispatcher=jax_ep.TokenDispatcherConfig(
-                         moe_flex_dispatcher_backend=backend, **dispatcher))
+                         moe_flex_dispatcher_backend=backend, **dispatcher), **(activation or {}))
 
 
 def _layer_pair(cfg, mesh):
@@ -82,7 +82,10 @@ def test_values_and_gradients_match_dense(backend, shape, capacity):
     assert (dropped > 0) == (capacity is not None)
 
 
-@pytest.mark.parametrize("extra", [dict(moe_deepep_async_dispatch=True, num_overlap_chunks=2),
+@pytest.mark.parametrize("extra", [dict(activation=dict(activation_func="quick_gelu",
+                                                        glu_linear_offset=1.0,
+                                                        activation_func_clamp_value=1.5)),
+                                   dict(moe_deepep_async_dispatch=True, num_overlap_chunks=2),
                                    dict(moe_router_expert_pad_multiple=4),
                                    dict(grouped_gemm_impl="ragged_dot"),
                                    dict(grouped_gemm_impl="blocks"),

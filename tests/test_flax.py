@@ -263,6 +263,39 @@ def test_moe_layer_forward_and_grad_match_dense(backend, extra):
     assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
 
 
+ACTIVATIONS = [dict(activation_func="gelu_tanh"),  # Gemma's GEGLU
+               dict(activation_func="quick_gelu", glu_linear_offset=1.0,  # gpt-oss's
+                    activation_func_clamp_value=1.5)]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=["geglu", "quick_geglu"])
+@pytest.mark.parametrize("extra", [dict(), dict(grouped_gemm_impl="blocks"),
+                                   dict(dropless_buffer_factor=1.25),
+                                   dict(pad_to_capacity=True)],
+                         ids=["ffi", "blocks", "bounded", "drop_and_pad"])
+def test_moe_layer_activation_matches_dense(activation, extra):
+    """The experts' and the shared expert's activation (MoEConfig.activation_func, ...)
+    through every expert path: the grouped GEMM handler, the blocks, bounded buffers and
+    drop-and-pad's equal blocks, against the dense forward; and the result is not SwiGLU's."""
+    extra = dict(extra)
+    pad = extra.pop("pad_to_capacity", False)
+    if pad:
+        extra["moe_expert_capacity_factor"] = 1.5
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       moe_permute_fusion=True, **extra)
+    fields = dict(moe_shared_expert_intermediate_size=8, moe_aux_loss_coeff=1e-2,
+                  moe_pad_expert_input_to_capacity=pad)
+    mesh = _mesh()
+    layer, twin = _layer_pair(_moe(cfg, **fields, **activation), mesh)
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16)) * 2
+    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
+    swiglu_twin = _layer_pair(_moe(cfg, **fields), mesh)[1]  # the same parameters
+    y, y_swiglu = (np.asarray(dense_forward(m, x)[0]) for m in (twin, swiglu_twin))
+    assert np.abs(y - y_swiglu).max() > 0.02 * np.abs(y_swiglu).max()
+
+
 @pytest.mark.parametrize("backend,extra", [("deepep", {}), ("hybridep", {}),
                                            ("deepep", dict(dropless_buffer_factor=1.25))])
 def test_gradient_penalty_through_the_layer_matches_dense(backend, extra):

@@ -4,6 +4,8 @@ activations with their closed-form gradients."""
 
 from __future__ import annotations
 
+from math import erf
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -403,3 +405,39 @@ def test_module_carries_megatrons_router_helpers():
                  "z_loss_func", "get_capacity", "switch_load_balancing_loss_func"):
         assert getattr(mu, name) is getattr(router, name)
     assert mu.MoEAuxLossAutoScaler.apply is not None
+
+
+def np_gated(y, func, offset=0.0, clamp=None):
+    gate, up = np.split(_f64(y), 2, -1)
+    if clamp is not None:
+        gate, up = np.minimum(gate, clamp), np.clip(up, -clamp, clamp)
+    act = {"silu": np_silu, "gelu": np.vectorize(lambda v: 0.5 * v * (1 + erf(v / 2 ** 0.5))),
+           "gelu_tanh": np_gelu_tanh, "quick_gelu": lambda v: v * np_sigmoid(1.702 * v)}[func]
+    return act(gate) * (up + offset)
+
+
+@pytest.mark.parametrize("func", ["silu", "gelu", "gelu_tanh", "quick_gelu"])
+@pytest.mark.parametrize("offset,clamp", [(0.0, None), (1.0, 7.0), (-0.5, 0.5)])
+def test_gated_activation_matches_the_formulas(func, offset, clamp):
+    from jax_ep.flax.activations import GatedActivation
+    y = np.random.default_rng(17).standard_normal((4, 12)).astype(np.float32) * 3
+    act = GatedActivation(func, offset, clamp)
+    np.testing.assert_allclose(np.asarray(act(jnp.asarray(y))), np_gated(y, func, offset, clamp),
+                               rtol=1e-5, atol=1e-5)
+    assert hash(act) == hash(GatedActivation(func, offset, clamp))
+
+
+def test_moe_config_reads_megatrons_activation_fields():
+    from jax_ep.flax import MoEConfig
+    from jax_ep.flax.activations import GatedActivation
+    cfg = MoEConfig(num_moe_experts=8, activation_func="quick_gelu", glu_linear_offset=1.0,
+                    activation_func_clamp_value=7.0)
+    assert cfg.gated_activation() == GatedActivation("quick_gelu", 1.0, 7.0)
+    assert MoEConfig(num_moe_experts=8, activation_func=jax.nn.silu).activation_func == "silu"
+    assert MoEConfig.from_dict(dict(num_moe_experts=8, activation_func="gelu_tanh")
+                               ).gated_activation() == GatedActivation("gelu_tanh")
+    for field, value in [("gated_linear_unit", False), ("activation_func", "relu"),
+                         ("glu_linear_offset", float("nan")),
+                         ("activation_func_clamp_value", 0.0)]:
+        with pytest.raises(ValueError, match=f"MoEConfig.{field}"):
+            MoEConfig(num_moe_experts=8, **{field: value})

@@ -1117,9 +1117,9 @@ def test_pad_expert_input_to_capacity_pads_the_gemm_and_changes_no_value(backend
         seen.append(("grouped", tokens.shape[0]))
         return plain_experts(tokens, tokens_per_expert, *args, **kwargs)
 
-    def recording_blocks(tokens, w_gate_up, w_down):
+    def recording_blocks(tokens, *args):
         seen.append(("blocks", tokens.shape[0]))
-        return plain_blocks(tokens, w_gate_up, w_down)
+        return plain_blocks(tokens, *args)
 
     monkeypatch.setattr(moe, "swiglu_experts", recording)
     monkeypatch.setattr(moe, "swiglu_expert_blocks", recording_blocks)

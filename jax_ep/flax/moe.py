@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_ep.config import TokenDispatcherConfig
 from jax_ep.flax import router as routing
+from jax_ep.flax.activations import SWIGLU
 from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
@@ -42,28 +43,24 @@ _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(
 
 
 def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
-                   tile_rows=None):
-    """Grouped SwiGLU: tokens [N,H] in expert-major blocks of tokens_per_expert i32[L] rows,
-    w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past the blocks give zeros). impl and
-    tile_rows: the grouped GEMM's (`jax_ep.ops.grouped_matmul`: "auto", "ffi", "tiled",
-    "blocks" or "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the
-    first GEMM to the second (one gather in, one out) instead of calling grouped_matmul
-    twice."""
+                   tile_rows=None, activation=SWIGLU):
+    """Grouped gated experts (SwiGLU by default): tokens [N,H] in expert-major blocks of
+    tokens_per_expert i32[L] rows, w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past
+    the blocks give zeros). impl and tile_rows: the grouped GEMM's
+    (`jax_ep.ops.grouped_matmul`: "auto", "ffi", "tiled", "blocks" or "ragged_dot"); "blocks"
+    keeps the rows in [L, C, ...] expert blocks from the first GEMM to the second (one gather
+    in, one out) instead of calling grouped_matmul twice. activation: the GLU between the
+    GEMMs, [..., 2F] -> [..., F] (a `jax_ep.flax.activations.GatedActivation`)."""
     impl = ops.grouped_matmul_impl(impl, jnp.result_type(tokens, w_gate_up, w_down))
     if impl == "blocks":
-        return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows)
+        return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows,
+                               activation)
     gmm = partial(ops.grouped_matmul, group_sizes=tokens_per_expert, impl=impl,
                   tile_rows=tile_rows)
-    return gmm(_gated(gmm(tokens, w_gate_up)), w_down)
+    return gmm(activation(gmm(tokens, w_gate_up)), w_down)
 
 
-def _gated(gate_up):
-    """SwiGLU's activation: [..., 2F] = [gate | up] -> silu(gate) * up [..., F]."""
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
-def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
+def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows, activation):
     """swiglu_experts with impl="blocks": the rows gathered once into [L, C, H] expert blocks
     (`jax_ep.ops.grouped_matmul`'s ladder of C, chosen by a lax.switch on the largest group),
     both GEMMs and the activation in that layout, one gather back to [N,H]. The tiled grouped
@@ -86,15 +83,15 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows):
         return _ffi.vary_like(jnp.zeros((tokens.shape[0], w_down.shape[2]), operands[0].dtype),
                               *operands)
     ladder = ops.block_ladder(tokens.shape[0], w_gate_up.shape[0])
-    return _swiglu_blocks(*operands, ladder, tile)
+    return _swiglu_blocks(*operands, ladder, tile, activation)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _swiglu_blocks(x, w_gate_up, w_down, sizes, ladder, tile):
-    return _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _swiglu_blocks(x, w_gate_up, w_down, sizes, ladder, tile, activation):
+    return _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile, activation)[0]
 
 
-def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile):
+def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile, activation):
     """-> (y [N,H], residuals: the operands and gate/up [L*Cmax, 2F], Cmax = ladder[-1]: each
     expert's block padded to Cmax rows, or where the tiled loop ran, gate/up in row layout
     [N, 2F] padded to L*Cmax >= N rows)."""
@@ -105,7 +102,7 @@ def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile):
         def forward(x, w_gate_up, w_down):
             gate_up = ops.block_matmul("lch,lhf->lcf",
                                        ops.to_group_blocks(x, starts, ends, capacity), w_gate_up)
-            y = ops.block_matmul("lcf,lfh->lch", _gated(gate_up), w_down)
+            y = ops.block_matmul("lcf,lfh->lch", activation(gate_up), w_down)
             kept = jnp.pad(gate_up, ((0, 0), (0, ladder[-1] - capacity), (0, 0)))
             return ops.from_group_blocks(y, starts, ends, num_rows), kept.reshape(kept_rows, -1)
         return forward
@@ -114,14 +111,14 @@ def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile):
         gmm = partial(ops.grouped_matmul, group_sizes=sizes, impl="tiled", tile_rows=tile)
         gate_up = gmm(x, w_gate_up)
         kept = jnp.pad(gate_up, ((0, kept_rows - num_rows), (0, 0)))
-        return gmm(_gated(gate_up), w_down), kept
+        return gmm(activation(gate_up), w_down), kept
 
     y, gate_up = ops.switch_block_sizes(sizes, num_rows, ladder, blocks, tiled, x, w_gate_up,
                                         w_down)
     return y, (x, w_gate_up, w_down, sizes, gate_up)
 
 
-def _swiglu_blocks_bwd(ladder, tile, residuals, dy):
+def _swiglu_blocks_bwd(ladder, tile, activation, residuals, dy):
     x, w_gate_up, w_down, sizes, gate_up = residuals
     num_rows, num_experts = x.shape[0], w_gate_up.shape[0]
     dy = dy.astype(x.dtype)
@@ -130,7 +127,7 @@ def _swiglu_blocks_bwd(ladder, tile, residuals, dy):
         def backward(x, w_gate_up, w_down, gate_up, dy):
             xb, dyb = (ops.to_group_blocks(a, starts, ends, capacity) for a in (x, dy))
             gate_up = gate_up.reshape(num_experts, ladder[-1], -1)[:, :capacity]
-            act, act_vjp = jax.vjp(_gated, gate_up)
+            act, act_vjp = jax.vjp(activation, gate_up)
             d_act = ops.block_matmul("lch,lfh->lcf", dyb, w_down)
             d_w_down = jnp.einsum("lcf,lch->lfh", act, dyb, preferred_element_type=jnp.float32)
             d_gate_up, = act_vjp(d_act)
@@ -142,7 +139,7 @@ def _swiglu_blocks_bwd(ladder, tile, residuals, dy):
         return backward
 
     def tiled(x, w_gate_up, w_down, gate_up, dy):
-        act, act_vjp = jax.vjp(_gated, gate_up[:num_rows])
+        act, act_vjp = jax.vjp(activation, gate_up[:num_rows])
         d_act, d_w_down = ops.tiled_grouped_matmul_grads(act, w_down, sizes, dy, tile)
         d_gate_up, = act_vjp(d_act)
         dx, d_w_gate_up = ops.tiled_grouped_matmul_grads(x, w_gate_up, sizes, d_gate_up, tile)
@@ -156,15 +153,16 @@ def _swiglu_blocks_bwd(ladder, tile, residuals, dy):
 _swiglu_blocks.defvjp(_swiglu_blocks_fwd, _swiglu_blocks_bwd)
 
 
-def swiglu_expert_blocks(tokens, w_gate_up, w_down):
-    """SwiGLU on blocks of equal size (moe_pad_expert_input_to_capacity): tokens [L*C,H], block
+def swiglu_expert_blocks(tokens, w_gate_up, w_down, activation=SWIGLU):
+    """The gated experts (SwiGLU by default; `activation` as swiglu_experts') on blocks of
+    equal size (moe_pad_expert_input_to_capacity): tokens [L*C,H], block
     l = rows l*C ... (l+1)*C - 1 for expert l, w_gate_up [L,H,2F], w_down [L,F,H] -> [L*C,H]
     in tokens' dtype (fp32 accumulation, as grouped_matmul). One batched GEMM per weight over
     [L, C, H]: no group bookkeeping, no tile loop (on XLA:CPU the tiled grouped GEMM computes
     whole tiles; here every row is a block row)."""
     blocks = tokens.reshape(w_gate_up.shape[0], -1, tokens.shape[-1])
     gate_up = ops.block_matmul("lcx,lxy->lcy", blocks, w_gate_up)
-    return ops.block_matmul("lcx,lxy->lcy", _gated(gate_up), w_down).reshape(tokens.shape)
+    return ops.block_matmul("lcx,lxy->lcy", activation(gate_up), w_down).reshape(tokens.shape)
 
 
 def gate_up_to_etp(w_gate_up, etp):
@@ -264,8 +262,8 @@ def _weighted(expert_out, probs):
     return (expert_out * probs[..., None]).astype(expert_out.dtype)
 
 
-def _swiglu(x, w_gate_up, w_down):
-    return _gated(x @ w_gate_up) @ w_down
+def _swiglu(x, w_gate_up, w_down, activation):
+    return activation(x @ w_gate_up) @ w_down
 
 
 def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True, noise_key=None):
@@ -654,9 +652,10 @@ class MoELayer(_RouterState, nnx.Module):
         balancing, z, tracked = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, axes,
                                         tracker=tracker, valid=valid)
         d = self.dispatcher
+        activation = cfg.gated_activation()
         experts = partial(swiglu_experts, impl=dcfg.grouped_gemm_impl, tile_rows=expert_tile_rows(
             tokens.shape[0] * cfg.expert_tensor_parallel_size, cfg.moe_router_topk,
-            d.num_local_experts))
+            d.num_local_experts), activation=activation)
         if self.tensor_axis:
             experts = partial(_tensor_parallel, experts, self.tensor_axis)
 
@@ -664,7 +663,8 @@ class MoELayer(_RouterState, nnx.Module):
             return _weighted(experts(rows, tokens_per_expert, w_gate_up, w_down), rows_probs)
 
         def weighted_blocks(rows, _, rows_probs):  # padded to capacity: blocks of equal size
-            return _weighted(swiglu_expert_blocks(rows, w_gate_up, w_down), rows_probs)
+            return _weighted(swiglu_expert_blocks(rows, w_gate_up, w_down, activation),
+                             rows_probs)
         if cfg.moe_pad_expert_input_to_capacity:
             # (with a tensor axis the S ranks' blocks are gathered and reordered first: the
             # grouped GEMM of `experts` does that)
@@ -692,7 +692,7 @@ class MoELayer(_RouterState, nnx.Module):
             y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
             dropped = state.num_dropped
         if shared is not None:
-            y = y + _swiglu(tokens, *shared)
+            y = y + _swiglu(tokens, *shared, activation)
         E = cfg.num_moe_experts
         counts = _tokens_per_expert(ids, valid, E)
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
@@ -1035,11 +1035,12 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     padding = _checked_padding_mask(padding_mask, x)
     balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,
                               layer._tracker(), None if padding is None else ~padding.reshape(-1))
-    every = jax.vmap(lambda a, b: _swiglu(tokens, a, b))(w_gate_up, w_down)  # [E,T,H]
+    activation = cfg.gated_activation()
+    every = jax.vmap(lambda a, b: _swiglu(tokens, a, b, activation))(w_gate_up, w_down)
     picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
     y = jnp.sum(_weighted(picked, probs), axis=1)  # dropped slots have probs 0
     if shared:
-        y = y + _swiglu(tokens, *shared)
+        y = y + _swiglu(tokens, *shared, activation)
     return y.reshape(x.shape), _scaled(cfg, balancing, z)
 
 

@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 
 from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
+from jax_ep.flax.activations import ACTIVATION_FUNCS, GatedActivation
 
 __all__ = ["AUX_LOSS_TYPES", "DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig",
            "SCORE_FUNCTIONS", "megatron_fields"]
@@ -99,6 +100,16 @@ class MoEConfig:
         here, not Megatron's tensor_model_parallel_size): each expert's FFN split over that
         many devices of the layer's tensor mesh axis (see MoELayer); must divide the FFN
         hidden size.
+      gated_linear_unit, activation_func, glu_linear_offset, activation_func_clamp_value:
+        the experts' (and the shared expert's) activation, TransformerConfig's fields: the
+        experts are gated (fc1 gives [gate | up]; gated_linear_unit must be True, non-gated
+        experts are not implemented) and compute activation_func(gate) * (up +
+        glu_linear_offset), activation_func one of ACTIVATION_FUNCS: "silu" (SwiGLU, the
+        default here; Megatron's default is non-gated GELU), "gelu" (exact), "gelu_tanh"
+        (Gemma's GEGLU) or "quick_gelu" (x * sigmoid(1.702 x), gpt-oss); a function whose
+        __name__ is one of these (F.silu, F.gelu, Megatron's quick_gelu) is read as that
+        name. activation_func_clamp_value c: gate clamped to at most c and up to [-c, c]
+        first (gpt-oss: quick_gelu, offset 1.0, clamp 7.0).
     Invalid values raise ValueError naming the field.
     """
 
@@ -124,6 +135,10 @@ class MoEConfig:
     token_dispatcher: TokenDispatcherConfig = dataclasses.field(
         default_factory=TokenDispatcherConfig)
     expert_tensor_parallel_size: int = 1
+    gated_linear_unit: bool = True
+    activation_func: str = "silu"
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
 
     def __post_init__(self):
         E, K = self.num_moe_experts, self.moe_router_topk
@@ -177,7 +192,27 @@ class MoEConfig:
         _require(_int(etp) and (self.moe_ffn_hidden_size or etp) % etp == 0,
                  "expert_tensor_parallel_size",
                  f"a positive int dividing moe_ffn_hidden_size={self.moe_ffn_hidden_size}", etp)
+        self._check_activation()
         self.dispatcher_config()  # the merged dispatcher config must be valid too
+
+    def _check_activation(self):
+        _require(self.gated_linear_unit is True, "gated_linear_unit",
+                 "True (the experts are GLUs: w_gate_up [L,H,2F]; non-gated experts are not "
+                 "implemented)", self.gated_linear_unit)
+        name = getattr(self.activation_func, "__name__", self.activation_func)
+        _require(name in ACTIVATION_FUNCS, "activation_func",
+                 f"one of {ACTIVATION_FUNCS} (or a function of that __name__)",
+                 self.activation_func)
+        object.__setattr__(self, "activation_func", name)
+        try:
+            self.gated_activation()
+        except ValueError as e:
+            raise ValueError(f"MoEConfig.{e}") from None
+
+    def gated_activation(self) -> GatedActivation:
+        """The experts' activation [..., 2F] -> [..., F] these fields describe."""
+        return GatedActivation(self.activation_func, self.glu_linear_offset,
+                               self.activation_func_clamp_value)
 
     def _check_load_balancing(self):
         kind, coeff = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jax_ep import _checks, ops
 from jax_ep._index import search, segment_of
+from jax_ep.flax.activations import QUICK_GELU_ALPHA, geglu, quick_geglu, quick_gelu, swiglu
 from jax_ep.flax.moe import MoEAuxLossAutoScaler
 from jax_ep.flax.router import (
     apply_random_logits,
@@ -57,9 +58,6 @@ __all__ = [
     "weighted_geglu_back", "weighted_quick_geglu", "weighted_quick_geglu_back",
     "weighted_swiglu", "weighted_swiglu_back", "z_loss_func",
 ]
-
-QUICK_GELU_ALPHA = 1.702
-
 
 # --- permutation -----------------------------------------------------------------------------
 
@@ -163,29 +161,6 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
 
 
 # --- the experts' gated activations ----------------------------------------------------------
-
-def swiglu(y):
-    """[..., 2F] = [gate | up] -> silu(gate) * up [..., F]."""
-    gate, up = jnp.split(y, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
-def geglu(y):
-    """[..., 2F] -> gelu_tanh(gate) * up (GELU's tanh approximation, Gemma's experts)."""
-    gate, up = jnp.split(y, 2, axis=-1)
-    return jax.nn.gelu(gate, approximate=True) * up
-
-
-def quick_gelu(y, alpha: float = QUICK_GELU_ALPHA):
-    """y * sigmoid(alpha * y): GELU's sigmoid approximation."""
-    return y * jax.nn.sigmoid(alpha * y)
-
-
-def quick_geglu(y, linear_offset: float = 0.0):
-    """[..., 2F] -> quick_gelu(gate) * (up + linear_offset) (gpt-oss's experts)."""
-    gate, up = jnp.split(y, 2, axis=-1)
-    return quick_gelu(gate) * (up + linear_offset)
-
 
 def _back(activation, g, y):
     """The gradient of activation at y for the output cotangent g, in their promoted dtype

@@ -1,0 +1,88 @@
+"""The experts' gated activations (Megatron's GLU experts: fc1 gives [gate | up], the
+activation gives act(gate) * up for fc2): SwiGLU, GEGLU and gpt-oss's Quick-GEGLU, and
+`GatedActivation`, the one MoEConfig chooses (activation_func, glu_linear_offset,
+activation_func_clamp_value)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["ACTIVATION_FUNCS", "GatedActivation", "QUICK_GELU_ALPHA", "SWIGLU", "geglu",
+           "quick_geglu", "quick_gelu", "swiglu"]
+
+QUICK_GELU_ALPHA = 1.702
+
+
+def quick_gelu(y, alpha: float = QUICK_GELU_ALPHA):
+    """y * sigmoid(alpha * y): GELU's sigmoid approximation."""
+    return y * jax.nn.sigmoid(alpha * y)
+
+
+# Megatron's activation_func choices for the gate, by the torch function's name:
+# F.silu, F.gelu (exact, erf), GELU's tanh form (HF's "gelu_pytorch_tanh") and quick_gelu.
+_GATE_FUNCS = {
+    "silu": jax.nn.silu,
+    "gelu": partial(jax.nn.gelu, approximate=False),
+    "gelu_tanh": partial(jax.nn.gelu, approximate=True),
+    "quick_gelu": quick_gelu,
+}
+ACTIVATION_FUNCS = tuple(_GATE_FUNCS)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedActivation:
+    """[..., 2F] = [gate | up] -> act(gate) * (up + glu_linear_offset) [..., F], act one of
+    ACTIVATION_FUNCS. With clamp_value c the gate is first clamped to at most c and up to
+    [-c, c] (Megatron's activation_func_clamp_value, gpt-oss's 7.0). Hashable: it is a static
+    argument of the experts' custom_vjp."""
+
+    activation_func: str = "silu"
+    glu_linear_offset: float = 0.0
+    clamp_value: float | None = None
+
+    def __post_init__(self):
+        if self.activation_func not in _GATE_FUNCS:
+            raise ValueError(f"activation_func: expected one of {ACTIVATION_FUNCS}, got "
+                             f"{self.activation_func!r}")
+        offset = self.glu_linear_offset
+        if (not isinstance(offset, numbers.Real) or isinstance(offset, bool)
+                or not math.isfinite(offset)):
+            raise ValueError(f"glu_linear_offset: expected a finite float, got {offset!r}")
+        c = self.clamp_value
+        if c is not None and (not isinstance(c, numbers.Real) or isinstance(c, bool)
+                              or not math.isfinite(c) or c <= 0):
+            raise ValueError(f"activation_func_clamp_value: expected None or a float > 0, got "
+                             f"{c!r}")
+
+    def __call__(self, gate_up):
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        if self.clamp_value is not None:
+            gate = jnp.minimum(gate, self.clamp_value)
+            up = jnp.clip(up, -self.clamp_value, self.clamp_value)
+        if self.glu_linear_offset:
+            up = up + self.glu_linear_offset
+        return _GATE_FUNCS[self.activation_func](gate) * up
+
+
+SWIGLU = GatedActivation()
+
+
+def swiglu(y):
+    """[..., 2F] = [gate | up] -> silu(gate) * up [..., F]."""
+    return SWIGLU(y)
+
+
+def geglu(y):
+    """[..., 2F] -> gelu_tanh(gate) * up (GELU's tanh approximation, Gemma's experts)."""
+    return GatedActivation("gelu_tanh")(y)
+
+
+def quick_geglu(y, linear_offset: float = 0.0):
+    """[..., 2F] -> quick_gelu(gate) * (up + linear_offset) (gpt-oss's experts)."""
+    return GatedActivation("quick_gelu", float(linear_offset))(y)
