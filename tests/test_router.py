@@ -824,6 +824,66 @@ def test_expert_bias_is_state_updated_once_per_step_outside_autodiff():
         MoELayer(_cfg(), H, 32, rngs=nnx.Rngs(0), mesh=mesh).update_expert_bias(counts)
 
 
+def test_megatron_forward_is_the_transposed_call_with_its_losses_attached():
+    """MoELayer.forward(hidden_states [S,B,H], padding_mask=[B,S]) -> (output [S,B,H], None):
+    __call__'s values on the transpose (seq_aux_loss sees the same sequences); a loss of the
+    output alone carries the aux loss's gradient (MoEAuxLossAutoScaler) while training, not in
+    eval; the counts gather in local_tokens_per_expert, which update_expert_bias() reads and
+    zeroes."""
+    c = _cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+             moe_router_bias_update_rate=0.01, moe_router_load_balancing_type="seq_aux_loss",
+             moe_aux_loss_coeff=0.1)
+    mesh = _mesh()
+    layer = MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh)
+    shard_params(layer, mesh)
+    x = jax.random.normal(jax.random.key(1), (8, 4, H))  # [B, S, H]
+    mask = jnp.zeros((8, 4), bool).at[:, 3].set(True)
+    cot = jax.random.normal(jax.random.key(2), x.shape)
+    tokens = NamedSharding(mesh, P(("data", "expert")))
+    xs, mask_s = jax.device_put(x, tokens), jax.device_put(mask, tokens)
+    seq_first = jax.device_put(jnp.swapaxes(x, 0, 1), NamedSharding(mesh, P(None, ("data",
+                                                                                    "expert"))))
+
+    def via_call(m, x, with_aux):
+        y, aux = m(x, mask_s)
+        return jnp.sum(y * cot) + (aux["aux_loss"] if with_aux else 0), (y, aux)
+
+    def via_forward(m, h):
+        out, bias = m.forward(h, padding_mask=mask_s)
+        assert bias is None
+        return jnp.sum(jnp.swapaxes(out, 0, 1) * cot), out
+
+    def run(fn, *args):
+        with jax.set_mesh(mesh):
+            return nnx.jit(nnx.value_and_grad(fn, has_aux=True), static_argnums=(2,) if len(
+                args) == 2 else ())(layer, *args)
+
+    (want, (y, aux)), want_grads = run(via_call, xs, True)
+    (got, out), grads = run(via_forward, seq_first)
+    np.testing.assert_allclose(np.asarray(out), np.swapaxes(np.asarray(y), 0, 1), rtol=1e-6)
+    np.testing.assert_allclose(float(got), float(want) - float(aux["aux_loss"]), rtol=1e-5)
+    assert float(aux["aux_loss"]) > 0
+    np.testing.assert_allclose(np.asarray(grads["router"][...]),
+                               np.asarray(want_grads["router"][...]), rtol=1e-4, atol=1e-6)
+    counts = np.asarray(aux["tokens_per_expert"], np.float64)
+    np.testing.assert_array_equal(np.asarray(layer.local_tokens_per_expert[...]), 2 * counts)
+    layer.update_expert_bias()
+    np.testing.assert_allclose(np.asarray(layer.expert_bias[...]),
+                               0.01 * np.sign(counts.mean() - counts), rtol=1e-6)
+    assert not np.asarray(layer.local_tokens_per_expert[...]).any()
+
+    layer.eval()
+    (_, _), eval_grads = run(via_forward, seq_first)
+    (_, _), plain_grads = run(via_call, xs, False)
+    np.testing.assert_allclose(np.asarray(eval_grads["router"][...]),
+                               np.asarray(plain_grads["router"][...]), rtol=1e-4, atol=1e-6)
+    assert not np.asarray(layer.local_tokens_per_expert[...]).any()  # eval counts nothing
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer.forward(x.reshape(-1, H))
+    with pytest.raises(ValueError, match="intermediate_tensors"):
+        layer.forward(seq_first, intermediate_tensors=())
+
+
 def test_dtype_is_compute_and_param_dtype_is_parameters():
     mesh = _mesh()
     x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 2, H)),
@@ -1284,6 +1344,28 @@ def test_topk_router_module_state_padding_and_refusals():
         jax_ep.flax.TopKRouter(_cfg(moe_router_force_load_balancing=True), H, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"x: expected \[..., hidden_size=16\]"):
         plain(jnp.zeros((3, H + 1)))
+
+
+def test_topk_router_counts_tokens_for_the_expert_bias():
+    """Megatron's router buffer: local_tokens_per_expert adds each training call's routed
+    slots (not in eval); update_expert_bias() moves the bias by them and zeroes them."""
+    c = _cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+             moe_router_bias_update_rate=0.01)
+    router = jax_ep.flax.TopKRouter(c, H, rngs=nnx.Rngs(5))
+    x = jax.random.normal(jax.random.key(6), (2, 5, H))
+    run = nnx.jit(lambda m, x: m(x))
+    _, routing_map = run(router, x)
+    run(router, x)
+    counts = np.asarray(routing_map).sum(axis=0).astype(np.float64)
+    assert counts.sum() == 10 * K
+    np.testing.assert_array_equal(np.asarray(router.local_tokens_per_expert[...]), 2 * counts)
+    router.deterministic = True
+    run(router, x)
+    np.testing.assert_array_equal(np.asarray(router.local_tokens_per_expert[...]), 2 * counts)
+    router.update_expert_bias()
+    np.testing.assert_allclose(np.asarray(router.expert_bias[...]),
+                               0.01 * np.sign(counts.mean() - counts), rtol=1e-6)
+    assert not np.asarray(router.local_tokens_per_expert[...]).any()
 
 
 def np_pad_routing_map(routing_map, pad_multiple):

@@ -428,14 +428,19 @@ def _as_moe_config(config):
 
 class _RouterState:
     """The router's non-trainable state and its updates, shared by MoELayer and TopKRouter:
-    expert_bias (ExpertBias f32[E] or None) and the global_aux_loss tracker
+    expert_bias (ExpertBias f32[E] or None) with local_tokens_per_expert (ExpertBias f32[E]:
+    the slots each expert got in the training calls since the last update_expert_bias,
+    Megatron's router buffer; None without expert bias), and the global_aux_loss tracker
     (global_tokens_per_expert f32[E], ga_steps f32[], or None)."""
 
     def _init_router_state(self, config: MoEConfig):
         E = config.num_moe_experts
-        self.expert_bias = (ExpertBias(jnp.zeros((E,), jnp.float32), eager_sharding=False,
-                                       **{_SHARDING_KEY: (None,)})
-                            if config.moe_router_enable_expert_bias else None)
+        if config.moe_router_enable_expert_bias:
+            self.expert_bias, self.local_tokens_per_expert = (
+                ExpertBias(jnp.zeros((E,), jnp.float32), eager_sharding=False,
+                           **{_SHARDING_KEY: (None,)}) for _ in range(2))
+        else:
+            self.expert_bias = self.local_tokens_per_expert = None
         if "global_aux_loss" in config.aux_losses():
             self.global_tokens_per_expert = AuxLossTracker(
                 jnp.zeros((E,), jnp.float32), eager_sharding=False, **{_SHARDING_KEY: (None,)})
@@ -444,16 +449,26 @@ class _RouterState:
         else:
             self.global_tokens_per_expert = self.ga_steps = None
 
-    def update_expert_bias(self, tokens_per_expert):
+    def update_expert_bias(self, tokens_per_expert=None):
         """Aux-loss-free balancing, once per step outside autodiff (Megatron's rule): the
         bias moves by moe_router_bias_update_rate up for experts below the mean of
-        tokens_per_expert i32[E] (the global aux["tokens_per_expert"] of the step), down for
-        those above."""
+        tokens_per_expert i32[E] (the global aux["tokens_per_expert"] of the step; None: the
+        counts local_tokens_per_expert gathered since the last update, as Megatron's
+        optimizer step reads its router's buffer), down for those above. Either way
+        local_tokens_per_expert starts again from zero."""
         if self.expert_bias is None:
             raise ValueError("update_expert_bias: there is no expert bias "
                              "(MoEConfig.moe_router_enable_expert_bias=False)")
+        counts = self.local_tokens_per_expert[...]
         self.expert_bias[...] = routing.get_updated_expert_bias(
-            tokens_per_expert, self.expert_bias[...], self.config.moe_router_bias_update_rate)
+            counts if tokens_per_expert is None else tokens_per_expert, self.expert_bias[...],
+            self.config.moe_router_bias_update_rate)
+        self.local_tokens_per_expert[...] = jnp.zeros_like(counts)
+
+    def _count_tokens(self, tokens_per_expert):
+        """Adds a training call's counts i32[E] to local_tokens_per_expert (if any)."""
+        if self.local_tokens_per_expert is not None and not self.deterministic:
+            self.local_tokens_per_expert[...] += tokens_per_expert.astype(jnp.float32)
 
     def reset_global_aux_loss_tracker(self):
         """Zeroes the global_aux_loss tracker (Megatron's reset_global_aux_loss_tracker): call
@@ -477,8 +492,9 @@ class _RouterState:
 
 
 class ExpertBias(nnx.Variable):
-    """The router's aux-loss-free expert bias f32[E]: non-trainable state (not an nnx.Param),
-    changed only by `MoELayer.update_expert_bias`."""
+    """The router's aux-loss-free expert bias f32[E] and its token counts
+    (local_tokens_per_expert): non-trainable state (not an nnx.Param); the bias changes only
+    by `update_expert_bias`."""
 
 
 class AuxLossTracker(nnx.Variable):
@@ -506,7 +522,8 @@ class MoELayer(_RouterState, nnx.Module):
       config: a MoEConfig (router, losses, capacity, expert sizes, its TokenDispatcherConfig),
         or a bare TokenDispatcherConfig (= MoEConfig with Megatron's defaults around it).
       hidden_size H; ffn_hidden_size F (default config.moe_ffn_hidden_size): each expert is
-        SwiGLU H -> 2F -> H; config.moe_shared_expert_intermediate_size adds a shared expert.
+        a GLU H -> 2F -> H (SwiGLU, or config.activation_func's);
+        config.moe_shared_expert_intermediate_size adds a shared expert.
       mesh: a Mesh with the expert axis (and optionally data_axis) for calls under jit; or
         expert_parallel_size P when the layer is called inside your shard_map.
       tensor_axis: the mesh axis of expert tensor parallelism (Megatron's ETP group), used
@@ -527,7 +544,8 @@ class MoELayer(_RouterState, nnx.Module):
       deterministic: NNX's eval flag (`model.eval()` sets it True, `model.train()` False):
         Megatron's `not module.training`. In eval, sinkhorn routing takes the top-k of the
         activation, and the global_aux_loss tracker is read but not added to.
-    __call__(x [..., H], padding_mask=None) -> (y [..., H] in the compute dtype, aux).
+    __call__(x [..., H], padding_mask=None) -> (y [..., H] in the compute dtype, aux);
+    forward(hidden_states [S, B, H], ...) -> (output, None) is Megatron's entry (see there).
     padding_mask: None or bool[...] of x's shape without H, True for padding tokens (Megatron's
     MoELayer / Router argument): they are still routed and computed, but no loss counts them
     (their scores and routing are zeroed in the load-balancing losses, whose token counts are
@@ -746,11 +764,32 @@ class MoELayer(_RouterState, nnx.Module):
         else:
             y, aux, tracked = self._sharded(x, params)
         self._track(tracked, tracker)
+        self._count_tokens(aux["tokens_per_expert"])
         if step is not None:
             self.force_balance_step[...] = step + 1
         if self.sow_aux:
             self.sow(nnx.Intermediate, "moe_aux", aux)
         return y, aux
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        """Megatron's MoELayer.forward: hidden_states [S, B, H] (sequence first) -> (output
+        [S, B, H], mlp_bias None). padding_mask: None or bool [B, S] (Megatron's [bsz,
+        seq_length] argument; True marks padding, as __call__'s). The losses are not returned:
+        while training (not deterministic) they are attached to the output by
+        MoEAuxLossAutoScaler, so the gradient of any loss of the output carries theirs, as in
+        Megatron; the counts go to local_tokens_per_expert for update_expert_bias(). The
+        same computation as __call__ on the [B, S, H] transpose."""
+        if intermediate_tensors is not None:
+            raise ValueError("intermediate_tensors: expected None (Megatron's partial CUDA-graph "
+                             "replay has no XLA counterpart: the whole step is one program)")
+        if jnp.ndim(hidden_states) != 3:
+            raise ValueError(f"hidden_states: expected [seq_length, batch, hidden_size], got "
+                             f"shape {jnp.shape(hidden_states)}")
+        y, aux = self(jnp.swapaxes(hidden_states, 0, 1), padding_mask)
+        y = jnp.swapaxes(y, 0, 1)
+        if not self.deterministic:  # Megatron attaches its losses while training only
+            y = MoEAuxLossAutoScaler.apply(y, aux["aux_loss"])
+        return y, None
 
     def _check_tensor_axis_bound(self):
         """Inside the user's shard_map: the tensor axis (ETP > 1) bound with ETP devices."""
@@ -845,8 +884,9 @@ class TopKRouter(_RouterState, nnx.Module):
 
       config: a MoEConfig (or TokenDispatcherConfig); hidden_size H.
       weight: nnx.Param [E, H] (Megatron's layout), normal with std H^-0.5.
-      expert_bias, global_tokens_per_expert / ga_steps: as MoELayer's (update_expert_bias,
-        reset_global_aux_loss_tracker).
+      expert_bias, local_tokens_per_expert, global_tokens_per_expert / ga_steps: as
+        MoELayer's (update_expert_bias, reset_global_aux_loss_tracker); the counts are those
+        of this router's training calls.
       topk, score_function, num_experts: K, the score function and E (Megatron's attributes).
       deterministic: Megatron's `not module.training` (sinkhorn routing, the tracker).
     gating(x [T,H]) -> logits [T,E] in moe_router_dtype (router_gating_linear).
@@ -908,6 +948,7 @@ class TopKRouter(_RouterState, nnx.Module):
         balancing, z, tracked = _losses(logits, seq_len, cfg, (), tracker=tracker, valid=valid)
         self._track(tracked, tracker)
         counts = _tokens_per_expert(ids, valid, E)
+        self._count_tokens(counts)
         aux = _aux(cfg, balancing, z, counts, dropped.sum())
         if self.sow_aux:
             self.sow(nnx.Intermediate, "router_aux", aux)
