@@ -441,3 +441,36 @@ def test_moe_config_reads_megatrons_activation_fields():
                          ("activation_func_clamp_value", 0.0)]:
         with pytest.raises(ValueError, match=f"MoEConfig.{field}"):
             MoEConfig(num_moe_experts=8, **{field: value})
+
+
+def test_get_tokens_per_expert_and_token_count_over_a_mesh_axis():
+    from jax.sharding import PartitionSpec as P
+    rng = np.random.default_rng(18)
+    maps = random_routing_map(rng, 4 * 6, 5, density=0.4).reshape(4, 6, 5)
+    maps[:, 5] = False  # each device's last token is padding, routed nowhere
+    mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices()[:4])
+
+    def counts(m, with_padding_mask):
+        out = mu.get_tokens_per_expert_and_token_count(m[0], "ep", topk=2,
+                                                       with_padding_mask=with_padding_mask)
+        return tuple(jnp.asarray(v)[None] for v in out)
+
+    for with_mask in (False, True):
+        tpe, local, total = map(np.asarray, jax.jit(jax.shard_map(
+            lambda m: counts(m, with_mask), mesh=mesh, in_specs=P("ep"),
+            out_specs=(P("ep"), P("ep"), P("ep"))))(
+                jax.device_put(maps, jax.sharding.NamedSharding(mesh, P("ep")))))
+        want_tpe = maps.sum(axis=(0, 1))
+        for d in range(4):
+            np.testing.assert_array_equal(np.asarray(tpe[d]), want_tpe)
+            if with_mask:
+                assert float(local[d]) == maps[d].sum() / 2
+                assert float(total[d]) == maps.sum() / 2
+            else:
+                assert (int(local[d]), int(total[d])) == (6, 24)
+    tpe, local, total = mu.get_tokens_per_expert_and_token_count(jnp.asarray(maps[0]), None)
+    np.testing.assert_array_equal(np.asarray(tpe), maps[0].sum(0))
+    assert (local, total) == (6, 6)
+    with pytest.raises(ValueError, match="topk"):
+        mu.get_tokens_per_expert_and_token_count(jnp.asarray(maps[0]), None,
+                                                 with_padding_mask=True)

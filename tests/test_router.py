@@ -1368,6 +1368,36 @@ def test_topk_router_counts_tokens_for_the_expert_bias():
     assert not np.asarray(router.local_tokens_per_expert[...]).any()
 
 
+def test_topk_router_forward_is_megatrons_sequence_first_order():
+    """TopKRouter.forward(input [S,B,H], padding_mask [S,B]) -> rows in Megatron's order
+    (s*B + b): __call__'s on the transpose, reordered, with the same seq_aux_loss gradient."""
+    c = _cfg(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.5)
+    router = jax_ep.flax.TopKRouter(c, H, rngs=nnx.Rngs(7))
+    x = jax.random.normal(jax.random.key(8), (3, 5, H))  # [B, S, H]
+    pad = jnp.zeros((3, 5), bool).at[2, 4].set(True)
+    weights = jax.random.normal(jax.random.key(9), (5 * 3, E))
+
+    def megatron(m):
+        probs, routing_map = m.forward(jnp.swapaxes(x, 0, 1), jnp.swapaxes(pad, 0, 1))
+        return jnp.sum(probs * weights), routing_map
+
+    def jax_style(m):
+        probs, routing_map = m(x, pad)
+        reorder = lambda a: jnp.swapaxes(a.reshape(3, 5, E), 0, 1).reshape(15, E)  # noqa: E731
+        return jnp.sum(reorder(probs) * weights), reorder(routing_map)
+
+    (got, got_map), got_grad = nnx.value_and_grad(megatron, has_aux=True)(router)
+    (want, want_map), want_grad = nnx.value_and_grad(jax_style, has_aux=True)(router)
+    np.testing.assert_array_equal(np.asarray(got_map), np.asarray(want_map))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_grad["weight"][...]),
+                               np.asarray(want_grad["weight"][...]), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="input"):
+        router.forward(x.reshape(-1, H))
+    with pytest.raises(ValueError, match="padding_mask"):
+        router.forward(jnp.swapaxes(x, 0, 1), pad)
+
+
 def np_pad_routing_map(routing_map, pad_multiple):
     """Megatron's pad_routing_map, line by line in numpy."""
     routing_map = routing_map.T.copy()  # [E, T]

@@ -899,7 +899,8 @@ class TopKRouter(_RouterState, nnx.Module):
       MoEAuxLossAutoScaler while training (not deterministic), so a loss of probs carries
       their gradient, as in Megatron. padding_mask bool[T] (True: padding).
     __call__(x [..., H], padding_mask=None) -> routing(gating(x)) of x's tokens, x [B, S, H]
-      as MoELayer's (not Megatron's [S, B, H]: seq_len is x's second-to-last axis). With
+      as MoELayer's (seq_len is x's second-to-last axis); forward(input [S, B, H],
+      padding_mask=None) is Megatron's sequence-first entry. With
       sow_aux the unscaled losses are sown as nnx.Intermediate "router_aux" (MoELayer's aux
       keys: aux_loss, load_balancing_loss(es), z_loss, ...).
     moe_router_force_load_balancing is refused (the layer has it: its draw counter is per
@@ -965,6 +966,24 @@ class TopKRouter(_RouterState, nnx.Module):
         return self.routing(self.gating(x.reshape(-1, H)),
                             None if mask is None else mask.reshape(-1),
                             x.shape[-2] if x.ndim > 2 else 1)
+
+    def forward(self, input, padding_mask=None):
+        """Megatron's TopKRouter.forward: input [S, B, H] (sequence first), padding_mask None
+        or bool [S, B] (True: padding) -> (probs [S*B, E], routing_map bool[S*B, E]) with
+        the tokens in Megatron's order (row s*B + b): __call__ on the [B, S, H] transpose
+        (seq_aux_loss over the S tokens of each sequence), rows reordered."""
+        if jnp.ndim(input) != 3:
+            raise ValueError(f"input: expected [seq_length, batch, hidden_size], got shape "
+                             f"{jnp.shape(input)}")
+        if padding_mask is not None and jnp.shape(padding_mask) != jnp.shape(input)[:2]:
+            raise ValueError(f"padding_mask: expected None or bool{list(jnp.shape(input)[:2])}"
+                             f" ([seq_length, batch]), got shape {jnp.shape(padding_mask)}")
+        seq, batch = input.shape[:2]
+        probs, routing_map = self(jnp.swapaxes(input, 0, 1),
+                                  None if padding_mask is None else jnp.swapaxes(padding_mask, 0,
+                                                                                 1))
+        return tuple(jnp.swapaxes(a.reshape(batch, seq, -1), 0, 1).reshape(seq * batch, -1)
+                     for a in (probs, routing_map))
 
 
 def _check_tokens(x, hidden: int, cfg: MoEConfig):

@@ -49,7 +49,8 @@ from jax_ep.transport import exclusive_cumsum
 __all__ = [
     "MoEAuxLossAutoScaler", "apply_random_logits", "apply_router_token_dropping",
     "compute_routing_scores_for_aux_loss", "geglu", "geglu_back", "get_capacity",
-    "get_updated_expert_bias", "group_limited_topk", "pad_routing_map", "permute",
+    "get_tokens_per_expert_and_token_count", "get_updated_expert_bias", "group_limited_topk",
+    "pad_routing_map", "permute",
     "quick_geglu", "quick_geglu_back", "quick_gelu", "router_gating_linear", "sinkhorn",
     "sort_chunks_by_idxs", "swiglu", "swiglu_back", "switch_load_balancing_loss_func",
     "topk_routing_with_score_function", "unpermute", "weighted_bias_geglu_impl",
@@ -158,6 +159,26 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
         _checks.check_shape(probs, (num_rows,), "probs")
         sorted_probs = ops.gather_rows(probs, src)
     return ops.gather_rows(input, src), sorted_probs
+
+
+def get_tokens_per_expert_and_token_count(routing_map, reduce_group, topk=None,
+                                          with_padding_mask=False):
+    """Megatron's counts for the load-balancing losses: routing_map [T,E] (bool or integer)
+    -> (global_tokens_per_expert i32[E]: the map's column sums, summed over the mesh axis
+    name(s) reduce_group inside shard_map (None: this device's own), local_num_tokens,
+    total_num_tokens). With with_padding_mask the token counts are the routed slots / topk
+    (padding tokens routed nowhere do not count; float32), else T and T times the devices of
+    reduce_group (ints)."""
+    _checks.check_rank(routing_map, 2, "routing_map")
+    local = routing_map.astype(jnp.int32).sum(axis=0)
+    tokens_per_expert = local if reduce_group is None else jax.lax.psum(local, reduce_group)
+    if with_padding_mask:
+        topk = _checks.check_positive(topk, "topk")
+        return (tokens_per_expert, local.sum().astype(jnp.float32) / topk,
+                tokens_per_expert.sum().astype(jnp.float32) / topk)
+    num_tokens = routing_map.shape[0]
+    group = 1 if reduce_group is None else jax.lax.axis_size(reduce_group)
+    return tokens_per_expert, num_tokens, num_tokens * group
 
 
 # --- the experts' gated activations ----------------------------------------------------------
