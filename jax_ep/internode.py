@@ -137,15 +137,27 @@ class DispatchHandle(_DeepEPTupleView):
                     "recv_channel_prefix_matrix", "num_recv_tokens", "recv_src_idx",
                     "is_token_in_rank", "send_head"),
     }
-    _KEPT = {"deepep": "handle[0] is rank_prefix_matrix",
-             "uccl_ep": "handle[0] is rank_prefix_matrix and handle[3] num_recv_tokens"}
+    _KEPT = {"deepep": "handle[0] is rank_prefix_matrix and handle[4] is_token_in_rank",
+             "uccl_ep": "handle[0] is rank_prefix_matrix, handle[3] num_recv_tokens and "
+                        "handle[5] is_token_in_rank"}
 
     def _deepep_item(self, name):
         """handle[0], rank_prefix_matrix i32[P,P]: [i, j] = the rows rank j received from
         ranks 0..i (its received rows are grouped by source rank, so rows [M[i-1, j], M[i, j])
         came from rank i). It is gathered over the axis, so read it inside the shard_map.
-        (UCCL-EP's handle[3] is the field num_recv_tokens.) The other entries of the intranode
-        tuples describe channels and send buffers, which this exchange does not have."""
+        is_token_in_rank bool[T,P] (DeepEP's handle[4], UCCL-EP's handle[5]): the tokens this
+        rank sent to each rank (get_dispatch_layout's, less any row a bounded buffer
+        dropped). (UCCL-EP's handle[3] is the field num_recv_tokens.) The other entries of
+        the intranode tuples describe channels and send buffers, which this exchange does not
+        have."""
+        if name == "is_token_in_rank":
+            sent = self.send_token_idx >= 0
+            rank = segment_of(self.plan.send_offsets,
+                              jnp.arange(self.send_token_idx.shape[0], dtype=jnp.int32))
+            num_ranks = self.plan.send_counts.shape[0]
+            return jnp.zeros((self.num_tokens, num_ranks), bool).at[
+                jnp.where(sent, self.send_token_idx, self.num_tokens), rank].set(
+                    True, mode="drop")
         if name != "rank_prefix_matrix":
             return None
         column = jnp.cumsum(self.plan.recv_counts).astype(jnp.int32)  # this rank's column

@@ -383,10 +383,13 @@ def test_deepep_style_body_through_buffer():
         assert len(handle) == 6
         with pytest.raises(ValueError, match=r"handle\[3\]: DeepEP's recv_src_idx"):
             handle[3]
-        return rx, ri, handle.num_recv_tokens[None], per_rank, in_rank.sum(1), c, handle[0]
+        # handle[4], is_token_in_rank: the tokens sent to each rank, get_dispatch_layout's
+        same = jnp.all(handle[4] == in_rank)[None]
+        return rx, ri, handle.num_recv_tokens[None], per_rank, in_rank.sum(1), c, handle[0], same
 
-    rx, ri, n, per_rank, owners, c, prefix = [
+    rx, ri, n, per_rank, owners, c, prefix, same = [
         np.asarray(a, np.float32) for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
+    assert same.all()
     R = num_ranks * T
     per_rank = per_rank.reshape(num_ranks, num_ranks)  # [src, dst]
     for d in range(num_ranks):
@@ -520,10 +523,11 @@ def test_dispatch_without_topk_and_fp8_pair():
             handle[4]
         return (rx, per_local, c, in_rank.sum(1), q.view(jnp.uint8), s, f_q.view(jnp.uint8), f_s,
                 rank, jnp.full((1,), buf.group_size), handle[3][None],
-                handle[0][-1, buf.rank][None])
+                handle[0][-1, buf.rank][None], jnp.all(handle[5] == in_rank)[None])
 
-    rx, per_local, c, owners, q, s, f_q, f_s, rank, size, n, prefix_last = [
+    rx, per_local, c, owners, q, s, f_q, f_s, rank, size, n, prefix_last, same = [
         np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), x, idx, w)]
+    assert same.all()  # handle[5], UCCL-EP's is_token_in_rank
     # handle[3] (num_recv_tokens) is the rows each rank received: rank_prefix_matrix's last row
     np.testing.assert_array_equal(n, prefix_last)
     np.testing.assert_array_equal(n, [len(deepep_layout(x, idx, w, num_ranks, E)[d]["src"])
