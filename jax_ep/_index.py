@@ -13,7 +13,8 @@ def search(sorted_values, queries, side: str = "right"):
 
     An unrolled binary search: log2(S) steps of straight-line XLA ops, which fuse. JAX's
     default ("scan") is a while loop, and on XLA:CPU each of its iterations is a few runtime
-    thunks: 512 queries into 4 offsets take about 3x as long, 100,000 into 256 about 2.7x.
+    thunks: 512 queries into 4 offsets take about 3x as long, 100,000 into 256 about 2.7x
+    (one CPU device, jax 0.11.2; benchmarks/RESULTS.md).
     """
     return jnp.searchsorted(sorted_values, queries, side=side,
                             method="scan_unrolled").astype(jnp.int32)

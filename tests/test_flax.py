@@ -290,7 +290,8 @@ def test_moe_layer_activation_matches_dense(activation, extra):
     x = jax.random.normal(jax.random.key(1), (8, 6, 16)) * 2
     got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
+    # inputs of scale 2: f32 sums of larger terms (a wrong activation is off by O(1))
+    assert_param_grads_close(grads, want_grads, rtol=5e-4, atol=5e-5)
     swiglu_twin = _layer_pair(_moe(cfg, **fields), mesh)[1]  # the same parameters
     y, y_swiglu = (np.asarray(dense_forward(m, x)[0]) for m in (twin, swiglu_twin))
     assert np.abs(y - y_swiglu).max() > 0.02 * np.abs(y_swiglu).max()

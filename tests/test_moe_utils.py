@@ -348,20 +348,23 @@ def test_weighted_impl_forward_gradient_and_shapes(impl, name):
     np.testing.assert_array_equal(np.asarray(three.reshape(6, 8)), np.asarray(out))
 
 
-def test_fp8_input_store_reads_the_fp8_input_in_the_backward():
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_fp8_input_store_reads_the_fp8_input_in_the_backward(name):
     rng = np.random.default_rng(15)
     x = jnp.asarray(rng.standard_normal((8, 32)) * 3, jnp.float32)
     w = jnp.asarray(rng.random((8, 1)), jnp.float32)
     g = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
-    out, vjp = jax.vjp(lambda a, b: mu.weighted_bias_swiglu_impl(a, b, fp8_input_store=True),
-                       x, w)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(mu.weighted_swiglu(x, w)))
+    impl = getattr(mu, f"weighted_bias_{name}_impl")
+    back = getattr(mu, f"weighted_{name}_back")
+    out, vjp = jax.vjp(lambda a, b: impl(a, b, fp8_input_store=True), x, w)
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.asarray(getattr(mu, f"weighted_{name}")(x, w)))
     rounded = jnp.asarray(np.asarray(x).astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
-    want_x, want_w = mu.weighted_swiglu_back(g, rounded, w)
+    want_x, want_w = back(g, rounded, w)
     d_x, d_w = vjp(g)
     np.testing.assert_allclose(np.asarray(d_x), np.asarray(want_x), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(d_w), np.asarray(want_w), rtol=1e-6, atol=1e-6)
-    exact_x, _ = mu.weighted_swiglu_back(g, x, w)
+    exact_x, _ = back(g, x, w)
     assert not np.allclose(np.asarray(d_x), np.asarray(exact_x), rtol=1e-3, atol=1e-3)
 
 
@@ -387,7 +390,7 @@ def test_weighted_bias_quick_geglu_impl_clamp_bias_and_gradients():
     d_x, d_bias, d_w = vjp(g)
     d_in, d_b, want_w = mu.weighted_bias_quick_geglu_back(
         g.reshape(6, 8), jnp.asarray(clamped, jnp.float32), bias, w, 1.0)
-    inside = np.concatenate([gate < clamp, np.abs(linear) < clamp], -1)  # clamp's gradient
+    inside = np.concatenate([gate <= clamp, np.abs(linear) <= clamp], -1)  # torch.clamp's
     np.testing.assert_allclose(np.asarray(d_x).reshape(6, 16), np.asarray(d_in) * inside,
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(d_bias), np.asarray(d_b).sum(0), rtol=1e-5,
@@ -474,3 +477,51 @@ def test_get_tokens_per_expert_and_token_count_over_a_mesh_axis():
     with pytest.raises(ValueError, match="topk"):
         mu.get_tokens_per_expert_and_token_count(jnp.asarray(maps[0]), None,
                                                  with_padding_mask=True)
+
+
+def test_clamp_has_torch_clamps_gradient_at_the_bounds():
+    from jax_ep.flax.activations import GatedActivation
+    act = GatedActivation("silu", 0.0, 2.0)
+    gate_up = jnp.asarray([[2.0, 3.0, -2.0, 2.0, 3.0, -2.0]])  # gate [2, 3, -2], up [2, 3, -2]
+    grad = np.asarray(jax.grad(lambda v: jnp.sum(act(v)))(gate_up))[0]
+    gate, up = np.array([2.0, 3.0, -2.0]), np.array([2.0, 3.0, -2.0])
+    clamped_gate, clamped_up = np.minimum(gate, 2.0), np.clip(up, -2.0, 2.0)
+    s = np_sigmoid(clamped_gate)
+    d_gate = s * (1 + clamped_gate * (1 - s)) * clamped_up * np.array([1.0, 0.0, 1.0])
+    d_up = np_silu(clamped_gate) * np.array([1.0, 0.0, 1.0])  # at +-c: 1 (torch.clamp)
+    np.testing.assert_allclose(grad, np.concatenate([d_gate, d_up]), rtol=1e-6, atol=1e-7)
+
+
+def test_activation_func_reads_torch_functions_and_refuses_jax_gelu():
+    from jax_ep.flax import MoEConfig
+
+    def gelu(v):  # what torch.nn.functional.gelu looks like to the config
+        return v
+    gelu.__module__ = "torch.nn.functional"
+    assert MoEConfig(num_moe_experts=8, activation_func=gelu).activation_func == "gelu"
+    with pytest.raises(ValueError, match="MoEConfig.activation_func"):
+        MoEConfig(num_moe_experts=8, activation_func=jax.nn.gelu)  # tanh by default
+
+
+def test_unpermute_of_no_tokens_and_drop_and_pad_rows():
+    x, p, idx = mu.permute(jnp.zeros((0, 4)), jnp.zeros((0, 2), bool), jnp.zeros((0, 2)),
+                           num_out_tokens=4)
+    assert x.shape == (4, 4) and not np.asarray(idx + 1).any()
+    y = mu.unpermute(x, idx, (0, 4), probs=jnp.zeros((0, 2)), routing_map=jnp.zeros((0, 2),
+                                                                                      bool))
+    assert y.shape == (0, 4)
+    routing_map = jnp.asarray([[1, 0, 1], [0, 1, 1]], bool)
+    x, _, idx = mu.permute(jnp.ones((2, 4)), routing_map, num_out_tokens=8, drop_and_pad=True)
+    assert x.shape == (6, 4)  # 3 experts x capacity 8 // 3 = 2, as PyTorch's E * capacity
+    np.testing.assert_array_equal(np.asarray(idx), [0, -1, 1, -1, 0, 1])
+
+
+def test_bias_is_added_in_the_promoted_dtype():
+    rng = np.random.default_rng(19)
+    x = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(8) * 1e-3, jnp.float32)
+    w = jnp.ones((4, 1), jnp.float32)
+    out = mu.weighted_bias_quick_geglu_impl(x, bias, w)
+    assert out.dtype == jnp.bfloat16
+    want = np_quick_geglu(_f64(x) + _f64(bias))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=8e-3, atol=1e-6)

@@ -1366,6 +1366,15 @@ def test_topk_router_counts_tokens_for_the_expert_bias():
     np.testing.assert_allclose(np.asarray(router.expert_bias[...]),
                                0.01 * np.sign(counts.mean() - counts), rtol=1e-6)
     assert not np.asarray(router.local_tokens_per_expert[...]).any()
+    # padding tokens are not counted; an update with explicit counts also empties the buffer
+    router.deterministic = False
+    pad = jnp.zeros((2, 5), bool).at[1].set(True)
+    _, padded_map = nnx.jit(lambda m, x, p: m(x, p))(router, x, pad)
+    valid = np.asarray(padded_map)[:5].sum(axis=0)
+    np.testing.assert_array_equal(np.asarray(router.local_tokens_per_expert[...]), valid)
+    router.update_expert_bias(jnp.asarray(counts))
+    assert not np.asarray(router.local_tokens_per_expert[...]).any()
+    assert isinstance(router.local_tokens_per_expert, jax_ep.flax.TokenCounts)
 
 
 def test_topk_router_forward_is_megatrons_sequence_first_order():

@@ -13,8 +13,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ACTIVATION_FUNCS", "GatedActivation", "QUICK_GELU_ALPHA", "SWIGLU", "geglu",
-           "quick_geglu", "quick_gelu", "swiglu"]
+__all__ = ["ACTIVATION_FUNCS", "GatedActivation", "QUICK_GELU_ALPHA", "SWIGLU",
+           "activation_name", "clamp_glu_halves", "geglu", "quick_geglu", "quick_gelu", "swiglu"]
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -33,6 +33,26 @@ _GATE_FUNCS = {
     "quick_gelu": quick_gelu,
 }
 ACTIVATION_FUNCS = tuple(_GATE_FUNCS)
+
+
+def activation_name(func):
+    """activation_func as one of ACTIVATION_FUNCS: a name, or a PyTorch / Megatron function
+    (F.silu, F.gelu, Megatron's quick_gelu: what a pasted Megatron config holds) read by its
+    __name__, or jax.nn.silu. Any other function (jax.nn.gelu: tanh by default, where torch's
+    F.gelu is exact) is refused (ValueError naming activation_func): pass the name."""
+    if isinstance(func, str):
+        name = func
+    elif func is jax.nn.silu:
+        name = "silu"
+    elif callable(func) and getattr(func, "__module__", "").split(".")[0] in ("torch",
+                                                                             "megatron"):
+        name = getattr(func, "__name__", None)
+    else:
+        name = None
+    if name not in _GATE_FUNCS:
+        raise ValueError(f"activation_func: expected one of {ACTIVATION_FUNCS} (or torch's / "
+                         f"Megatron's function of that name, or jax.nn.silu), got {func!r}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +83,19 @@ class GatedActivation:
     def __call__(self, gate_up):
         gate, up = jnp.split(gate_up, 2, axis=-1)
         if self.clamp_value is not None:
-            gate = jnp.minimum(gate, self.clamp_value)
-            up = jnp.clip(up, -self.clamp_value, self.clamp_value)
+            gate, up = clamp_glu_halves(gate, up, self.clamp_value)
         if self.glu_linear_offset:
             up = up + self.glu_linear_offset
         return _GATE_FUNCS[self.activation_func](gate) * up
+
+
+def clamp_glu_halves(gate, up, clamp_value):
+    """Megatron's activation_func_clamp_value on the two halves: gate to at most c, up to
+    [-c, c], with torch.clamp's gradient (1 up to and at the bounds, 0 beyond; jnp.clip's
+    and jnp.minimum's is 1/2 at a bound)."""
+    c = clamp_value
+    gate = jnp.where(gate > c, c, gate)
+    return gate, jnp.where(up > c, c, jnp.where(up < -c, -c, up))
 
 
 SWIGLU = GatedActivation()

@@ -34,7 +34,7 @@ from jax_ep._checks import check_float, check_positive, check_shape
 from jax_ep._index import search
 
 __all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "MoEAuxLossAutoScaler", "MoELayer",
-           "TopKRouter", "dense_forward", "expert_tile_rows", "force_balance_key",
+           "TokenCounts", "TopKRouter", "dense_forward", "expert_tile_rows", "force_balance_key",
            "gate_up_from_etp", "gate_up_to_etp", "load_ratio", "pad_expert_blocks",
            "shard_params", "swiglu_expert_blocks", "swiglu_experts", "unpad_expert_blocks"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
@@ -428,7 +428,7 @@ def _as_moe_config(config):
 
 class _RouterState:
     """The router's non-trainable state and its updates, shared by MoELayer and TopKRouter:
-    expert_bias (ExpertBias f32[E] or None) with local_tokens_per_expert (ExpertBias f32[E]:
+    expert_bias (ExpertBias f32[E] or None) with local_tokens_per_expert (TokenCounts f32[E]:
     the slots each expert got in the training calls since the last update_expert_bias,
     Megatron's router buffer; None without expert bias), and the global_aux_loss tracker
     (global_tokens_per_expert f32[E], ga_steps f32[], or None)."""
@@ -437,8 +437,8 @@ class _RouterState:
         E = config.num_moe_experts
         if config.moe_router_enable_expert_bias:
             self.expert_bias, self.local_tokens_per_expert = (
-                ExpertBias(jnp.zeros((E,), jnp.float32), eager_sharding=False,
-                           **{_SHARDING_KEY: (None,)}) for _ in range(2))
+                kind(jnp.zeros((E,), jnp.float32), eager_sharding=False,
+                     **{_SHARDING_KEY: (None,)}) for kind in (ExpertBias, TokenCounts))
         else:
             self.expert_bias = self.local_tokens_per_expert = None
         if "global_aux_loss" in config.aux_losses():
@@ -449,20 +449,22 @@ class _RouterState:
         else:
             self.global_tokens_per_expert = self.ga_steps = None
 
-    def update_expert_bias(self, tokens_per_expert=None):
+    def update_expert_bias(self, tokens_per_expert=None, tp_dp_cp_group=None):
         """Aux-loss-free balancing, once per step outside autodiff (Megatron's rule): the
         bias moves by moe_router_bias_update_rate up for experts below the mean of
         tokens_per_expert i32[E] (the global aux["tokens_per_expert"] of the step; None: the
         counts local_tokens_per_expert gathered since the last update, as Megatron's
-        optimizer step reads its router's buffer), down for those above. Either way
-        local_tokens_per_expert starts again from zero."""
+        optimizer step reads its router's buffer), down for those above. tp_dp_cp_group:
+        the mesh axis name(s) to sum the counts over first, inside shard_map (Megatron's
+        all-reduce; MoELayer's counts are global already, a TopKRouter's are its device's).
+        Either way local_tokens_per_expert starts again from zero."""
         if self.expert_bias is None:
             raise ValueError("update_expert_bias: there is no expert bias "
                              "(MoEConfig.moe_router_enable_expert_bias=False)")
         counts = self.local_tokens_per_expert[...]
         self.expert_bias[...] = routing.get_updated_expert_bias(
             counts if tokens_per_expert is None else tokens_per_expert, self.expert_bias[...],
-            self.config.moe_router_bias_update_rate)
+            self.config.moe_router_bias_update_rate, tp_dp_cp_group)
         self.local_tokens_per_expert[...] = jnp.zeros_like(counts)
 
     def _count_tokens(self, tokens_per_expert):
@@ -492,9 +494,14 @@ class _RouterState:
 
 
 class ExpertBias(nnx.Variable):
-    """The router's aux-loss-free expert bias f32[E] and its token counts
-    (local_tokens_per_expert): non-trainable state (not an nnx.Param); the bias changes only
-    by `update_expert_bias`."""
+    """The router's aux-loss-free expert bias f32[E]: non-trainable state (not an nnx.Param),
+    changed only by `update_expert_bias`."""
+
+
+class TokenCounts(nnx.Variable):
+    """local_tokens_per_expert f32[E]: the slots each expert got in the training calls since
+    the last `update_expert_bias` (Megatron's router buffer; saved with the state, where
+    Megatron's is not persistent). Non-trainable; every training call adds to it."""
 
 
 class AuxLossTracker(nnx.Variable):

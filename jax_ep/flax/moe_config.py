@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 
 from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
-from jax_ep.flax.activations import ACTIVATION_FUNCS, GatedActivation
+from jax_ep.flax.activations import GatedActivation, activation_name
 
 __all__ = ["AUX_LOSS_TYPES", "DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig",
            "SCORE_FUNCTIONS", "megatron_fields"]
@@ -106,10 +106,11 @@ class MoEConfig:
         experts are not implemented) and compute activation_func(gate) * (up +
         glu_linear_offset), activation_func one of ACTIVATION_FUNCS: "silu" (SwiGLU, the
         default here; Megatron's default is non-gated GELU), "gelu" (exact), "gelu_tanh"
-        (Gemma's GEGLU) or "quick_gelu" (x * sigmoid(1.702 x), gpt-oss); a function whose
-        __name__ is one of these (F.silu, F.gelu, Megatron's quick_gelu) is read as that
-        name. activation_func_clamp_value c: gate clamped to at most c and up to [-c, c]
-        first (gpt-oss: quick_gelu, offset 1.0, clamp 7.0).
+        (Gemma's GEGLU) or "quick_gelu" (x * sigmoid(1.702 x), gpt-oss); torch's and
+        Megatron's functions of these names (F.silu, F.gelu, quick_gelu) and jax.nn.silu are
+        read as the name, other functions refused (jax.nn.gelu is tanh by default: pass
+        "gelu" or "gelu_tanh"). activation_func_clamp_value c: gate clamped to at most c and
+        up to [-c, c] first (gpt-oss: quick_gelu, offset 1.0, clamp 7.0).
     Invalid values raise ValueError naming the field.
     """
 
@@ -199,12 +200,8 @@ class MoEConfig:
         _require(self.gated_linear_unit is True, "gated_linear_unit",
                  "True (the experts are GLUs: w_gate_up [L,H,2F]; non-gated experts are not "
                  "implemented)", self.gated_linear_unit)
-        name = getattr(self.activation_func, "__name__", self.activation_func)
-        _require(name in ACTIVATION_FUNCS, "activation_func",
-                 f"one of {ACTIVATION_FUNCS} (or a function of that __name__)",
-                 self.activation_func)
-        object.__setattr__(self, "activation_func", name)
         try:
+            object.__setattr__(self, "activation_func", activation_name(self.activation_func))
             self.gated_activation()
         except ValueError as e:
             raise ValueError(f"MoEConfig.{e}") from None

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from jax_ep import _checks, ops
 from jax_ep._index import search, segment_of
-from jax_ep.flax.activations import QUICK_GELU_ALPHA, geglu, quick_geglu, quick_gelu, swiglu
+from jax_ep.flax.activations import (QUICK_GELU_ALPHA, clamp_glu_halves, geglu, quick_geglu,
+                                     quick_gelu, swiglu)
 from jax_ep.flax.moe import MoEAuxLossAutoScaler
 from jax_ep.flax.router import (
     apply_random_logits,
@@ -83,12 +84,15 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
     drop_and_pad (with num_out_tokens; without it the flag is ignored, as in PyTorch): every
     expert gets exactly capacity = N // E rows holding its first tokens. Megatron expects the
     router to have marked exactly `capacity` tokens per expert; where it marked fewer, the
-    rest of the block is padding here (PyTorch repeats unrouted tokens there)."""
+    rest of the block is padding here (PyTorch repeats unrouted tokens there). The result
+    then has E * capacity rows, as PyTorch's."""
     del fused
     routing_map = _bool_map(routing_map)
     num_tokens, num_experts = routing_map.shape
     if num_out_tokens is None:
         num_out_tokens, drop_and_pad = num_tokens * num_experts, False
+    elif drop_and_pad:  # PyTorch's result: E blocks of capacity rows
+        num_out_tokens = num_out_tokens // num_experts * num_experts
     permuted, permuted_probs, sorted_indices, _ = ops.permute(
         tokens, routing_map, probs, num_out_tokens=num_out_tokens,
         drop_and_pad=bool(drop_and_pad))
@@ -132,7 +136,8 @@ def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routin
         _checks.check_shape(routing_map, (num_tokens, routing_map.shape[1]), "routing_map")
         expert = _row_experts(routing_map, sorted_indices.shape[0], drop_and_pad)
         routed = sorted_indices >= 0
-        weights = jnp.where(routed, probs[jnp.where(routed, sorted_indices, 0), expert], 0)
+        weights = (jnp.zeros(sorted_indices.shape, probs.dtype) if num_tokens == 0 else
+                   jnp.where(routed, probs[jnp.where(routed, sorted_indices, 0), expert], 0))
     return ops.unpermute(permuted_tokens, sorted_indices, num_tokens=num_tokens, probs=weights)
 
 
@@ -308,11 +313,11 @@ def weighted_bias_quick_geglu_impl(input, bias, weights, fp8_input_store=False,
                          f"ignores other values), got {alpha}")
     if len(input.shape) not in (2, 3):
         raise ValueError(f"input: expected rank 2 or 3, got shape {input.shape}")
+    dtype = input.dtype
     if clamp_value is not None:
-        gate, linear = jnp.split(input, 2, axis=-1)
-        input = jnp.concatenate([jnp.minimum(gate, clamp_value),
-                                 jnp.clip(linear, -clamp_value, clamp_value)], axis=-1)
-    if bias is not None:
-        input = (input + bias).astype(input.dtype)
+        input = jnp.concatenate(clamp_glu_halves(*jnp.split(input, 2, axis=-1), clamp_value),
+                                axis=-1)
+    if bias is not None:  # in the promoted dtype, as PyTorch; the result in the input's
+        input = input + bias
     activation = partial(quick_geglu, linear_offset=float(linear_offset))
-    return _weighted_impl(activation, input, weights, fp8_input_store)
+    return _weighted_impl(activation, input, weights, fp8_input_store).astype(dtype)
