@@ -384,8 +384,8 @@ def train(args):
         optimizer.update(model, grads)
         auxes = [_step_aux(per_layer) for per_layer in zip(*steps_auxes)]
         for block, aux in zip(model.blocks, auxes):
-            if args.expert_bias:  # once per step, from the step's global counts, no autodiff
-                block.moe.update_expert_bias(aux["tokens_per_expert"])
+            if args.expert_bias:  # once per step, no autodiff: the global counts the layer
+                block.moe.update_expert_bias()  # gathered over the step's micro-batches
             block.moe.reset_global_aux_loss_tracker()  # once per optimizer step, as Megatron
         stats = {name: jnp.stack([a[name] for a in auxes]) for name in (
             "tokens_per_expert", "load_ratio", "num_dropped", "load_balancing_loss")}
