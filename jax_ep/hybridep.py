@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from functools import partial
 
 import jax
@@ -54,8 +55,11 @@ COMBINE_CHUNK = 64
 MIN_CAPACITY = 512
 
 
-def required_capacity(num_tokens: int, chunk: int = COMBINE_CHUNK) -> int:
-    """HybridEP's token-capacity rule: ceil(max(n, 512) / chunk) * chunk."""
+def required_capacity(num_tokens: int, chunk: int | None = None) -> int:
+    """HybridEP's token-capacity rule: ceil(max(n, 512) / chunk) * chunk; chunk None: the
+    environment's NUM_OF_TOKENS_PER_CHUNK_COMBINE_API (HybridEP's combine chunk), else 64."""
+    if chunk is None:
+        chunk = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", COMBINE_CHUNK))
     check_positive(chunk, "chunk")
     return -(-max(int(num_tokens), MIN_CAPACITY) // chunk) * chunk
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,6 +185,37 @@ def test_equalized_token_counts(local, group_max, want):
 def test_required_capacity(n, chunk, want):
     assert hybridep.required_capacity(n, chunk) == want
     assert jax_ep.required_capacity(n, chunk) == want  # contract: available at the top level
+
+
+def test_pipeline_runtime_initializer_keeps_nemos_calls(monkeypatch):
+    """NeMo's HybridEPPipelineRuntimeInitializer: HybridEP's capacity rule (the combine chunk
+    from HybridEP's environment variable), prepare() checking its argument and recording the
+    largest capacity, resource_key shared and signature by configuration; the dispatcher
+    returns one for hybridep only."""
+    from jax_ep.flax import HybridEPPipelineRuntimeInitializer, MoEFlexTokenDispatcher
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_flex_dispatcher_backend="hybridep")
+    dispatcher = MoEFlexTokenDispatcher(2, [0, 1], cfg)
+    (initializer,) = dispatcher.get_pipeline_runtime_initializers(16, jnp.bfloat16)
+    assert isinstance(initializer, HybridEPPipelineRuntimeInitializer)
+    assert [initializer.required_capacity(n) for n in (1, 512, 513)] == [512, 512, 576]
+    monkeypatch.setenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "128")
+    assert initializer.required_capacity(513) == 640
+    monkeypatch.delenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API")
+    initializer.prepare(num_tokens=513)
+    initializer.prepare(num_tokens=32)
+    assert initializer.capacity == 576
+    with pytest.raises(ValueError, match="num_tokens"):
+        initializer.prepare(num_tokens=0)
+    other = HybridEPPipelineRuntimeInitializer(
+        MoEFlexTokenDispatcher(2, [0, 1], dataclasses.replace(cfg, num_moe_experts=16)), 16,
+        jnp.bfloat16)
+    assert other.resource_key == initializer.resource_key
+    assert other.signature != initializer.signature
+    assert HybridEPPipelineRuntimeInitializer(dispatcher, 16, jnp.bfloat16).signature == \
+        initializer.signature
+    deepep = MoEFlexTokenDispatcher(2, [0, 1], dataclasses.replace(
+        cfg, moe_flex_dispatcher_backend="deepep"))
+    assert deepep.get_pipeline_runtime_initializers(16, jnp.bfloat16) == ()
 
 
 def test_bad_inputs():

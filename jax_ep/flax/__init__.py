@@ -1,7 +1,8 @@
 """Flax NNX front end: the PyTorch flex dispatcher's method names, Megatron-Core's MoE config
 and router, and a ready MoE layer."""
 
-from jax_ep.flax.dispatcher import DispatchState, MoEFlexTokenDispatcher, shared_dispatcher
+from jax_ep.flax.dispatcher import (DispatchState, HybridEPPipelineRuntimeInitializer,
+                                    MoEFlexTokenDispatcher, shared_dispatcher)
 from jax_ep.flax.moe import (
     AuxLossTracker,
     ExpertBias,
@@ -29,6 +30,7 @@ __all__ = [
     "DispatchState",
     "ExpertBias",
     "ForceBalanceStep",
+    "HybridEPPipelineRuntimeInitializer",
     "MoEAuxLossAutoScaler",
     "MoEConfig",
     "MoEFlexTokenDispatcher",

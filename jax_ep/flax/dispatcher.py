@@ -21,7 +21,8 @@ from jax_ep import deepep, hybridep, ops, transport
 from jax_ep._checks import as_int32_ids, check_positive, check_top_k, unroute_invalid_experts
 from jax_ep.config import TokenDispatcherConfig
 
-__all__ = ["DispatchState", "MoEFlexTokenDispatcher", "shared_dispatcher"]
+__all__ = ["DispatchState", "HybridEPPipelineRuntimeInitializer", "MoEFlexTokenDispatcher",
+           "shared_dispatcher"]
 
 _ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64, None: None}
 
@@ -123,6 +124,13 @@ class MoEFlexTokenDispatcher(nnx.Module):
     @property
     def _local_impl(self):
         return "ffi" if self.config.moe_permute_fusion else "xla"
+
+    def get_pipeline_runtime_initializers(self, hidden_dim, dtype):
+        """NeMo's: (HybridEPPipelineRuntimeInitializer(self, hidden_dim, dtype),) for the
+        hybridep backend, else ()."""
+        if self.backend != "hybridep":
+            return ()
+        return (HybridEPPipelineRuntimeInitializer(self, hidden_dim, dtype),)
 
     def _capacity(self, num_tokens):
         """Per-destination row bound of a deepep-family dispatch (None: no bound)."""
@@ -493,6 +501,50 @@ class MoEFlexTokenDispatcher(nnx.Module):
             chunks=self.config.num_overlap_chunks, backend=self.backend,
             transport=self.config.transport)
         return y, dropped
+
+
+class HybridEPPipelineRuntimeInitializer:
+    """NeMo's HybridEP pipeline initializer, for code that prepares one before a pipeline
+    step. HybridEP keeps one process-global buffer sized by a token capacity and JIT-compiles
+    its kernels for it; under XLA each compiled program sizes its own buffers, so there is
+    nothing to allocate or compile ahead: `prepare` checks its argument and records the
+    largest capacity asked for (`capacity`), and `required_capacity` is HybridEP's rule.
+
+    manager: the MoEFlexTokenDispatcher (NeMo's _HybridEPManager's place); hidden_dim, dtype:
+    the dispatched rows' width and dtype."""
+
+    required_capacity = staticmethod(hybridep.required_capacity)
+
+    def __init__(self, manager, hidden_dim, dtype):
+        self.manager = manager
+        self.hidden_dim = check_positive(hidden_dim, "hidden_dim")
+        self.dtype = jnp.dtype(dtype)
+        self.capacity = 0
+
+    @property
+    def resource_key(self):
+        """(type, "hybridep"): NeMo's key of the one HybridEP buffer of a process."""
+        return (type(self), "hybridep")
+
+    @property
+    def signature(self):
+        """The configuration a HybridEP buffer would serve: experts, local experts, hidden
+        size, dtype and the dispatcher's HybridEP settings."""
+        cfg = self.manager.config
+        return (cfg.num_moe_experts, self.manager.num_local_experts, self.hidden_dim,
+                self.dtype.name, cfg.moe_hybridep_permute_fusion,
+                cfg.moe_hybridep_compact_routing, cfg.moe_hybridep_num_sms,
+                cfg.moe_hybridep_num_sms_preprocessing, cfg.moe_hybridep_num_blocks_permute,
+                cfg.moe_hybridep_num_blocks_unpermute)
+
+    def prepare(self, num_tokens, device=None):
+        """num_tokens: the largest micro-batch's token count (a positive int; ValueError
+        naming it otherwise); device: accepted, unused. Records the capacity; allocates
+        nothing."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise ValueError(f"num_tokens: expected a positive int, got {num_tokens!r}")
+        del device
+        self.capacity = max(self.capacity, self.required_capacity(num_tokens))
 
 
 _SHARED: dict = {}
