@@ -38,7 +38,7 @@ from jax_ep._checks import (
     check_routing,
     check_shape,
 )
-from jax_ep._index import search, segment_of
+from jax_ep._index import search
 
 __all__ = [
     "COMBINE_CHUNK",
@@ -180,14 +180,15 @@ def _recv_probs(probs, h):
                   transport=r.transport, impl=r.impl)
     num_ranks = r.plan.send_counts.shape[0]
     by_rank = probs.reshape(probs.shape[0] * num_ranks, num_local)
-    send_rank = _send_ranks(r)
-    src = jnp.where(r.send_token_idx >= 0, r.send_token_idx * num_ranks + send_rank, -1)
-    return tp.send_rows(by_rank, src, r.plan, **kwargs)
+    return tp.send_rows(by_rank, _by_rank_rows(r), r.plan, **kwargs)
 
 
-def _send_ranks(r):
-    """Destination rank of every compact send row (rank-major layout)."""
-    return segment_of(r.plan.send_offsets, jnp.arange(r.send_token_idx.shape[0]))
+def _by_rank_rows(r):
+    """i32[T*P]: for each compact send row, its row of a [T*P, ...] table holding each
+    token's columns for each destination rank (token * P + rank; -1 on padding)."""
+    num_ranks = r.plan.send_counts.shape[0]
+    ranks = tp.send_row_ranks(r.plan, r.send_token_idx.shape[0])
+    return jnp.where(r.send_token_idx >= 0, r.send_token_idx * num_ranks + ranks, -1)
 
 
 def _permute_probs(probs, h):
@@ -336,9 +337,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         kwargs = dict(num_recv=routing.num_recv, capacity=routing.capacity,
                       axis_name=axis_name, transport=routing.transport, impl=impl)
         by_rank = routing_map.reshape(padded * num_ranks, num_local).astype(jnp.int8)
-        src = jnp.where(routing.send_token_idx >= 0,
-                        routing.send_token_idx * num_ranks + _send_ranks(routing), -1)
-        recv_map = tp.send_rows(by_rank, src, routing.plan, **kwargs).astype(bool)
+        recv_map = tp.send_rows(by_rank, _by_rank_rows(routing), routing.plan,
+                                **kwargs).astype(bool)
     if num_permuted_tokens is None:
         slots = min(topk_idx.shape[1], num_local) if compact else num_local
         pad = check_positive(pad_multiple, "pad_multiple") if pad_multiple is not None else 1

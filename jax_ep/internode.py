@@ -152,8 +152,7 @@ class DispatchHandle(_DeepEPTupleView):
         have."""
         if name == "is_token_in_rank":
             sent = self.send_token_idx >= 0
-            rank = segment_of(self.plan.send_offsets,
-                              jnp.arange(self.send_token_idx.shape[0], dtype=jnp.int32))
+            rank = tp.send_row_ranks(self.plan, self.send_token_idx.shape[0])
             num_ranks = self.plan.send_counts.shape[0]
             return jnp.zeros((self.num_tokens, num_ranks), bool).at[
                 jnp.where(sent, self.send_token_idx, self.num_tokens), rank].set(

@@ -66,6 +66,7 @@ __all__ = [
     "return_buffer_size",
     "return_rows",
     "return_slots",
+    "send_row_ranks",
     "send_rows",
 ]
 
@@ -294,6 +295,12 @@ def make_plan(count_matrix, rank, capacity, num_recv):
     return ExchangePlan(*(f.astype(jnp.int32) for f in fields))
 
 
+def send_row_ranks(plan, num_rows):
+    """i32[num_rows]: the destination rank of each row of the compact, rank-major send buffer
+    (plan.send_offsets); rows past the last block read the last rank."""
+    return segment_of(plan.send_offsets, jnp.arange(num_rows, dtype=jnp.int32))
+
+
 def _block_slots(counts, offsets, capacity):
     """[P*C] index of the compact row held by padded slot (p, j), -1 past counts[p]."""
     num_ranks = counts.shape[0]
@@ -501,7 +508,7 @@ def return_rows(y, send_map, plan, *, num_send, capacity, axis_name, transport, 
             rows = _ragged(y, num_send, plan.recv_offsets, plan.recv_counts,
                            plan.remote_send_offsets, plan.send_counts, axis_name, COMBINE_NAME)
         j = jnp.arange(num_send, dtype=jnp.int32)
-        p = segment_of(plan.send_offsets, j)
+        p = send_row_ranks(plan, num_send)
         sent = (j - plan.send_offsets[p]) < plan.send_counts[p]
         return rows, jnp.where(sent, send_map, -1), p
     padded = y if prepacked else ops.gather_rows(

@@ -541,8 +541,7 @@ class HybridEPPipelineRuntimeInitializer:
         """num_tokens: the largest micro-batch's token count (a positive int; ValueError
         naming it otherwise); device: accepted, unused. Records the capacity; allocates
         nothing."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
-            raise ValueError(f"num_tokens: expected a positive int, got {num_tokens!r}")
+        check_positive(num_tokens, "num_tokens")
         del device
         self.capacity = max(self.capacity, self.required_capacity(num_tokens))
 

@@ -262,7 +262,7 @@ def _weighted(expert_out, probs):
     return (expert_out * probs[..., None]).astype(expert_out.dtype)
 
 
-def _swiglu(x, w_gate_up, w_down, activation):
+def _gated_ffn(x, w_gate_up, w_down, activation):
     return activation(x @ w_gate_up) @ w_down
 
 
@@ -717,7 +717,7 @@ class MoELayer(_RouterState, nnx.Module):
             y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
             dropped = state.num_dropped
         if shared is not None:
-            y = y + _swiglu(tokens, *shared, activation)
+            y = y + _gated_ffn(tokens, *shared, activation)
         E = cfg.num_moe_experts
         counts = _tokens_per_expert(ids, valid, E)
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
@@ -1103,11 +1103,11 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,
                               layer._tracker(), None if padding is None else ~padding.reshape(-1))
     activation = cfg.gated_activation()
-    every = jax.vmap(lambda a, b: _swiglu(tokens, a, b, activation))(w_gate_up, w_down)
+    every = jax.vmap(lambda a, b: _gated_ffn(tokens, a, b, activation))(w_gate_up, w_down)
     picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
     y = jnp.sum(_weighted(picked, probs), axis=1)  # dropped slots have probs 0
     if shared:
-        y = y + _swiglu(tokens, *shared, activation)
+        y = y + _gated_ffn(tokens, *shared, activation)
     return y.reshape(x.shape), _scaled(cfg, balancing, z)
 
 
