@@ -17,6 +17,7 @@ plot and a JSON log.
                                          # sigmoid + expert bias, shared expert, 2 nodes
   python examples/train_moe.py --preset qwen3-moe-tiny     # E=128 K=8, softmax, global aux
   python examples/train_moe.py --preset gpt-oss-tiny       # E=32 K=4, clamped Quick-GEGLU
+  python examples/train_moe.py --no-gated-linear-unit --activation squared_relu  # MLP experts
   python examples/train_moe.py --grad-accum 4       # 4 micro-batches per optimizer step
   python examples/train_moe.py --gpu                 # every local GPU on the expert axis
   # checkpoint every 50 steps with orbax; a later run with --resume continues up to --steps:
@@ -121,8 +122,11 @@ def parse_args(argv=None):
     p.add_argument("--topk-scaling-factor", type=float, default=None,
                    help="moe_router_topk_scaling_factor")
     p.add_argument("--activation", default="silu",
-                   choices=["silu", "gelu", "gelu_tanh", "quick_gelu"],
-                   help="the experts' gate activation (activation_func; silu: SwiGLU)")
+                   choices=["silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "squared_relu"],
+                   help="the experts' activation (activation_func; silu: SwiGLU)")
+    p.add_argument("--gated-linear-unit", default=True, action=argparse.BooleanOptionalAction,
+                   help="gated experts (act(gate) * up); --no-gated-linear-unit: Megatron's "
+                        "MLP experts, act(fc1)")
     p.add_argument("--glu-linear-offset", type=float, default=0.0, help="glu_linear_offset")
     p.add_argument("--activation-clamp", type=float, default=None,
                    help="activation_func_clamp_value")
@@ -241,6 +245,7 @@ def build_model(args, mesh, jax):
         moe_router_topk_scaling_factor=args.topk_scaling_factor,
         moe_router_force_load_balancing=args.force_load_balancing,
         expert_tensor_parallel_size=args.etp, activation_func=args.activation,
+        gated_linear_unit=args.gated_linear_unit,
         glu_linear_offset=args.glu_linear_offset,
         activation_func_clamp_value=args.activation_clamp,
         token_dispatcher=jax_ep.TokenDispatcherConfig(

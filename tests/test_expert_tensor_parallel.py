@@ -85,6 +85,9 @@ def test_values_and_gradients_match_dense(backend, shape, capacity):
 @pytest.mark.parametrize("extra", [dict(activation=dict(activation_func="quick_gelu",
                                                         glu_linear_offset=1.0,
                                                         activation_func_clamp_value=1.5)),
+                                   # Megatron's MLP experts: fc1 [E,H,F], plain column shards
+                                   dict(activation=dict(gated_linear_unit=False,
+                                                        activation_func="squared_relu")),
                                    dict(moe_deepep_async_dispatch=True, num_overlap_chunks=2),
                                    dict(moe_router_expert_pad_multiple=4),
                                    dict(grouped_gemm_impl="ragged_dot"),
@@ -95,7 +98,8 @@ def test_overlap_padded_blocks_and_ragged_dot_match_dense(extra):
     layer, twin = _layer_pair(_config(2, **extra), mesh)
     x = jax.random.normal(jax.random.key(3), (8, 6, H))
     got, _, (grads, dx), want, (want_grads, want_dx) = _vs_dense(layer, twin, mesh, x)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # the loss sums 768 products of O(1) (squared ReLU's: O(10)) that nearly cancel
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(dx, want_dx, rtol=2e-5, atol=2e-6)
     assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
 

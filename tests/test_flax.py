@@ -265,10 +265,13 @@ def test_moe_layer_forward_and_grad_match_dense(backend, extra):
 
 ACTIVATIONS = [dict(activation_func="gelu_tanh"),  # Gemma's GEGLU
                dict(activation_func="quick_gelu", glu_linear_offset=1.0,  # gpt-oss's
-                    activation_func_clamp_value=1.5)]
+                    activation_func_clamp_value=1.5),
+               # Megatron's MLP experts (Nemotron's squared ReLU); offset and clamp unused
+               dict(gated_linear_unit=False, activation_func="squared_relu",
+                    glu_linear_offset=1.0, activation_func_clamp_value=0.5)]
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS, ids=["geglu", "quick_geglu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=["geglu", "quick_geglu", "mlp_relu2"])
 @pytest.mark.parametrize("extra", [dict(), dict(grouped_gemm_impl="blocks"),
                                    dict(dropless_buffer_factor=1.25),
                                    dict(pad_to_capacity=True)],
@@ -276,7 +279,8 @@ ACTIVATIONS = [dict(activation_func="gelu_tanh"),  # Gemma's GEGLU
 def test_moe_layer_activation_matches_dense(activation, extra):
     """The experts' and the shared expert's activation (MoEConfig.activation_func, ...)
     through every expert path: the grouped GEMM handler, the blocks, bounded buffers and
-    drop-and-pad's equal blocks, against the dense forward; and the result is not SwiGLU's."""
+    drop-and-pad's equal blocks, against the dense forward; and the result is not that of
+    SwiGLU (gated) or ReLU (not gated) with the same parameters."""
     extra = dict(extra)
     pad = extra.pop("pad_to_capacity", False)
     if pad:
@@ -292,9 +296,13 @@ def test_moe_layer_activation_matches_dense(activation, extra):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     # inputs of scale 2: f32 sums of larger terms (a wrong activation is off by O(1))
     assert_param_grads_close(grads, want_grads, rtol=5e-4, atol=5e-5)
-    swiglu_twin = _layer_pair(_moe(cfg, **fields), mesh)[1]  # the same parameters
-    y, y_swiglu = (np.asarray(dense_forward(m, x)[0]) for m in (twin, swiglu_twin))
-    assert np.abs(y - y_swiglu).max() > 0.02 * np.abs(y_swiglu).max()
+    gated = activation.get("gated_linear_unit", True)
+    assert layer.w_gate_up.shape == (8, 16, 32 * (2 if gated else 1))
+    assert layer.shared_gate_up.shape == (16, 8 * (2 if gated else 1))
+    other = {} if gated else dict(gated_linear_unit=False, activation_func="relu")
+    other_twin = _layer_pair(_moe(cfg, **fields, **other), mesh)[1]  # the same parameters
+    y, y_other = (np.asarray(dense_forward(m, x)[0]) for m in (twin, other_twin))
+    assert np.abs(y - y_other).max() > 0.02 * np.abs(y_other).max()
 
 
 @pytest.mark.parametrize("backend,extra", [("deepep", {}), ("hybridep", {}),

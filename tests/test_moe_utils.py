@@ -410,16 +410,23 @@ def test_module_carries_megatrons_router_helpers():
     assert mu.MoEAuxLossAutoScaler.apply is not None
 
 
+def np_act(func):
+    """Megatron's activation_func `func` in numpy (float64)."""
+    return {"silu": np_silu, "gelu": np.vectorize(lambda v: 0.5 * v * (1 + erf(v / 2 ** 0.5))),
+            "gelu_tanh": np_gelu_tanh, "quick_gelu": lambda v: v * np_sigmoid(1.702 * v),
+            "relu": lambda v: np.maximum(v, 0.0),
+            "squared_relu": lambda v: np.maximum(v, 0.0) ** 2}[func]
+
+
 def np_gated(y, func, offset=0.0, clamp=None):
     gate, up = np.split(_f64(y), 2, -1)
     if clamp is not None:
         gate, up = np.minimum(gate, clamp), np.clip(up, -clamp, clamp)
-    act = {"silu": np_silu, "gelu": np.vectorize(lambda v: 0.5 * v * (1 + erf(v / 2 ** 0.5))),
-           "gelu_tanh": np_gelu_tanh, "quick_gelu": lambda v: v * np_sigmoid(1.702 * v)}[func]
-    return act(gate) * (up + offset)
+    return np_act(func)(gate) * (up + offset)
 
 
-@pytest.mark.parametrize("func", ["silu", "gelu", "gelu_tanh", "quick_gelu"])
+@pytest.mark.parametrize("func", ["silu", "gelu", "gelu_tanh", "quick_gelu", "relu",
+                                  "squared_relu"])
 @pytest.mark.parametrize("offset,clamp", [(0.0, None), (1.0, 7.0), (-0.5, 0.5)])
 def test_gated_activation_matches_the_formulas(func, offset, clamp):
     from jax_ep.flax.activations import GatedActivation
@@ -428,6 +435,21 @@ def test_gated_activation_matches_the_formulas(func, offset, clamp):
     np.testing.assert_allclose(np.asarray(act(jnp.asarray(y))), np_gated(y, func, offset, clamp),
                                rtol=1e-5, atol=1e-5)
     assert hash(act) == hash(GatedActivation(func, offset, clamp))
+
+
+@pytest.mark.parametrize("func", ["silu", "gelu", "gelu_tanh", "quick_gelu", "relu",
+                                  "squared_relu"])
+def test_non_gated_activation_is_the_function_alone(func):
+    """gated_linear_unit=False (Megatron's MLP experts): act(fc1) over all F columns; the GLU
+    offset and clamp are unused, as in Megatron."""
+    from jax_ep.flax.activations import GatedActivation
+    y = np.random.default_rng(19).standard_normal((4, 6)).astype(np.float32) * 3
+    want = np_act(func)(_f64(y))
+    for offset, clamp in [(0.0, None), (1.0, 0.5)]:
+        act = GatedActivation(func, offset, clamp, gated_linear_unit=False)
+        np.testing.assert_allclose(np.asarray(act(jnp.asarray(y))), want, rtol=1e-5, atol=1e-5)
+        assert act.fc1_columns(6) == 6
+    assert GatedActivation(func).fc1_columns(6) == 12
 
 
 def test_moe_config_reads_megatrons_activation_fields():
@@ -439,7 +461,9 @@ def test_moe_config_reads_megatrons_activation_fields():
     assert MoEConfig(num_moe_experts=8, activation_func=jax.nn.silu).activation_func == "silu"
     assert MoEConfig.from_dict(dict(num_moe_experts=8, activation_func="gelu_tanh")
                                ).gated_activation() == GatedActivation("gelu_tanh")
-    for field, value in [("gated_linear_unit", False), ("activation_func", "relu"),
+    assert MoEConfig(num_moe_experts=8, gated_linear_unit=False, activation_func=jax.nn.relu
+                     ).gated_activation() == GatedActivation("relu", gated_linear_unit=False)
+    for field, value in [("gated_linear_unit", 1), ("activation_func", "tanh"),
                          ("glu_linear_offset", float("nan")),
                          ("activation_func_clamp_value", 0.0)]:
         with pytest.raises(ValueError, match=f"MoEConfig.{field}"):
@@ -499,6 +523,12 @@ def test_activation_func_reads_torch_functions_and_refuses_jax_gelu():
         return v
     gelu.__module__ = "torch.nn.functional"
     assert MoEConfig(num_moe_experts=8, activation_func=gelu).activation_func == "gelu"
+
+    def squared_relu(v):  # Megatron's megatron.core.activations.squared_relu
+        return v
+    squared_relu.__module__ = "megatron.core.activations"
+    assert MoEConfig(num_moe_experts=8, gated_linear_unit=False,
+                     activation_func=squared_relu).activation_func == "squared_relu"
     with pytest.raises(ValueError, match="MoEConfig.activation_func"):
         MoEConfig(num_moe_experts=8, activation_func=jax.nn.gelu)  # tanh by default
 

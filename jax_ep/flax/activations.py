@@ -1,6 +1,7 @@
-"""The experts' gated activations (Megatron's GLU experts: fc1 gives [gate | up], the
-activation gives act(gate) * up for fc2): SwiGLU, GEGLU and gpt-oss's Quick-GEGLU, and
-`GatedActivation`, the one MoEConfig chooses (activation_func, glu_linear_offset,
+"""The experts' activations: Megatron's GLU experts (fc1 gives [gate | up], the activation
+gives act(gate) * up for fc2: SwiGLU, GEGLU, gpt-oss's Quick-GEGLU) and its non-gated MLP
+experts (act(fc1): GELU, Nemotron's squared ReLU), and `GatedActivation`, the one MoEConfig
+chooses (gated_linear_unit, activation_func, glu_linear_offset,
 activation_func_clamp_value)."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["ACTIVATION_FUNCS", "GatedActivation", "QUICK_GELU_ALPHA", "SWIGLU",
-           "activation_name", "clamp_glu_halves", "geglu", "quick_geglu", "quick_gelu", "swiglu"]
+           "activation_name", "clamp_glu_halves", "geglu", "quick_geglu", "quick_gelu",
+           "squared_relu", "swiglu"]
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -24,26 +26,35 @@ def quick_gelu(y, alpha: float = QUICK_GELU_ALPHA):
     return y * jax.nn.sigmoid(alpha * y)
 
 
-# Megatron's activation_func choices for the gate, by the torch function's name:
-# F.silu, F.gelu (exact, erf), GELU's tanh form (HF's "gelu_pytorch_tanh") and quick_gelu.
+def squared_relu(y):
+    """relu(y)^2 (Megatron's squared_relu, Nemotron's non-gated experts)."""
+    return jnp.square(jax.nn.relu(y))
+
+
+# Megatron's activation_func choices, by the torch / Megatron function's name: F.silu,
+# F.gelu (exact, erf), GELU's tanh form (HF's "gelu_pytorch_tanh"), quick_gelu, F.relu and
+# squared_relu.
 _GATE_FUNCS = {
     "silu": jax.nn.silu,
     "gelu": partial(jax.nn.gelu, approximate=False),
     "gelu_tanh": partial(jax.nn.gelu, approximate=True),
     "quick_gelu": quick_gelu,
+    "relu": jax.nn.relu,
+    "squared_relu": squared_relu,
 }
 ACTIVATION_FUNCS = tuple(_GATE_FUNCS)
 
 
 def activation_name(func):
     """activation_func as one of ACTIVATION_FUNCS: a name, or a PyTorch / Megatron function
-    (F.silu, F.gelu, Megatron's quick_gelu: what a pasted Megatron config holds) read by its
-    __name__, or jax.nn.silu. Any other function (jax.nn.gelu: tanh by default, where torch's
-    F.gelu is exact) is refused (ValueError naming activation_func): pass the name."""
+    (F.silu, F.gelu, F.relu, Megatron's quick_gelu and squared_relu: what a pasted Megatron
+    config holds) read by its __name__, or jax.nn.silu / jax.nn.relu. Any other function
+    (jax.nn.gelu: tanh by default, where torch's F.gelu is exact) is refused (ValueError
+    naming activation_func): pass the name."""
     if isinstance(func, str):
         name = func
-    elif func is jax.nn.silu:
-        name = "silu"
+    elif func is jax.nn.silu or func is jax.nn.relu:
+        name = func.__name__
     elif callable(func) and getattr(func, "__module__", "").split(".")[0] in ("torch",
                                                                              "megatron"):
         name = getattr(func, "__name__", None)
@@ -51,22 +62,29 @@ def activation_name(func):
         name = None
     if name not in _GATE_FUNCS:
         raise ValueError(f"activation_func: expected one of {ACTIVATION_FUNCS} (or torch's / "
-                         f"Megatron's function of that name, or jax.nn.silu), got {func!r}")
+                         f"Megatron's function of that name, jax.nn.silu or jax.nn.relu), got "
+                         f"{func!r}")
     return name
 
 
 @dataclasses.dataclass(frozen=True)
 class GatedActivation:
-    """[..., 2F] = [gate | up] -> act(gate) * (up + glu_linear_offset) [..., F], act one of
-    ACTIVATION_FUNCS. With clamp_value c the gate is first clamped to at most c and up to
-    [-c, c] (Megatron's activation_func_clamp_value, gpt-oss's 7.0). Hashable: it is a static
+    """fc1's output -> fc2's input, act one of ACTIVATION_FUNCS. Gated (gated_linear_unit,
+    the default): [..., 2F] = [gate | up] -> act(gate) * (up + glu_linear_offset) [..., F];
+    with clamp_value c the gate is first clamped to at most c and up to [-c, c] (Megatron's
+    activation_func_clamp_value, gpt-oss's 7.0). Not gated (Megatron's MLP experts):
+    [..., F] -> act [..., F], offset and clamp unused, as in Megatron. Hashable: it is a static
     argument of the experts' custom_vjp."""
 
     activation_func: str = "silu"
     glu_linear_offset: float = 0.0
     clamp_value: float | None = None
+    gated_linear_unit: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.gated_linear_unit, bool):
+            raise ValueError(f"gated_linear_unit: expected a bool, got "
+                             f"{self.gated_linear_unit!r}")
         if self.activation_func not in _GATE_FUNCS:
             raise ValueError(f"activation_func: expected one of {ACTIVATION_FUNCS}, got "
                              f"{self.activation_func!r}")
@@ -80,8 +98,14 @@ class GatedActivation:
             raise ValueError(f"activation_func_clamp_value: expected None or a float > 0, got "
                              f"{c!r}")
 
-    def __call__(self, gate_up):
-        gate, up = jnp.split(gate_up, 2, axis=-1)
+    def fc1_columns(self, ffn_hidden_size: int) -> int:
+        """fc1's output width for an FFN hidden size F: 2F gated ([gate | up]), else F."""
+        return 2 * ffn_hidden_size if self.gated_linear_unit else ffn_hidden_size
+
+    def __call__(self, fc1_out):
+        if not self.gated_linear_unit:
+            return _GATE_FUNCS[self.activation_func](fc1_out)
+        gate, up = jnp.split(fc1_out, 2, axis=-1)
         if self.clamp_value is not None:
             gate, up = clamp_glu_halves(gate, up, self.clamp_value)
         if self.glu_linear_offset:

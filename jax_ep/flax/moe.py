@@ -1,6 +1,6 @@
-"""MoELayer (Flax NNX): router top-k, SwiGLU experts as grouped GEMMs (`jax_ep.ops.grouped_matmul`:
-jax_ep's CPU handler on CPU, `jax.lax.ragged_dot` on GPU/TPU,
-chosen by `TokenDispatcherConfig.grouped_gemm_impl`) sharded over the expert mesh axis, the
+"""MoELayer (Flax NNX): router top-k, gated (SwiGLU by default) or MLP experts as grouped
+GEMMs (`jax_ep.ops.grouped_matmul`: jax_ep's CPU handler on CPU, `jax.lax.ragged_dot` on
+GPU/TPU, chosen by `TokenDispatcherConfig.grouped_gemm_impl`) sharded over the expert mesh axis, the
 flex dispatcher, an optional shared expert, Megatron-Core's
 router (`jax_ep.flax.router`, configured by `jax_ep.flax.MoEConfig`) and its losses and statistics.
 
@@ -44,13 +44,14 @@ _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(
 
 def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
                    tile_rows=None, activation=SWIGLU):
-    """Grouped gated experts (SwiGLU by default): tokens [N,H] in expert-major blocks of
-    tokens_per_expert i32[L] rows, w_gate_up [L,H,2F], w_down [L,F,H] -> [N,H] (rows past
-    the blocks give zeros). impl and tile_rows: the grouped GEMM's
-    (`jax_ep.ops.grouped_matmul`: "auto", "ffi", "tiled", "blocks" or "ragged_dot"); "blocks"
-    keeps the rows in [L, C, ...] expert blocks from the first GEMM to the second (one gather
-    in, one out) instead of calling grouped_matmul twice. activation: the GLU between the
-    GEMMs, [..., 2F] -> [..., F] (a `jax_ep.flax.activations.GatedActivation`)."""
+    """Grouped experts (SwiGLU by default): tokens [N,H] in expert-major blocks of
+    tokens_per_expert i32[L] rows, w_gate_up (fc1) [L,H,2F] ([L,H,F] with a non-gated
+    activation), w_down [L,F,H] -> [N,H] (rows past the blocks give zeros). impl and
+    tile_rows: the grouped GEMM's (`jax_ep.ops.grouped_matmul`: "auto", "ffi", "tiled",
+    "blocks" or "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the
+    first GEMM to the second (one gather in, one out) instead of calling grouped_matmul twice.
+    activation: between the GEMMs, fc1's [..., 2F] (or [..., F]) -> [..., F] (a
+    `jax_ep.flax.activations.GatedActivation`)."""
     impl = ops.grouped_matmul_impl(impl, jnp.result_type(tokens, w_gate_up, w_down))
     if impl == "blocks":
         return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows,
@@ -71,11 +72,11 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows, act
     impls promote per GEMM: with bf16 tokens and w_gate_up and an f32 w_down, their gate/up
     activations are bf16, here f32)."""
     ops.check_grouped_operands(tokens, w_gate_up, tokens_per_expert, "w_gate_up")
-    if w_down.ndim != 3 or w_down.shape[0] != w_gate_up.shape[0] or w_down.shape[1] * 2 != \
-            w_gate_up.shape[2]:
-        raise ValueError(f"w_down: expected [L={w_gate_up.shape[0]}, F={w_gate_up.shape[2] // 2}"
-                         f", H_out] to match w_gate_up {w_gate_up.shape}, got shape "
-                         f"{w_down.shape}")
+    if w_down.ndim != 3 or w_down.shape[0] != w_gate_up.shape[0] or activation.fc1_columns(
+            w_down.shape[1]) != w_gate_up.shape[2]:
+        raise ValueError(f"w_down: expected [L={w_gate_up.shape[0]}, F, H_out] with fc1's "
+                         f"{activation.fc1_columns(1)}F columns = w_gate_up's "
+                         f"{w_gate_up.shape[2]}, got shape {w_down.shape}")
     check_float(w_down, "w_down")
     tile = ops.grouped_tile_rows(tile_rows)
     operands = ops.grouped_operands((tokens, w_gate_up, w_down), tokens_per_expert)
@@ -92,9 +93,9 @@ def _swiglu_blocks(x, w_gate_up, w_down, sizes, ladder, tile, activation):
 
 
 def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile, activation):
-    """-> (y [N,H], residuals: the operands and gate/up [L*Cmax, 2F], Cmax = ladder[-1]: each
-    expert's block padded to Cmax rows, or where the tiled loop ran, gate/up in row layout
-    [N, 2F] padded to L*Cmax >= N rows)."""
+    """-> (y [N,H], residuals: the operands and fc1's output gate/up [L*Cmax, 2F] (F columns
+    non-gated), Cmax = ladder[-1]: each expert's block padded to Cmax rows, or where the tiled
+    loop ran, gate/up in row layout padded to L*Cmax >= N rows)."""
     num_rows, num_experts = x.shape[0], w_gate_up.shape[0]
     kept_rows = num_experts * ladder[-1]
 
@@ -154,12 +155,12 @@ _swiglu_blocks.defvjp(_swiglu_blocks_fwd, _swiglu_blocks_bwd)
 
 
 def swiglu_expert_blocks(tokens, w_gate_up, w_down, activation=SWIGLU):
-    """The gated experts (SwiGLU by default; `activation` as swiglu_experts') on blocks of
+    """The experts (SwiGLU by default; `activation` as swiglu_experts') on blocks of
     equal size (moe_pad_expert_input_to_capacity): tokens [L*C,H], block
-    l = rows l*C ... (l+1)*C - 1 for expert l, w_gate_up [L,H,2F], w_down [L,F,H] -> [L*C,H]
-    in tokens' dtype (fp32 accumulation, as grouped_matmul). One batched GEMM per weight over
-    [L, C, H]: no group bookkeeping, no tile loop (on XLA:CPU the tiled grouped GEMM computes
-    whole tiles; here every row is a block row)."""
+    l = rows l*C ... (l+1)*C - 1 for expert l, w_gate_up [L,H,2F] (non-gated [L,H,F]),
+    w_down [L,F,H] -> [L*C,H] in tokens' dtype (fp32 accumulation, as grouped_matmul). One
+    batched GEMM per weight over [L, C, H]: no group bookkeeping, no tile loop (on XLA:CPU the
+    tiled grouped GEMM computes whole tiles; here every row is a block row)."""
     blocks = tokens.reshape(w_gate_up.shape[0], -1, tokens.shape[-1])
     gate_up = ops.block_matmul("lcx,lxy->lcy", blocks, w_gate_up)
     return ops.block_matmul("lcx,lxy->lcy", activation(gate_up), w_down).reshape(tokens.shape)
@@ -169,7 +170,8 @@ def gate_up_to_etp(w_gate_up, etp):
     """w_gate_up [..., 2F] in the unsharded layout [gate | up] -> the expert-tensor-parallel
     layout of `etp` column shards of 2F/etp columns each, shard t = [gate_t | up_t] (gate_t,
     up_t: columns t*F/etp ... (t+1)*F/etp - 1 of gate and up; Megatron's per-rank fc1).
-    etp=1 leaves it unchanged. F must be divisible by etp."""
+    etp=1 leaves it unchanged. F must be divisible by etp. (A non-gated fc1 [..., F] needs no
+    conversion: its column shards are the plain split.)"""
     *lead, width = w_gate_up.shape
     f = width // (2 * etp)
     return jnp.swapaxes(w_gate_up.reshape(*lead, 2, etp, f), -3, -2).reshape(w_gate_up.shape)
@@ -206,10 +208,10 @@ def _tensor_parallel(experts, axis, rows, tokens_per_expert, w_gate_up, w_down):
     (inside shard_map), Megatron's alltoall-dispatcher flow for expert tensor parallelism:
     each device's rows [N,H] (expert-major blocks of tokens_per_expert i32[L]) are
     all-gathered over `axis`, put expert-major across the S blocks, multiplied by this
-    device's column shard w_gate_up [L,H,2F/S] ([gate_t | up_t]) and row shard w_down
-    [L,F/S,H] (one grouped GEMM each), and the partial outputs reduce-scattered (summed in at
-    least float32, as Megatron's reduce-scatter in the probs' dtype) back to each device's
-    own rows -> [N,H] in the rows' dtype."""
+    device's column shard w_gate_up [L,H,2F/S] ([gate_t | up_t]; non-gated [L,H,F/S]) and
+    row shard w_down [L,F/S,H] (one grouped GEMM each), and the partial outputs
+    reduce-scattered (summed in at least float32, as Megatron's reduce-scatter in the probs'
+    dtype) back to each device's own rows -> [N,H] in the rows' dtype."""
     n, h = rows.shape
     counts = jax.lax.all_gather(tokens_per_expert, axis)  # [S, L]
     dst = _expert_major_order(counts, n)
@@ -262,7 +264,8 @@ def _weighted(expert_out, probs):
     return (expert_out * probs[..., None]).astype(expert_out.dtype)
 
 
-def _gated_ffn(x, w_gate_up, w_down, activation):
+def _ffn(x, w_gate_up, w_down, activation):
+    """One expert (or the shared expert): x [T,H] -> activation(x @ fc1) @ fc2 [T,H]."""
     return activation(x @ w_gate_up) @ w_down
 
 
@@ -529,7 +532,8 @@ class MoELayer(_RouterState, nnx.Module):
       config: a MoEConfig (router, losses, capacity, expert sizes, its TokenDispatcherConfig),
         or a bare TokenDispatcherConfig (= MoEConfig with Megatron's defaults around it).
       hidden_size H; ffn_hidden_size F (default config.moe_ffn_hidden_size): each expert is
-        a GLU H -> 2F -> H (SwiGLU, or config.activation_func's);
+        a GLU H -> 2F -> H (SwiGLU, or config.activation_func's), or with
+        config.gated_linear_unit=False an MLP H -> F -> H;
         config.moe_shared_expert_intermediate_size adds a shared expert.
       mesh: a Mesh with the expert axis (and optionally data_axis) for calls under jit; or
         expert_parallel_size P when the layer is called inside your shard_map.
@@ -540,9 +544,10 @@ class MoELayer(_RouterState, nnx.Module):
         dispatch runs over the expert axis, the received rows are all-gathered over the
         tensor axis, w_gate_up [E,H,2F] is split (expert, -, tensor) into S column shards
         [gate_t | up_t] (the `gate_up_to_etp` layout: a plain [gate | up] weight is
-        `gate_up_to_etp(w, S)`), w_down [E,F,H] (expert, tensor, -) into row shards, and the
-        partial outputs are reduce-scattered over the tensor axis (the one reduction) before
-        the combine. The shared expert stays replicated (each device runs it on its tokens).
+        `gate_up_to_etp(w, S)`; a non-gated [E,H,F] into plain column shards), w_down
+        [E,F,H] (expert, tensor, -) into row shards, and the partial outputs are
+        reduce-scattered over the tensor axis (the one reduction) before the combine. The
+        shared expert stays replicated (each device runs it on its tokens).
       dtype: the compute dtype (None: promoted from the input's and the parameters' dtypes),
         param_dtype: the parameters' dtype, as in nnx.Linear. The router's logits, scores and
         probs use config.moe_router_dtype (None: the compute dtype).
@@ -628,13 +633,15 @@ class MoELayer(_RouterState, nnx.Module):
                              **{_SHARDING_KEY: names})
 
         self.router = param(rngs.params(), (H, num_experts), H ** -0.5, (None, None))
-        self.w_gate_up = param(rngs.params(), (num_experts, H, 2 * F), H ** -0.5,
+        fc1_columns = config.gated_activation().fc1_columns
+        self.w_gate_up = param(rngs.params(), (num_experts, H, fc1_columns(F)), H ** -0.5,
                                (axis, None, self.tensor_axis))
         self.w_down = param(rngs.params(), (num_experts, F, H), F ** -0.5,
                             (axis, self.tensor_axis, None))
         S = config.moe_shared_expert_intermediate_size
         if S:
-            self.shared_gate_up = param(rngs.params(), (H, 2 * S), H ** -0.5, (None, None))
+            self.shared_gate_up = param(rngs.params(), (H, fc1_columns(S)), H ** -0.5,
+                                        (None, None))
             self.shared_down = param(rngs.params(), (S, H), S ** -0.5, (None, None))
         else:
             self.shared_gate_up = self.shared_down = None
@@ -717,7 +724,7 @@ class MoELayer(_RouterState, nnx.Module):
             y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
             dropped = state.num_dropped
         if shared is not None:
-            y = y + _gated_ffn(tokens, *shared, activation)
+            y = y + _ffn(tokens, *shared, activation)
         E = cfg.num_moe_experts
         counts = _tokens_per_expert(ids, valid, E)
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
@@ -1078,13 +1085,16 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     the devices of the layer's token mesh axes, 1 without a mesh), each routed, dropped to
     capacity and counted in the losses as that device does (with force load balancing: by
     the random logits of the layer's next call); padding_mask as the layer's.
-    w_gate_up is read in the layout of config.expert_tensor_parallel_size column shards
-    (`gate_up_from_etp`). Returns (y [..., H], aux_loss f32[], the layer's aux["aux_loss"])."""
+    A gated w_gate_up is read in the layout of config.expert_tensor_parallel_size column
+    shards (`gate_up_from_etp`). Returns (y [..., H], aux_loss f32[], the layer's
+    aux["aux_loss"])."""
     cfg = layer.config
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
                        else math.prod(layer.mesh.shape[a] for a in layer._token_axes()))
-    w_gate_up = gate_up_from_etp(layer.w_gate_up[...], cfg.expert_tensor_parallel_size)
+    w_gate_up = layer.w_gate_up[...]
+    if cfg.gated_linear_unit:
+        w_gate_up = gate_up_from_etp(w_gate_up, cfg.expert_tensor_parallel_size)
     weights = [layer.router[...], w_gate_up, layer.w_down[...]]
     if layer.shared_gate_up is not None:
         weights += [layer.shared_gate_up[...], layer.shared_down[...]]
@@ -1103,11 +1113,11 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,
                               layer._tracker(), None if padding is None else ~padding.reshape(-1))
     activation = cfg.gated_activation()
-    every = jax.vmap(lambda a, b: _gated_ffn(tokens, a, b, activation))(w_gate_up, w_down)
+    every = jax.vmap(lambda a, b: _ffn(tokens, a, b, activation))(w_gate_up, w_down)
     picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
     y = jnp.sum(_weighted(picked, probs), axis=1)  # dropped slots have probs 0
     if shared:
-        y = y + _gated_ffn(tokens, *shared, activation)
+        y = y + _ffn(tokens, *shared, activation)
     return y.reshape(x.shape), _scaled(cfg, balancing, z)
 
 

@@ -101,16 +101,19 @@ class MoEConfig:
         many devices of the layer's tensor mesh axis (see MoELayer); must divide the FFN
         hidden size.
       gated_linear_unit, activation_func, glu_linear_offset, activation_func_clamp_value:
-        the experts' (and the shared expert's) activation, TransformerConfig's fields: the
-        experts are gated (fc1 gives [gate | up]; gated_linear_unit must be True, non-gated
-        experts are not implemented) and compute activation_func(gate) * (up +
-        glu_linear_offset), activation_func one of ACTIVATION_FUNCS: "silu" (SwiGLU, the
-        default here; Megatron's default is non-gated GELU), "gelu" (exact), "gelu_tanh"
-        (Gemma's GEGLU) or "quick_gelu" (x * sigmoid(1.702 x), gpt-oss); torch's and
-        Megatron's functions of these names (F.silu, F.gelu, quick_gelu) and jax.nn.silu are
-        read as the name, other functions refused (jax.nn.gelu is tanh by default: pass
-        "gelu" or "gelu_tanh"). activation_func_clamp_value c: gate clamped to at most c and
-        up to [-c, c] first (gpt-oss: quick_gelu, offset 1.0, clamp 7.0).
+        the experts' (and the shared expert's) activation, TransformerConfig's fields. Gated
+        (True, the default here; Megatron's default is a non-gated GELU MLP): fc1 gives
+        [gate | up] (w_gate_up [L,H,2F]) and the experts compute activation_func(gate) * (up
+        + glu_linear_offset); activation_func_clamp_value c clamps gate to at most c and up to
+        [-c, c] first (gpt-oss: quick_gelu, offset 1.0, clamp 7.0). Not gated (False,
+        Megatron's MLP experts): fc1 gives F columns (w_gate_up [L,H,F]) and the experts
+        compute activation_func(fc1), offset and clamp unused as in Megatron (Nemotron's
+        experts: squared_relu). activation_func one of ACTIVATION_FUNCS: "silu" (the default:
+        SwiGLU gated), "gelu" (exact), "gelu_tanh" (Gemma's GEGLU gated), "quick_gelu" (x *
+        sigmoid(1.702 x)), "relu", "squared_relu" (relu(x)^2); torch's and Megatron's
+        functions of these names (F.silu, F.gelu, F.relu, quick_gelu, squared_relu) and
+        jax.nn.silu / jax.nn.relu are read as the name, other functions refused (jax.nn.gelu
+        is tanh by default: pass "gelu" or "gelu_tanh").
     Invalid values raise ValueError naming the field.
     """
 
@@ -197,9 +200,8 @@ class MoEConfig:
         self.dispatcher_config()  # the merged dispatcher config must be valid too
 
     def _check_activation(self):
-        _require(self.gated_linear_unit is True, "gated_linear_unit",
-                 "True (the experts are GLUs: w_gate_up [L,H,2F]; non-gated experts are not "
-                 "implemented)", self.gated_linear_unit)
+        _require(isinstance(self.gated_linear_unit, bool), "gated_linear_unit", "a bool",
+                 self.gated_linear_unit)
         try:
             object.__setattr__(self, "activation_func", activation_name(self.activation_func))
             self.gated_activation()
@@ -207,9 +209,10 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.{e}") from None
 
     def gated_activation(self) -> GatedActivation:
-        """The experts' activation [..., 2F] -> [..., F] these fields describe."""
+        """The experts' activation these fields describe: fc1's output [..., 2F] (gated) or
+        [..., F] -> [..., F]."""
         return GatedActivation(self.activation_func, self.glu_linear_offset,
-                               self.activation_func_clamp_value)
+                               self.activation_func_clamp_value, self.gated_linear_unit)
 
     def _check_load_balancing(self):
         kind, coeff = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
