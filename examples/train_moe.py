@@ -16,7 +16,8 @@ plot and a JSON log.
   python examples/train_moe.py --preset deepseek-v3-tiny   # E=256 K=8, 8 groups top-4,
                                          # sigmoid + expert bias, shared expert, 2 nodes
   python examples/train_moe.py --preset qwen3-moe-tiny     # E=128 K=8, softmax, global aux
-  python examples/train_moe.py --preset gpt-oss-tiny       # E=32 K=4, clamped Quick-GEGLU
+  python examples/train_moe.py --preset gpt-oss-tiny       # E=32 K=4, clamped Quick-GEGLU,
+                                                           # router and expert biases
   python examples/train_moe.py --no-gated-linear-unit --activation squared_relu  # MLP experts
   python examples/train_moe.py --grad-accum 4       # 4 micro-batches per optimizer step
   python examples/train_moe.py --gpu                 # every local GPU on the expert axis
@@ -62,8 +63,8 @@ PRESETS = {
                            load_balancing="global_aux_loss", aux_loss_coeff=1e-3, d_model=64,
                            ffn=32, shared_ffn=0, steps=120, lr=3e-3),
     "gpt-oss-tiny": dict(experts=32, topk=4, score_function="softmax", activation="quick_gelu",
-                         glu_linear_offset=1.0, activation_clamp=7.0, d_model=64, ffn=64,
-                         shared_ffn=0, steps=120, lr=3e-3),
+                         glu_linear_offset=1.0, activation_clamp=7.0, add_bias_linear=True,
+                         d_model=64, ffn=64, shared_ffn=0, steps=120, lr=3e-3),
 }
 
 
@@ -124,6 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--activation", default="silu",
                    choices=["silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "squared_relu"],
                    help="the experts' activation (activation_func; silu: SwiGLU)")
+    p.add_argument("--add-bias-linear", default=False, action=argparse.BooleanOptionalAction,
+                   help="add_bias_linear: router and expert biases (gpt-oss; needs "
+                        "--shared-ffn 0)")
     p.add_argument("--gated-linear-unit", default=True, action=argparse.BooleanOptionalAction,
                    help="gated experts (act(gate) * up); --no-gated-linear-unit: Megatron's "
                         "MLP experts, act(fc1)")
@@ -245,7 +249,7 @@ def build_model(args, mesh, jax):
         moe_router_topk_scaling_factor=args.topk_scaling_factor,
         moe_router_force_load_balancing=args.force_load_balancing,
         expert_tensor_parallel_size=args.etp, activation_func=args.activation,
-        gated_linear_unit=args.gated_linear_unit,
+        gated_linear_unit=args.gated_linear_unit, add_bias_linear=args.add_bias_linear,
         glu_linear_offset=args.glu_linear_offset,
         activation_func_clamp_value=args.activation_clamp,
         token_dispatcher=jax_ep.TokenDispatcherConfig(

@@ -45,6 +45,7 @@ __all__ = [
     "gather_rows",
     "get_dispatch_layout",
     "group_block_choice",
+    "group_rows",
     "grouped_matmul",
     "grouped_matmul_impl",
     "grouped_operands",
@@ -899,6 +900,17 @@ def from_group_blocks(blocks, starts, ends, num_rows):
     src = jnp.where(rows < ends[-1], group * capacity + rows - starts[group],
                     num_groups * capacity)
     return jnp.take(blocks.reshape(-1, width), src, axis=0, mode="fill", fill_value=0)
+
+
+def group_rows(values, group_sizes, num_rows):
+    """Per-group values [G, F] -> [num_rows, F] for rows in consecutive groups of group_sizes
+    i32[G] (cut at num_rows; negative sizes count as 0): each row of group g gets values[g],
+    rows past the groups zeros (a grouped GEMM's per-group bias). Differentiable in values:
+    the gradient of values[g] is the sum of its rows'."""
+    _, ends = _group_bounds(group_sizes, num_rows)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    group = jnp.where(rows < ends[-1], search(ends, rows), values.shape[0])
+    return jnp.take(values, group, axis=0, mode="fill", fill_value=0)
 
 
 # impl="blocks" takes the tiled loop where its G blocks would hold more than this many times

@@ -179,3 +179,12 @@ def low_latency_round_trip(topk_idx, *, tmax, num_experts, transport, **kwargs):
         return jnp.sum(out.astype(jnp.float32) ** 2), (recv, count, h.src_info,
                                                        h.layout_range, out)
     return loss
+
+
+def randomize_biases(*layers, scale=0.5):
+    """Gives add_bias_linear's zero-initialised biases (router_bias, b_gate_up, b_down) the
+    same random values in each layer, so a misplaced bias shows."""
+    for layer in layers:
+        for seed, name in enumerate(("router_bias", "b_gate_up", "b_down")):
+            v = getattr(layer, name)
+            v[...] = jax.random.normal(jax.random.key(40 + seed), v.shape) * scale

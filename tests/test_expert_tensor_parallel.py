@@ -4,6 +4,7 @@ weight layout, the compiled program's collectives and their device groups, train
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from ep_utils import AXIS, assert_param_grads_close
+from ep_utils import AXIS, assert_param_grads_close, randomize_biases
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -102,6 +103,29 @@ def test_overlap_padded_blocks_and_ragged_dot_match_dense(extra):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(dx, want_dx, rtol=2e-5, atol=2e-6)
     assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_add_bias_linear_under_expert_tensor_parallelism(gated):
+    """add_bias_linear with ETP = 2: b_gate_up split over the tensor axis in fc1's column
+    layout, b_down added once after the reduce-scatter; values and gradients (biases
+    included) against the dense reference."""
+    activation = dict(activation_func="quick_gelu", glu_linear_offset=1.0,
+                      gated_linear_unit=gated)
+    cfg = dataclasses.replace(_config(2, activation=activation),
+                              moe_shared_expert_intermediate_size=None, add_bias_linear=True)
+    mesh = jax.make_mesh((2, 2, 2), AXES)
+    layer, twin = (MoELayer(cfg, H, F, rngs=nnx.Rngs(0), mesh=mesh) for _ in range(2))
+    randomize_biases(layer, twin)
+    shard_params(layer, mesh)
+    for b, spec in ((layer.b_gate_up, P("expert", "tensor")), (layer.b_down, P("expert", None))):
+        assert b[...].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+    x = jax.random.normal(jax.random.key(3), (8, 6, H))
+    got, _, (grads, dx), want, (want_grads, want_dx) = _vs_dense(layer, twin, mesh, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(dx, want_dx, rtol=2e-5, atol=2e-6)
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-5)
+    assert {"b_gate_up", "b_down", "router_bias"} <= set(grads)
 
 
 @pytest.mark.parametrize("factor, fell_back", [(8.0, 0), (0.25, 1)])

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from ep_utils import (AXIS, assert_param_grads_close, ep_mesh, layer_vs_dense, random_routing,
-                      run_ep)
+                      randomize_biases, run_ep)
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -303,6 +303,66 @@ def test_moe_layer_activation_matches_dense(activation, extra):
     other_twin = _layer_pair(_moe(cfg, **fields, **other), mesh)[1]  # the same parameters
     y, y_other = (np.asarray(dense_forward(m, x)[0]) for m in (twin, other_twin))
     assert np.abs(y - y_other).max() > 0.02 * np.abs(y_other).max()
+
+
+@pytest.mark.parametrize("backend,extra", [("deepep", {}),
+                                           ("deepep", dict(grouped_gemm_impl="blocks")),
+                                           ("deepep", dict(dropless_buffer_factor=1.25)),
+                                           ("deepep", dict(pad_to_capacity=True)),
+                                           ("hybridep", {}),
+                                           ("deepep", dict(moe_deepep_async_dispatch=True,
+                                                           num_overlap_chunks=2))],
+                         ids=["ffi", "blocks", "bounded", "drop_and_pad", "hybridep", "overlap"])
+def test_moe_layer_add_bias_linear_matches_dense(backend, extra):
+    """Megatron's add_bias_linear (gpt-oss's experts): the router's bias and each expert's fc1
+    and fc2 biases, through every expert path, against the dense forward (values and the
+    gradients of all six parameters, biases included); zero-initialised, so a fresh layer
+    equals the layer without biases."""
+    extra = dict(extra)
+    pad = extra.pop("pad_to_capacity", False)
+    if pad:
+        extra["moe_expert_capacity_factor"] = 1.5
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       moe_flex_dispatcher_backend=backend,
+                                       moe_permute_fusion=True, **extra)
+    fields = dict(moe_aux_loss_coeff=1e-2, moe_pad_expert_input_to_capacity=pad,
+                  activation_func="quick_gelu", glu_linear_offset=1.0,
+                  activation_func_clamp_value=1.5)
+    mesh = _mesh()
+    biased = _moe(cfg, add_bias_linear=True, **fields)
+    layer, twin = (MoELayer(biased, 16, 32, rngs=nnx.Rngs(0), mesh=mesh) for _ in range(2))
+    plain = _layer_pair(_moe(cfg, **fields), mesh)[1]
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    assert (layer.router_bias.shape, layer.b_gate_up.shape, layer.b_down.shape) == (
+        (8,), (8, 64), (8, 16))
+    assert plain.router_bias is None and plain.b_gate_up is None and plain.b_down is None
+    np.testing.assert_array_equal(dense_forward(twin, x)[0], dense_forward(plain, x)[0])
+    randomize_biases(layer, twin)
+    shard_params(layer, mesh)
+    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-5)
+    assert {"router_bias", "b_gate_up", "b_down"} <= set(grads)
+    y, y_plain = (np.asarray(dense_forward(m, x)[0]) for m in (twin, plain))
+    assert np.abs(y - y_plain).max() > 0.05 * np.abs(y_plain).max()
+
+
+def test_add_bias_linear_router_and_config_rules():
+    """TopKRouter's bias shifts the logits (Megatron's router_gating_linear); add_bias_linear
+    with a shared expert is refused (Megatron: the shared expert has no bias)."""
+    from jax_ep.flax import TopKRouter
+    cfg = MoEConfig(num_moe_experts=8, moe_router_topk=2, add_bias_linear=True)
+    router = TopKRouter(cfg, 16, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (5, 16))
+    np.testing.assert_allclose(router.gating(x), x @ router.weight[...].T, rtol=1e-6)
+    router.bias[...] = jnp.arange(8.0)
+    np.testing.assert_allclose(router.gating(x), x @ router.weight[...].T + jnp.arange(8.0),
+                               rtol=1e-6)
+    assert TopKRouter(MoEConfig(num_moe_experts=8), 16, rngs=nnx.Rngs(0)).bias is None
+    with pytest.raises(ValueError, match="MoEConfig.add_bias_linear"):
+        MoEConfig(num_moe_experts=8, add_bias_linear=True, moe_shared_expert_intermediate_size=8)
+    with pytest.raises(ValueError, match="MoEConfig.add_bias_linear"):
+        MoEConfig(num_moe_experts=8, add_bias_linear=1)
 
 
 @pytest.mark.parametrize("backend,extra", [("deepep", {}), ("hybridep", {}),

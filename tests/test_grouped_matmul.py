@@ -535,3 +535,44 @@ def test_blocked_swiglu_fallback_backward_reruns_no_forward_gemm():
     assert len(ops.block_ladder(100, 3)) == 5
     assert program.count("stablehlo.dot_general") == 36
     assert program.count("stablehlo.case") == 2  # the forward's switch and the backward's
+
+
+def _dense_biased_experts(x, sizes, wgu, wd, bgu, bd):
+    """The per-row reference of swiglu_experts with biases: row r of group g gets
+    swiglu(x_r @ wgu[g] + bgu[g]) @ wd[g] + bd[g]; rows past the groups 0."""
+    from jax_ep.flax.activations import swiglu
+    ends = jnp.cumsum(jnp.maximum(sizes, 0))
+    rows = jnp.arange(x.shape[0])
+    group = jnp.sum(rows[:, None] >= ends[None, :], axis=1)  # G for rows past the groups
+    every = jnp.einsum("lnf,lfh->lnh", swiglu(jnp.einsum("nh,lhf->lnf", x, wgu)
+                                               + bgu[:, None]), wd) + bd[:, None]
+    picked = every[jnp.minimum(group, sizes.shape[0] - 1), rows]
+    return jnp.where((group < sizes.shape[0])[:, None], picked, 0.0)
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ffi", "blocks", "ragged_dot"])
+@pytest.mark.parametrize("sizes", [[14, 0, 5], [33, 33, 33], [0, 95, 5], [-3, 120, 1]])
+def test_swiglu_experts_with_biases_match_the_per_row_reference(impl, sizes):
+    """Megatron's add_bias_linear: b_gate_up [L, 2F] and b_down [L, H] on each expert's rows,
+    on every impl ("blocks" on a ladder rung and, for a largest group above 34 rows, its tiled
+    fallback); rows past the groups stay zero; gradients in all five operands."""
+    from jax_ep.flax import swiglu_experts
+    x, wgu, wd, cot = _swiglu_operands(100, 3, jnp.float32)
+    bgu, bd = (jax.random.normal(jax.random.key(k), shape) for k, shape in ((7, (3, 12)),
+                                                                             (8, (3, 8))))
+    sizes = jnp.asarray(sizes, jnp.int32)
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(fn(*a) * cot), (0, 1, 2, 3, 4)))
+    (v, grads), (v_ref, grads_ref) = (
+        loss(lambda x, a, b, c, d: swiglu_experts(x, sizes, a, b, impl=impl, tile_rows=4,
+                                                  b_gate_up=c, b_down=d))(x, wgu, wd, bgu, bd),
+        loss(lambda *a: _dense_biased_experts(a[0], sizes, *a[1:]))(x, wgu, wd, bgu, bd))
+    np.testing.assert_allclose(v, v_ref, rtol=1e-5)
+    for a, b in zip(grads, grads_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    y = swiglu_experts(x, sizes, wgu, wd, impl=impl, b_gate_up=bgu, b_down=bd)
+    routed = int(jnp.sum(jnp.maximum(sizes, 0)))
+    assert not np.asarray(y[routed:]).any()
+    assert np.abs(np.asarray(y[:routed] - swiglu_experts(x, sizes, wgu, wd, impl=impl)[
+        :routed])).min() > 0  # every routed row moved by its biases

@@ -43,7 +43,7 @@ _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(
 
 
 def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
-                   tile_rows=None, activation=SWIGLU):
+                   tile_rows=None, activation=SWIGLU, b_gate_up=None, b_down=None):
     """Grouped experts (SwiGLU by default): tokens [N,H] in expert-major blocks of
     tokens_per_expert i32[L] rows, w_gate_up (fc1) [L,H,2F] ([L,H,F] with a non-gated
     activation), w_down [L,F,H] -> [N,H] (rows past the blocks give zeros). impl and
@@ -51,17 +51,30 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
     "blocks" or "ragged_dot"); "blocks" keeps the rows in [L, C, ...] expert blocks from the
     first GEMM to the second (one gather in, one out) instead of calling grouped_matmul twice.
     activation: between the GEMMs, fc1's [..., 2F] (or [..., F]) -> [..., F] (a
-    `jax_ep.flax.activations.GatedActivation`)."""
+    `jax_ep.flax.activations.GatedActivation`). b_gate_up [L, 2F] (or [L, F]) and b_down
+    [L, H]: optional per-expert biases of fc1 and fc2 (Megatron's add_bias_linear), each added
+    to its expert's rows."""
+    biases = (b_gate_up, b_down)
     impl = ops.grouped_matmul_impl(impl, jnp.result_type(tokens, w_gate_up, w_down))
     if impl == "blocks":
-        return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows,
+        return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, biases, tile_rows,
                                activation)
     gmm = partial(ops.grouped_matmul, group_sizes=tokens_per_expert, impl=impl,
                   tile_rows=tile_rows)
-    return gmm(activation(gmm(tokens, w_gate_up)), w_down)
+    add_b_gate_up, add_b_down = (partial(_add_group_bias, b, tokens_per_expert) for b in biases)
+    return add_b_down(gmm(activation(add_b_gate_up(gmm(tokens, w_gate_up))), w_down))
 
 
-def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows, activation):
+def _add_group_bias(bias, group_sizes, rows):
+    """rows [N, F] in consecutive groups of group_sizes i32[G] plus bias [G, F] (None: none)
+    on each group's rows, in the rows' dtype."""
+    if bias is None:
+        return rows
+    return rows + ops.group_rows(bias, group_sizes, rows.shape[0]).astype(rows.dtype)
+
+
+def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, biases, tile_rows,
+                    activation):
     """swiglu_experts with impl="blocks": the rows gathered once into [L, C, H] expert blocks
     (`jax_ep.ops.grouped_matmul`'s ladder of C, chosen by a lax.switch on the largest group),
     both GEMMs and the activation in that layout, one gather back to [N,H]. The tiled grouped
@@ -70,7 +83,7 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows, act
     lopsided step). Either way the gate/up activations are kept for the backward, so it
     recomputes no GEMM. Both GEMMs run in the promoted dtype of all three operands (the other
     impls promote per GEMM: with bf16 tokens and w_gate_up and an f32 w_down, their gate/up
-    activations are bf16, here f32)."""
+    activations are bf16, here f32). biases: (b_gate_up or None, b_down or None)."""
     ops.check_grouped_operands(tokens, w_gate_up, tokens_per_expert, "w_gate_up")
     if w_down.ndim != 3 or w_down.shape[0] != w_gate_up.shape[0] or activation.fc1_columns(
             w_down.shape[1]) != w_gate_up.shape[2]:
@@ -79,50 +92,68 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, tile_rows, act
                          f"{w_gate_up.shape[2]}, got shape {w_down.shape}")
     check_float(w_down, "w_down")
     tile = ops.grouped_tile_rows(tile_rows)
-    operands = ops.grouped_operands((tokens, w_gate_up, w_down), tokens_per_expert)
+    given = [b for b in biases if b is not None]
+    *operands, sizes = ops.grouped_operands((tokens, w_gate_up, w_down, *given),
+                                            tokens_per_expert)
+    cast = iter(operands[3:])
+    biases = tuple(None if b is None else next(cast) for b in biases)
+    x, w_gate_up, w_down = operands[:3]
     if tokens.size == 0 or w_gate_up.size == 0 or w_down.size == 0:
-        return _ffi.vary_like(jnp.zeros((tokens.shape[0], w_down.shape[2]), operands[0].dtype),
-                              *operands)
+        return _ffi.vary_like(jnp.zeros((tokens.shape[0], w_down.shape[2]), x.dtype), *operands,
+                              sizes)
     ladder = ops.block_ladder(tokens.shape[0], w_gate_up.shape[0])
-    return _swiglu_blocks(*operands, ladder, tile, activation)
+    return _swiglu_blocks(x, w_gate_up, w_down, biases, sizes, ladder, tile, activation)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _swiglu_blocks(x, w_gate_up, w_down, sizes, ladder, tile, activation):
-    return _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile, activation)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _swiglu_blocks(x, w_gate_up, w_down, biases, sizes, ladder, tile, activation):
+    return _swiglu_blocks_fwd(x, w_gate_up, w_down, biases, sizes, ladder, tile, activation)[0]
 
 
-def _swiglu_blocks_fwd(x, w_gate_up, w_down, sizes, ladder, tile, activation):
+def _swiglu_blocks_fwd(x, w_gate_up, w_down, biases, sizes, ladder, tile, activation):
     """-> (y [N,H], residuals: the operands and fc1's output gate/up [L*Cmax, 2F] (F columns
     non-gated), Cmax = ladder[-1]: each expert's block padded to Cmax rows, or where the tiled
     loop ran, gate/up in row layout padded to L*Cmax >= N rows)."""
     num_rows, num_experts = x.shape[0], w_gate_up.shape[0]
     kept_rows = num_experts * ladder[-1]
+    b_gate_up, b_down = biases
 
     def blocks(capacity, starts, ends):
         def forward(x, w_gate_up, w_down):
-            gate_up = ops.block_matmul("lch,lhf->lcf",
-                                       ops.to_group_blocks(x, starts, ends, capacity), w_gate_up)
-            y = ops.block_matmul("lcf,lfh->lch", activation(gate_up), w_down)
+            gate_up = _add_block_bias(b_gate_up, ops.block_matmul(
+                "lch,lhf->lcf", ops.to_group_blocks(x, starts, ends, capacity), w_gate_up))
+            y = _add_block_bias(b_down, ops.block_matmul("lcf,lfh->lch", activation(gate_up),
+                                                         w_down))
             kept = jnp.pad(gate_up, ((0, 0), (0, ladder[-1] - capacity), (0, 0)))
             return ops.from_group_blocks(y, starts, ends, num_rows), kept.reshape(kept_rows, -1)
         return forward
 
     def tiled(x, w_gate_up, w_down):
         gmm = partial(ops.grouped_matmul, group_sizes=sizes, impl="tiled", tile_rows=tile)
-        gate_up = gmm(x, w_gate_up)
+        gate_up = _add_group_bias(b_gate_up, sizes, gmm(x, w_gate_up))
         kept = jnp.pad(gate_up, ((0, kept_rows - num_rows), (0, 0)))
-        return gmm(activation(gate_up), w_down), kept
+        return _add_group_bias(b_down, sizes, gmm(activation(gate_up), w_down)), kept
 
     y, gate_up = ops.switch_block_sizes(sizes, num_rows, ladder, blocks, tiled, x, w_gate_up,
                                         w_down)
-    return y, (x, w_gate_up, w_down, sizes, gate_up)
+    return y, (x, w_gate_up, w_down, biases, sizes, gate_up)
+
+
+def _add_block_bias(bias, blocks):
+    """blocks [L, C, F] plus bias [L, F] (None: none) on every row of block l."""
+    return blocks if bias is None else blocks + bias[:, None, :].astype(blocks.dtype)
 
 
 def _swiglu_blocks_bwd(ladder, tile, activation, residuals, dy):
-    x, w_gate_up, w_down, sizes, gate_up = residuals
+    x, w_gate_up, w_down, biases, sizes, gate_up = residuals
     num_rows, num_experts = x.shape[0], w_gate_up.shape[0]
     dy = dy.astype(x.dtype)
+
+    def bias_grads(per_expert_sum, d_gate_up, dy):
+        """(d_b_gate_up, d_b_down): fc1's and fc2's output cotangents summed per expert by
+        per_expert_sum(bias, cotangent) -> f32[L, .], None where there is no bias."""
+        return tuple(None if b is None else per_expert_sum(b, d).astype(b.dtype)
+                     for b, d in zip(biases, (d_gate_up, dy)))
 
     def blocks(capacity, starts, ends):
         def backward(x, w_gate_up, w_down, gate_up, dy):
@@ -131,12 +162,13 @@ def _swiglu_blocks_bwd(ladder, tile, activation, residuals, dy):
             act, act_vjp = jax.vjp(activation, gate_up)
             d_act = ops.block_matmul("lch,lfh->lcf", dyb, w_down)
             d_w_down = jnp.einsum("lcf,lch->lfh", act, dyb, preferred_element_type=jnp.float32)
-            d_gate_up, = act_vjp(d_act)
+            d_gate_up, = act_vjp(d_act)  # zero on padding rows, as dy is
             dx = ops.block_matmul("lcf,lhf->lch", d_gate_up, w_gate_up)
             d_w_gate_up = jnp.einsum("lch,lcf->lhf", xb, d_gate_up,
                                      preferred_element_type=jnp.float32)
             return (ops.from_group_blocks(dx, starts, ends, num_rows),
-                    d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype))
+                    d_w_gate_up.astype(w_gate_up.dtype), d_w_down.astype(w_down.dtype),
+                    bias_grads(lambda _, d: d.sum(axis=1, dtype=jnp.float32), d_gate_up, dyb))
         return backward
 
     def tiled(x, w_gate_up, w_down, gate_up, dy):
@@ -144,7 +176,11 @@ def _swiglu_blocks_bwd(ladder, tile, activation, residuals, dy):
         d_act, d_w_down = ops.tiled_grouped_matmul_grads(act, w_down, sizes, dy, tile)
         d_gate_up, = act_vjp(d_act)
         dx, d_w_gate_up = ops.tiled_grouped_matmul_grads(x, w_gate_up, sizes, d_gate_up, tile)
-        return dx, d_w_gate_up, d_w_down
+        def group_sums(bias, d):  # d [N, F] -> f32[L, F]: each expert's rows summed
+            spread = jax.vjp(lambda v: ops.group_rows(v, sizes, num_rows),
+                             bias.astype(jnp.float32))[1]
+            return spread(d.astype(jnp.float32))[0]
+        return dx, d_w_gate_up, d_w_down, bias_grads(group_sums, d_gate_up, dy)
 
     grads = ops.switch_block_sizes(sizes, num_rows, ladder, blocks, tiled, x, w_gate_up,
                                    w_down, gate_up, dy)
@@ -154,16 +190,19 @@ def _swiglu_blocks_bwd(ladder, tile, activation, residuals, dy):
 _swiglu_blocks.defvjp(_swiglu_blocks_fwd, _swiglu_blocks_bwd)
 
 
-def swiglu_expert_blocks(tokens, w_gate_up, w_down, activation=SWIGLU):
-    """The experts (SwiGLU by default; `activation` as swiglu_experts') on blocks of
-    equal size (moe_pad_expert_input_to_capacity): tokens [L*C,H], block
-    l = rows l*C ... (l+1)*C - 1 for expert l, w_gate_up [L,H,2F] (non-gated [L,H,F]),
-    w_down [L,F,H] -> [L*C,H] in tokens' dtype (fp32 accumulation, as grouped_matmul). One
-    batched GEMM per weight over [L, C, H]: no group bookkeeping, no tile loop (on XLA:CPU the
-    tiled grouped GEMM computes whole tiles; here every row is a block row)."""
+def swiglu_expert_blocks(tokens, w_gate_up, w_down, activation=SWIGLU, b_gate_up=None,
+                         b_down=None):
+    """The experts (SwiGLU by default; `activation` and the optional biases b_gate_up [L, 2F]
+    / b_down [L, H] as swiglu_experts') on blocks of equal size
+    (moe_pad_expert_input_to_capacity): tokens [L*C,H], block l = rows l*C ... (l+1)*C - 1
+    for expert l, w_gate_up [L,H,2F] (non-gated [L,H,F]), w_down [L,F,H] -> [L*C,H] in
+    tokens' dtype (fp32 accumulation, as grouped_matmul). One batched GEMM per weight over
+    [L, C, H]: no group bookkeeping, no tile loop (on XLA:CPU the tiled grouped GEMM computes
+    whole tiles; here every row is a block row)."""
     blocks = tokens.reshape(w_gate_up.shape[0], -1, tokens.shape[-1])
-    gate_up = ops.block_matmul("lcx,lxy->lcy", blocks, w_gate_up)
-    return ops.block_matmul("lcx,lxy->lcy", activation(gate_up), w_down).reshape(tokens.shape)
+    gate_up = _add_block_bias(b_gate_up, ops.block_matmul("lcx,lxy->lcy", blocks, w_gate_up))
+    return _add_block_bias(b_down, ops.block_matmul("lcx,lxy->lcy", activation(gate_up),
+                                                    w_down)).reshape(tokens.shape)
 
 
 def gate_up_to_etp(w_gate_up, etp):
@@ -203,7 +242,8 @@ def _expert_major_order(counts, num_rows):
     return dst.reshape(-1)
 
 
-def _tensor_parallel(experts, axis, rows, tokens_per_expert, w_gate_up, w_down):
+def _tensor_parallel(experts, axis, rows, tokens_per_expert, w_gate_up, w_down, b_gate_up=None,
+                     b_down=None):
     """`experts` (swiglu_experts' signature) tensor-parallel over the mesh `axis` of S devices
     (inside shard_map), Megatron's alltoall-dispatcher flow for expert tensor parallelism:
     each device's rows [N,H] (expert-major blocks of tokens_per_expert i32[L]) are
@@ -211,17 +251,20 @@ def _tensor_parallel(experts, axis, rows, tokens_per_expert, w_gate_up, w_down):
     device's column shard w_gate_up [L,H,2F/S] ([gate_t | up_t]; non-gated [L,H,F/S]) and
     row shard w_down [L,F/S,H] (one grouped GEMM each), and the partial outputs
     reduce-scattered (summed in at least float32, as Megatron's reduce-scatter in the probs'
-    dtype) back to each device's own rows -> [N,H] in the rows' dtype."""
+    dtype) back to each device's own rows -> [N,H] in the rows' dtype. Biases: b_gate_up
+    [L, 2F/S] this device's column shard (fc1's layout), b_down [L,H] added once, after the
+    reduction (Megatron's row-parallel fc2)."""
     n, h = rows.shape
     counts = jax.lax.all_gather(tokens_per_expert, axis)  # [S, L]
     dst = _expert_major_order(counts, n)
     src = jnp.zeros_like(dst).at[dst].set(jnp.arange(dst.shape[0], dtype=dst.dtype),
                                            unique_indices=True)
     gathered = jax.lax.all_gather(rows, axis).reshape(-1, h)
-    out = experts(gathered[src], counts.sum(axis=0), w_gate_up, w_down)
+    out = experts(gathered[src], counts.sum(axis=0), w_gate_up, w_down, b_gate_up=b_gate_up)
     partial = out[dst].astype(jnp.promote_types(out.dtype, jnp.float32)).reshape(
         counts.shape[0], n, h)
-    return jax.lax.psum_scatter(partial, axis, scatter_dimension=0).astype(rows.dtype)
+    summed = jax.lax.psum_scatter(partial, axis, scatter_dimension=0)
+    return _add_group_bias(b_down, tokens_per_expert, summed).astype(rows.dtype)
 
 
 def expert_tile_rows(num_tokens, top_k, num_local_experts):
@@ -264,25 +307,31 @@ def _weighted(expert_out, probs):
     return (expert_out * probs[..., None]).astype(expert_out.dtype)
 
 
-def _ffn(x, w_gate_up, w_down, activation):
-    """One expert (or the shared expert): x [T,H] -> activation(x @ fc1) @ fc2 [T,H]."""
-    return activation(x @ w_gate_up) @ w_down
+def _ffn(x, w_gate_up, w_down, activation, b_gate_up=None, b_down=None):
+    """One expert (or the shared expert): x [T,H] -> activation(x @ fc1 + b_gate_up) @ fc2 +
+    b_down [T,H] (biases None: none)."""
+    h = x @ w_gate_up
+    y = activation(h if b_gate_up is None else h + b_gate_up) @ w_down
+    return y if b_down is None else y + b_down
 
 
 def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True, noise_key=None):
-    """tokens [T,H] -> (logits [T,E] router dtype, top-k probs f32[T,K], ids i32[T,K],
-    dropped i32[E]: slots each expert dropped to the capacity factor). noise_key: with
-    moe_router_force_load_balancing, this device's key of the random logits."""
-    logits = _gate(tokens, router.T, cfg)
+    """tokens [T,H], router (weight [H,E], bias [E] or None) -> (logits [T,E] router dtype,
+    top-k probs f32[T,K], ids i32[T,K], dropped i32[E]: slots each expert dropped to the
+    capacity factor). noise_key: with moe_router_force_load_balancing, this device's key of
+    the random logits."""
+    weight, bias = router
+    logits = _gate(tokens, weight.T, cfg, bias)
     if noise_key is not None:
         logits = routing.apply_random_logits(logits, noise_key)
     return (logits, *_routed(logits, cfg, expert_bias, training))
 
 
-def _gate(tokens, weight, cfg: MoEConfig):
-    """tokens [T,H], weight [E,H] -> logits [T,E] in moe_router_dtype (None: the tokens')."""
+def _gate(tokens, weight, cfg: MoEConfig, bias=None):
+    """tokens [T,H], weight [E,H], bias [E] or None -> logits [T,E] in moe_router_dtype (None:
+    the tokens')."""
     dtype = router_dtype(cfg.dispatcher_config(), tokens.dtype)
-    return routing.router_gating_linear(tokens, weight, None, dtype)
+    return routing.router_gating_linear(tokens, weight, bias, dtype)
 
 
 def _routed(logits, cfg: MoEConfig, expert_bias, training):
@@ -632,12 +681,21 @@ class MoELayer(_RouterState, nnx.Module):
             return nnx.Param(init(scale)(key, shape, param_dtype), eager_sharding=False,
                              **{_SHARDING_KEY: names})
 
+        def bias(shape, names):  # add_bias_linear's biases start at zero (as TE's, nnx's)
+            if not config.add_bias_linear:
+                return None
+            return nnx.Param(jnp.zeros(shape, param_dtype), eager_sharding=False,
+                             **{_SHARDING_KEY: names})
+
         self.router = param(rngs.params(), (H, num_experts), H ** -0.5, (None, None))
         fc1_columns = config.gated_activation().fc1_columns
         self.w_gate_up = param(rngs.params(), (num_experts, H, fc1_columns(F)), H ** -0.5,
                                (axis, None, self.tensor_axis))
         self.w_down = param(rngs.params(), (num_experts, F, H), F ** -0.5,
                             (axis, self.tensor_axis, None))
+        self.router_bias = bias((num_experts,), (None,))
+        self.b_gate_up = bias((num_experts, fc1_columns(F)), (axis, self.tensor_axis))
+        self.b_down = bias((num_experts, H), (axis, None))
         S = config.moe_shared_expert_intermediate_size
         if S:
             self.shared_gate_up = param(rngs.params(), (H, fc1_columns(S)), H ** -0.5,
@@ -668,11 +726,13 @@ class MoELayer(_RouterState, nnx.Module):
         axes = (self.data_axis,) + axes if self.data_axis else axes
         return axes + (self.tensor_axis,) if self.tensor_axis else axes
 
-    def _local(self, x, router, w_gate_up, w_down, shared, expert_bias, tracker, padding,
+    def _local(self, x, router, expert_weights, shared, expert_bias, tracker, padding,
                force_step):
-        """The per-device body (inside shard_map): x [..., H] local tokens, padding bool[...]
-        or None, force_step i32[] (ForceBalanceStep) or None. Returns (y, aux, the
-        global_aux_loss tracker's new counts f32[E] or None)."""
+        """The per-device body (inside shard_map): x [..., H] local tokens, router (weight
+        [H,E], bias [E] or None), expert_weights (w_gate_up, w_down, b_gate_up or None,
+        b_down or None) of the local experts, padding bool[...] or None, force_step i32[]
+        (ForceBalanceStep) or None. Returns (y, aux, the global_aux_loss tracker's new counts
+        f32[E] or None)."""
         cfg, dcfg = self.config, self.dispatch_config
         tokens = x.reshape(-1, x.shape[-1])
         valid = None if padding is None else ~padding.reshape(-1)
@@ -691,12 +751,17 @@ class MoELayer(_RouterState, nnx.Module):
         if self.tensor_axis:
             experts = partial(_tensor_parallel, experts, self.tensor_axis)
 
+        def experts_of(rows, tokens_per_expert, rows_probs, weights):
+            w_gate_up, w_down, b_gate_up, b_down = weights
+            return _weighted(experts(rows, tokens_per_expert, w_gate_up, w_down,
+                                     b_gate_up=b_gate_up, b_down=b_down), rows_probs)
+
         def weighted_experts(rows, tokens_per_expert, rows_probs):
-            return _weighted(experts(rows, tokens_per_expert, w_gate_up, w_down), rows_probs)
+            return experts_of(rows, tokens_per_expert, rows_probs, expert_weights)
 
         def weighted_blocks(rows, _, rows_probs):  # padded to capacity: blocks of equal size
-            return _weighted(swiglu_expert_blocks(rows, w_gate_up, w_down, activation),
-                             rows_probs)
+            return _weighted(swiglu_expert_blocks(rows, *expert_weights[:2], activation,
+                                                  *expert_weights[2:]), rows_probs)
         if cfg.moe_pad_expert_input_to_capacity:
             # (with a tensor axis the S ranks' blocks are gathered and reordered first: the
             # grouped GEMM of `experts` does that)
@@ -715,10 +780,8 @@ class MoELayer(_RouterState, nnx.Module):
                 return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
             y, dropped = d.overlapped_forward(tokens, probs, ids, local_kernel)
         elif dcfg.dropless_buffer_factor is not None:
-            def experts_of(rows, tokens_per_expert, rows_probs, weights):
-                return _weighted(experts(rows, tokens_per_expert, *weights), rows_probs)
             y, overflow, dropped = d.bounded_forward(tokens, probs, ids, experts_of,
-                                                     (w_gate_up, w_down))
+                                                     expert_weights)
         else:
             permuted, tpe, pp, state = d.token_permutation2(tokens, tokens.shape[0], probs, ids)
             y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
@@ -755,17 +818,11 @@ class MoELayer(_RouterState, nnx.Module):
     def __call__(self, x, padding_mask=None):
         routing.check_top_k(self.config)
         _check_tokens(x, self.router.shape[0], self.config)
-        weights = [self.router[...], self.w_gate_up[...], self.w_down[...]]
-        if self.shared_gate_up is not None:
-            weights += [self.shared_gate_up[...], self.shared_down[...]]
-        dtype = self.dtype or jnp.result_type(x, *weights)
-        x, *weights = (jnp.asarray(a, dtype) for a in (x, *weights))
-        shared = tuple(weights[3:]) or None
-        bias = None if self.expert_bias is None else self.expert_bias[...]
+        x, router, expert_weights, shared = self._weights(x)
         tracker = self._tracker()
-        step = None if self.force_balance_step is None else self.force_balance_step[...]
-        params = (*weights[:3], shared, bias, tracker, _checked_padding_mask(padding_mask, x),
-                  step)
+        step = _value(self.force_balance_step)
+        params = (router, expert_weights, shared, _value(self.expert_bias), tracker,
+                  _checked_padding_mask(padding_mask, x), step)
         axis = self.dispatch_config.expert_axis_name
         try:
             jax.lax.axis_size(axis)
@@ -784,6 +841,19 @@ class MoELayer(_RouterState, nnx.Module):
         if self.sow_aux:
             self.sow(nnx.Intermediate, "moe_aux", aux)
         return y, aux
+
+    def _weights(self, x):
+        """x and the parameters in the compute dtype (self.dtype, or promoted from x's and
+        theirs): (x, router (weight [H,E], bias [E] or None), (w_gate_up, w_down, b_gate_up or
+        None, b_down or None), shared expert (gate_up, down) or None)."""
+        router = (self.router[...], _value(self.router_bias))
+        expert_weights = tuple(_value(v) for v in (self.w_gate_up, self.w_down, self.b_gate_up,
+                                                   self.b_down))
+        shared = (None if self.shared_gate_up is None
+                  else (self.shared_gate_up[...], self.shared_down[...]))
+        tree = (x, router, expert_weights, shared)
+        dtype = self.dtype or jnp.result_type(*jax.tree.leaves(tree))
+        return jax.tree.map(lambda a: jnp.asarray(a, dtype), tree)
 
     def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
         """Megatron's MoELayer.forward: hidden_states [S, B, H] (sequence first) -> (output
@@ -830,14 +900,14 @@ class MoELayer(_RouterState, nnx.Module):
             raise ValueError(f"x: expected [batch, ..., hidden_size] with batch divisible by the "
                              f"{devices} devices of mesh axes {token_axes}, got shape {x.shape}")
         tokens_spec = P(token_axes)
-        shared_spec = None if params[3] is None else (P(), P())
-        bias_spec = None if params[4] is None else P()
-        tracker_spec = None if params[5] is None else (P(), P())
-        padding_spec = None if params[6] is None else tokens_spec
-        step_spec = None if params[7] is None else P()
+        router, _, shared, expert_bias, tracker, padding, step = params
         t = self.tensor_axis
-        in_specs = (tokens_spec, P(), P(axis, None, t), P(axis, t, None), shared_spec, bias_spec,
-                    tracker_spec, padding_spec, step_spec)
+        router_spec = (P(), _spec_of(router[1], P()))
+        experts_spec = (P(axis, None, t), P(axis, t, None), _spec_of(self.b_gate_up, P(axis, t)),
+                        _spec_of(self.b_down, P(axis, None)))
+        in_specs = (tokens_spec, router_spec, experts_spec, _spec_of(shared, (P(), P())),
+                    _spec_of(expert_bias, P()), _spec_of(tracker, (P(), P())),
+                    _spec_of(padding, tokens_spec), _spec_of(step, P()))
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P(), P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
@@ -897,7 +967,8 @@ class TopKRouter(_RouterState, nnx.Module):
     (MoELayer routes the same way, with its own router weight [H,E]).
 
       config: a MoEConfig (or TokenDispatcherConfig); hidden_size H.
-      weight: nnx.Param [E, H] (Megatron's layout), normal with std H^-0.5.
+      weight: nnx.Param [E, H] (Megatron's layout), normal with std H^-0.5; bias: nnx.Param
+        [E] (zeros) with config.add_bias_linear, else None (Megatron's router bias).
       expert_bias, local_tokens_per_expert, global_tokens_per_expert / ga_steps: as
         MoELayer's (update_expert_bias, reset_global_aux_loss_tracker); the counts are those
         of this router's training calls.
@@ -931,6 +1002,8 @@ class TopKRouter(_RouterState, nnx.Module):
         self.config = config
         self.weight = nnx.Param(jax.nn.initializers.normal(H ** -0.5)(
             rngs.params(), (E, H), param_dtype))
+        self.bias = (nnx.Param(jnp.zeros((E,), param_dtype)) if config.add_bias_linear
+                     else None)
         self._init_router_state(config)
         self.sow_aux, self.deterministic = sow_aux, deterministic
 
@@ -947,8 +1020,9 @@ class TopKRouter(_RouterState, nnx.Module):
         return self.config.num_moe_experts
 
     def gating(self, x):
-        """x [T,H] -> logits [T,E] in moe_router_dtype (None: x's dtype)."""
-        return _gate(x, self.weight[...], self.config)
+        """x [T,H] -> logits [T,E] = x @ weight^T (+ bias) in moe_router_dtype (None: x's
+        dtype)."""
+        return _gate(x, self.weight[...], self.config, _value(self.bias))
 
     def routing(self, logits, padding_mask=None, seq_len: int = 1):
         cfg = self.config
@@ -1052,6 +1126,16 @@ def _tensor_axis(tensor_axis, etp, mesh, other_axes):
     return tensor_axis if etp > 1 else None
 
 
+def _value(variable):
+    """An optional nnx.Variable's value, None for None."""
+    return None if variable is None else variable[...]
+
+
+def _spec_of(value, spec):
+    """A shard_map in_spec for an optional argument: None where the value is None."""
+    return None if value is None else spec
+
+
 def _names(axis):
     """The mesh axis names of an expert axis (a name or a (node, local) pair) as a tuple."""
     return (axis,) if isinstance(axis, str) else tuple(axis)
@@ -1085,21 +1169,18 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     the devices of the layer's token mesh axes, 1 without a mesh), each routed, dropped to
     capacity and counted in the losses as that device does (with force load balancing: by
     the random logits of the layer's next call); padding_mask as the layer's.
-    A gated w_gate_up is read in the layout of config.expert_tensor_parallel_size column
-    shards (`gate_up_from_etp`). Returns (y [..., H], aux_loss f32[], the layer's
+    A gated w_gate_up (and b_gate_up) is read in the layout of
+    config.expert_tensor_parallel_size column shards (`gate_up_from_etp`). Returns (y [..., H], aux_loss f32[], the layer's
     aux["aux_loss"])."""
     cfg = layer.config
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
                        else math.prod(layer.mesh.shape[a] for a in layer._token_axes()))
-    w_gate_up = layer.w_gate_up[...]
+    x, router, (w_gate_up, w_down, b_gate_up, b_down), shared = layer._weights(x)
     if cfg.gated_linear_unit:
-        w_gate_up = gate_up_from_etp(w_gate_up, cfg.expert_tensor_parallel_size)
-    weights = [layer.router[...], w_gate_up, layer.w_down[...]]
-    if layer.shared_gate_up is not None:
-        weights += [layer.shared_gate_up[...], layer.shared_down[...]]
-    dtype = layer.dtype or jnp.result_type(x, *weights)
-    x, router, w_gate_up, w_down, *shared = (jnp.asarray(a, dtype) for a in (x, *weights))
+        w_gate_up, b_gate_up = (None if a is None else
+                                gate_up_from_etp(a, cfg.expert_tensor_parallel_size)
+                                for a in (w_gate_up, b_gate_up))
     tokens = x.reshape(-1, x.shape[-1])
     bias = None if layer.expert_bias is None else layer.expert_bias[...]
     blocks = tokens.reshape(num_devices, -1, tokens.shape[-1])
@@ -1113,10 +1194,11 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,
                               layer._tracker(), None if padding is None else ~padding.reshape(-1))
     activation = cfg.gated_activation()
-    every = jax.vmap(lambda a, b: _ffn(tokens, a, b, activation))(w_gate_up, w_down)
+    every = jax.vmap(lambda *w: _ffn(tokens, *w[:2], activation, *w[2:]))(
+        w_gate_up, w_down, b_gate_up, b_down)
     picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
     y = jnp.sum(_weighted(picked, probs), axis=1)  # dropped slots have probs 0
-    if shared:
+    if shared is not None:
         y = y + _ffn(tokens, *shared, activation)
     return y.reshape(x.shape), _scaled(cfg, balancing, z)
 

@@ -114,6 +114,12 @@ class MoEConfig:
         functions of these names (F.silu, F.gelu, F.relu, quick_gelu, squared_relu) and
         jax.nn.silu / jax.nn.relu are read as the name, other functions refused (jax.nn.gelu
         is tanh by default: pass "gelu" or "gelu_tanh").
+      add_bias_linear: TransformerConfig's field (Megatron's default True; False here, as the
+        MoE recipes set --disable-bias-linear): the router's logits get a bias [E] and every
+        expert's fc1 and fc2 a bias (b_gate_up [E, 2F] or [E, F], b_down [E, H]; gpt-oss's
+        experts), all starting at zero; the fc2 bias is weighted by the token's prob with the
+        rest of the expert's output, as Megatron's. Refused with a shared expert (Megatron's
+        rule).
     Invalid values raise ValueError naming the field.
     """
 
@@ -143,6 +149,7 @@ class MoEConfig:
     activation_func: str = "silu"
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float | None = None
+    add_bias_linear: bool = False
 
     def __post_init__(self):
         E, K = self.num_moe_experts, self.moe_router_topk
@@ -197,6 +204,10 @@ class MoEConfig:
                  "expert_tensor_parallel_size",
                  f"a positive int dividing moe_ffn_hidden_size={self.moe_ffn_hidden_size}", etp)
         self._check_activation()
+        _require(isinstance(self.add_bias_linear, bool) and not (
+            self.add_bias_linear and self.moe_shared_expert_intermediate_size),
+                 "add_bias_linear", "a bool, False with a shared expert (Megatron's rule: "
+                 "the shared expert has no bias)", self.add_bias_linear)
         self.dispatcher_config()  # the merged dispatcher config must be valid too
 
     def _check_activation(self):
