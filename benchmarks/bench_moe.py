@@ -205,7 +205,7 @@ def part_calls(a, mesh, layer, x):
     def body(x, router, w_gate_up, w_down, stop):
         tokens = x.reshape(-1, x.shape[-1])
         T = tokens.shape[0]
-        _, probs, ids, _ = moe._route(tokens, router, cfg, None, True)
+        _, probs, ids, _ = moe._route(tokens, (router, None), cfg, None, True)
         if stop == "router":
             return jax.lax.pmean(sq(probs), axes)
         hidden, state = d.dispatch_preprocess2(tokens, T, probs, ids)
