@@ -18,6 +18,7 @@ plot and a JSON log.
   python examples/train_moe.py --preset qwen3-moe-tiny     # E=128 K=8, softmax, global aux
   python examples/train_moe.py --preset gpt-oss-tiny       # E=32 K=4, clamped Quick-GEGLU,
                                                            # router and expert biases
+  python examples/train_moe.py --preset llama4-scout-tiny  # E=16 K=1, probs on the input
   python examples/train_moe.py --no-gated-linear-unit --activation squared_relu  # MLP experts
   python examples/train_moe.py --grad-accum 4       # 4 micro-batches per optimizer step
   python examples/train_moe.py --gpu                 # every local GPU on the expert axis
@@ -50,7 +51,8 @@ from pathlib import Path
 # limited to groups placed on nodes) and Qwen3-30B-A3B (E=128, K=8, softmax over the K chosen,
 # no shared expert, the global-batch aux loss 1e-3), and gpt-oss-20b's MoE (E=32, K=4, softmax
 # over the K chosen, no shared expert, the experts' Quick-GEGLU with linear offset 1 and clamp
-# 7; without gpt-oss's expert biases, which jax_ep's experts lack). The bias update rate is DeepSeek-V3's 1e-3
+# 7, router and expert biases: add_bias_linear), and Llama-4-Scout's (E=16, K=1, sigmoid
+# scores scaling the experts' input, a shared expert). The bias update rate is DeepSeek-V3's 1e-3
 # times 10, so the expert bias balances the load within a run of 120 steps instead of
 # thousands. Flags given on the command line win.
 PRESETS = {
@@ -65,6 +67,9 @@ PRESETS = {
     "gpt-oss-tiny": dict(experts=32, topk=4, score_function="softmax", activation="quick_gelu",
                          glu_linear_offset=1.0, activation_clamp=7.0, add_bias_linear=True,
                          d_model=64, ffn=64, shared_ffn=0, steps=120, lr=3e-3),
+    "llama4-scout-tiny": dict(experts=16, topk=1, score_function="sigmoid",
+                              apply_probs_on_input=True, d_model=64, ffn=64, shared_ffn=64,
+                              steps=120, lr=3e-3),
 }
 
 
@@ -110,6 +115,12 @@ def parse_args(argv=None):
                    help="moe_router_load_balancing_type (sinkhorn: set --aux-loss-coeff 0)")
     p.add_argument("--aux-loss-coeff", type=float, default=1e-2, help="moe_aux_loss_coeff")
     p.add_argument("--z-loss-coeff", type=float, default=None, help="moe_z_loss_coeff")
+    p.add_argument("--apply-probs-on-input", action="store_true",
+                   help="moe_apply_probs_on_input: the probs scale the experts' input (--topk 1)")
+    p.add_argument("--shared-expert-gate", action="store_true",
+                   help="moe_shared_expert_gate: the shared expert's output times a sigmoid gate")
+    p.add_argument("--input-jitter-eps", type=float, default=None,
+                   help="moe_input_jitter_eps: the router's input times uniform [1-eps, 1+eps]")
     p.add_argument("--expert-bias", action="store_true",
                    help="aux-loss-free balancing (moe_router_enable_expert_bias; needs "
                         "--score-function sigmoid), updated once per step")
@@ -250,6 +261,9 @@ def build_model(args, mesh, jax):
         moe_router_force_load_balancing=args.force_load_balancing,
         expert_tensor_parallel_size=args.etp, activation_func=args.activation,
         gated_linear_unit=args.gated_linear_unit, add_bias_linear=args.add_bias_linear,
+        moe_apply_probs_on_input=args.apply_probs_on_input,
+        moe_shared_expert_gate=args.shared_expert_gate,
+        moe_input_jitter_eps=args.input_jitter_eps,
         glu_linear_offset=args.glu_linear_offset,
         activation_func_clamp_value=args.activation_clamp,
         token_dispatcher=jax_ep.TokenDispatcherConfig(

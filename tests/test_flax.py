@@ -347,6 +347,65 @@ def test_moe_layer_add_bias_linear_matches_dense(backend, extra):
     assert np.abs(y - y_plain).max() > 0.05 * np.abs(y_plain).max()
 
 
+def test_shared_expert_gate_scales_the_shared_expert_by_its_sigmoid():
+    """Megatron's moe_shared_expert_gate (Qwen2-MoE's shared_expert_gate): the layer against
+    the dense forward, and the dense forward against the hand-computed difference from the
+    ungated layer with the same weights: (1 - sigmoid(x @ gate)) * shared(x)."""
+    from jax_ep.flax.activations import swiglu
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       moe_permute_fusion=True)
+    fields = dict(moe_shared_expert_intermediate_size=8, moe_aux_loss_coeff=1e-2)
+    mesh = _mesh()
+    layer, twin = _layer_pair(_moe(cfg, moe_shared_expert_gate=True, **fields), mesh)
+    plain = _layer_pair(_moe(cfg, **fields), mesh)[1]
+    assert layer.shared_gate.shape == (16, 1) and plain.shared_gate is None
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    got, _, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
+    assert float(jnp.abs(grads["shared_gate"][...]).max()) > 0
+    tokens = np.asarray(x, np.float64).reshape(-1, 16)
+    shared = (np.asarray(swiglu(jnp.asarray(tokens @ np.asarray(twin.shared_gate_up[...]))),
+                         np.float64) @ np.asarray(twin.shared_down[...]))
+    gate = 1 / (1 + np.exp(-tokens @ np.asarray(twin.shared_gate[...], np.float64)))
+    y_gated, y_plain = (np.asarray(dense_forward(m, x)[0]).reshape(-1, 16) for m in (twin, plain))
+    np.testing.assert_allclose(y_plain - y_gated, (1 - gate) * shared, rtol=1e-4, atol=1e-5)
+    # without a shared expert the field does nothing (Megatron)
+    assert MoELayer(_moe(cfg, moe_shared_expert_gate=True), 16, 32, rngs=nnx.Rngs(0),
+                    mesh=mesh).shared_gate is None
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(grouped_gemm_impl="blocks"),
+                                   dict(dropless_buffer_factor=1.25),
+                                   dict(pad_to_capacity=True)],
+                         ids=["ffi", "blocks", "bounded", "drop_and_pad"])
+def test_apply_probs_on_input_scales_the_expert_input(extra):
+    """Megatron's moe_apply_probs_on_input (K = 1, Llama 4's experts): each expert computes
+    f(p * x) (its fc2 bias unweighted), against the dense forward on every expert path, and
+    differs from p * f(x)."""
+    extra = dict(extra)
+    pad = extra.pop("pad_to_capacity", False)
+    if pad:
+        extra["moe_expert_capacity_factor"] = 1.5
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=1,
+                                       moe_permute_fusion=True, **extra)
+    fields = dict(moe_router_score_function="sigmoid", moe_aux_loss_coeff=1e-2,
+                  moe_pad_expert_input_to_capacity=pad, add_bias_linear=True)
+    mesh = _mesh()
+    layer, twin, after = (MoELayer(_moe(cfg, moe_apply_probs_on_input=on, **fields), 16, 32,
+                                   rngs=nnx.Rngs(0), mesh=mesh) for on in (True, True, False))
+    randomize_biases(layer, twin, after)
+    shard_params(layer, mesh)
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    got, _, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-5)
+    y_in, y_out = (np.asarray(dense_forward(m, x)[0]) for m in (twin, after))
+    assert np.abs(y_in - y_out).max() > 0.05 * np.abs(y_out).max()
+    with pytest.raises(ValueError, match="MoEConfig.moe_apply_probs_on_input"):
+        MoEConfig(num_moe_experts=8, moe_router_topk=2, moe_apply_probs_on_input=True)
+
+
 def test_add_bias_linear_router_and_config_rules():
     """TopKRouter's bias shifts the logits (Megatron's router_gating_linear); add_bias_linear
     with a shared expert is refused (Megatron: the shared expert has no bias)."""

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep.flax import MoEConfig, MoELayer, dense_forward, shard_params
+from jax_ep.flax import moe
 from jax_ep.flax import router as routing
 
 E, K, H = 8, 2, 16
@@ -455,8 +456,8 @@ def test_topk_above_the_experts_builds_and_fails_when_called():
 def test_moe_config_from_dict_names_unknown_fields_or_warns():
     pasted = dict(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
                   moe_flex_dispatcher_backend="alltoall", moe_grouped_gemm=True,
-                  moe_layer_recompute=False, moe_shared_expert_overlap=True)
-    unknown = r"\['moe_layer_recompute', 'moe_shared_expert_overlap'\]"
+                  hidden_dropout=0.1, moe_not_a_field=True)
+    unknown = r"\['hidden_dropout', 'moe_not_a_field'\]"
     with pytest.raises(ValueError, match=unknown):
         MoEConfig.from_dict(pasted)
     with pytest.warns(UserWarning, match=unknown):
@@ -495,6 +496,38 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
     assert c.token_dispatcher.moe_router_expert_pad_multiple is None
     with pytest.raises(ValueError, match="MoEConfig.moe_token_dispatcher_type: expected one of"):
         MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="ncclep"))
+    # every other Megatron MoE field: a kernel / schedule / memory choice, accepted
+    inert = dict(moe_layer_recompute=True, moe_shared_expert_overlap=True,
+                 moe_per_layer_logging=True, moe_flex_dispatcher_num_sms=24,
+                 moe_single_grouped_weight=True, moe_single_grouped_bias=True,
+                 moe_use_grouped_tensor=True, moe_paged_stash=True,
+                 moe_paged_stash_buffer_size_factor_cpu=1.5,
+                 moe_paged_stash_buffer_size_factor_cuda=1.1, moe_paged_stash_page_size=64,
+                 moe_pad_experts_for_cuda_graph_inference=True, moe_ncclep_zero_copy=True,
+                 moe_hybridep_pad_uneven_dispatch_inputs=True, moe_layer_freq=2,
+                 moe_router_quantile_balancing_ema=0.5)
+    assert MoEConfig.from_dict(dict(base, **inert)) == MoEConfig.from_dict(base)
+    # ... or read into jax_ep's field of the same effect
+    c = MoEConfig.from_dict(dict(base, moe_router_topk_limited_devices=2))
+    assert (c.moe_router_num_groups, c.moe_router_group_topk) == (4, 2)  # EP groups
+    with pytest.raises(ValueError, match="MoEConfig.moe_router_topk_limited_devices"):
+        MoEConfig.from_dict(dict(base, moe_router_topk_limited_devices=2,
+                                 moe_router_num_groups=4, moe_router_group_topk=2))
+    hybrid = dict(base, moe_flex_dispatcher_backend="hybridep", moe_expert_rank_capacity_factor=1.5)
+    assert MoEConfig.from_dict(hybrid).token_dispatcher.ragged_buffer_factor == 1.5
+    assert MoEConfig.from_dict(dict(hybrid, moe_flex_dispatcher_backend="deepep")
+                               ).token_dispatcher.ragged_buffer_factor is None
+    # ... or at Megatron's default only, refused otherwise with the reason
+    defaults = dict(moe_enable_routing_replay=False, moe_token_dropping=False,
+                    moe_router_force_biased=None, moe_mlp_glu_interleave_size=None,
+                    moe_shared_expert_glu_interleave_size=None, moe_latent_size=None,
+                    moe_dispatch_fwd_dtype="bf16", moe_combine_bwd_dtype="bf16")
+    assert MoEConfig.from_dict(dict(base, **defaults)) == MoEConfig.from_dict(base)
+    for name, value in dict(moe_enable_routing_replay=True, moe_token_dropping=True,
+                            moe_router_force_biased=0.1, moe_mlp_glu_interleave_size=32,
+                            moe_latent_size=64, moe_dispatch_fwd_dtype="mxfp8").items():
+        with pytest.raises(ValueError, match=f"MoEConfig.{name}: expected"):
+            MoEConfig.from_dict(dict(base, **{name: value}))
     layer = MoELayer(MoEConfig.from_dict(dict(base, moe_router_padding_for_fp8=True)), H,
                      rngs=nnx.Rngs(0), mesh=_mesh())
     assert layer.w_down.shape == (E, 48, H)
@@ -718,6 +751,35 @@ def test_force_load_balancing_routes_by_random_logits():
     assert int(other.force_balance_step[...]) != start
     with pytest.raises(ValueError, match="moe_router_force_load_balancing"):
         _cfg(moe_router_force_load_balancing=1)
+
+
+def test_input_jitter_scales_the_router_input_in_training_only():
+    # Megatron's moe_input_jitter_eps: the router's input times uniform [1 - eps, 1 + eps]
+    # noise, a new draw per call and device; the dense oracle draws the same noise; eval
+    # routes the plain input; the experts see the input unjittered
+    c = _cfg(moe_input_jitter_eps=0.5, moe_aux_loss_coeff=1e-2)
+    mesh = _mesh()
+    layer, twin = _layer(c, mesh)
+    x = jax.random.normal(jax.random.key(1), (16, 3, H))
+    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_param_grads_close(grads, want_grads, rtol=3e-5, atol=3e-6)
+    start = int(twin.input_jitter_step[...])
+    assert int(layer.input_jitter_step[...]) == start + 1
+    plain = _layer(_cfg(moe_aux_loss_coeff=1e-2), mesh)[1]  # the same weights, no jitter
+    y_jitter, y_plain = (np.asarray(dense_forward(m, x)[0]) for m in (twin, plain))
+    assert np.abs(y_jitter - y_plain).max() > 1e-3
+    twin.eval()
+    np.testing.assert_array_equal(np.asarray(dense_forward(twin, x)[0]), y_plain)
+    # the noise: uniform in [0.5, 1.5], one draw per (token, channel)
+    tokens = jnp.ones((4096, H))
+    logits = moe._route(tokens, (jnp.eye(H, E), None), c, None, True, None,
+                        moe.input_jitter_key(start, 3))[0]
+    assert 0.5 <= float(logits.min()) and float(logits.max()) <= 1.5
+    assert abs(float(logits.mean()) - 1.0) < 0.01 and float(logits.std()) > 0.25
+    for bad in (-0.1, float("nan"), True):
+        with pytest.raises(ValueError, match="moe_input_jitter_eps"):
+            _cfg(moe_input_jitter_eps=bad)
 
 
 @pytest.mark.parametrize("name", LAYER_CASES)

@@ -33,10 +33,11 @@ from jax_ep import _ffi, deepep, ops, transport
 from jax_ep._checks import check_float, check_positive, check_shape
 from jax_ep._index import search
 
-__all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "MoEAuxLossAutoScaler", "MoELayer",
-           "TokenCounts", "TopKRouter", "dense_forward", "expert_tile_rows", "force_balance_key",
-           "gate_up_from_etp", "gate_up_to_etp", "load_ratio", "pad_expert_blocks",
-           "shard_params", "swiglu_expert_blocks", "swiglu_experts", "unpad_expert_blocks"]
+__all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "InputJitterStep",
+           "MoEAuxLossAutoScaler", "MoELayer", "TokenCounts", "TopKRouter", "dense_forward",
+           "expert_tile_rows", "force_balance_key", "gate_up_from_etp", "gate_up_to_etp",
+           "input_jitter_key", "load_ratio", "pad_expert_blocks", "shard_params",
+           "swiglu_expert_blocks", "swiglu_experts", "unpad_expert_blocks"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
 _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(".")[:2])
                  >= (0, 12) else "sharding_names")
@@ -307,6 +308,22 @@ def _weighted(expert_out, probs):
     return (expert_out * probs[..., None]).astype(expert_out.dtype)
 
 
+def _with_probs(experts, rows, probs, cfg: MoEConfig):
+    """experts(rows [N,H]) -> [N,H] weighted by the rows' probs [N]: on its output, or with
+    moe_apply_probs_on_input on its input rows (Megatron's rule, K = 1)."""
+    if cfg.moe_apply_probs_on_input:
+        return experts(_weighted(rows, probs))
+    return _weighted(experts(rows), probs)
+
+
+def _shared_expert(x, shared, activation):
+    """The shared expert: x [T,H], shared (gate_up, down, gate [H,1] or None) -> [T,H], scaled
+    by sigmoid(x @ gate) with moe_shared_expert_gate."""
+    gate_up, down, gate = shared
+    y = _ffn(x, gate_up, down, activation)
+    return y if gate is None else y * jax.nn.sigmoid(x @ gate)
+
+
 def _ffn(x, w_gate_up, w_down, activation, b_gate_up=None, b_down=None):
     """One expert (or the shared expert): x [T,H] -> activation(x @ fc1 + b_gate_up) @ fc2 +
     b_down [T,H] (biases None: none)."""
@@ -315,12 +332,18 @@ def _ffn(x, w_gate_up, w_down, activation, b_gate_up=None, b_down=None):
     return y if b_down is None else y + b_down
 
 
-def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True, noise_key=None):
+def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True, noise_key=None,
+           jitter_key=None):
     """tokens [T,H], router (weight [H,E], bias [E] or None) -> (logits [T,E] router dtype,
     top-k probs f32[T,K], ids i32[T,K], dropped i32[E]: slots each expert dropped to the
     capacity factor). noise_key: with moe_router_force_load_balancing, this device's key of
-    the random logits."""
+    the random logits; jitter_key: with moe_input_jitter_eps eps, this device's key of the
+    uniform [1 - eps, 1 + eps] noise the router's input is multiplied by."""
     weight, bias = router
+    if jitter_key is not None:
+        eps = cfg.moe_input_jitter_eps
+        tokens = tokens * jax.random.uniform(jitter_key, tokens.shape, tokens.dtype, 1.0 - eps,
+                                             1.0 + eps)
     logits = _gate(tokens, weight.T, cfg, bias)
     if noise_key is not None:
         logits = routing.apply_random_logits(logits, noise_key)
@@ -575,6 +598,28 @@ def force_balance_key(step, device):
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(42), step), device)
 
 
+class InputJitterStep(nnx.Variable):
+    """moe_input_jitter_eps's draw counter i32[]: at value n a training call multiplies the
+    router's input by the uniform noise of key input_jitter_key(n, device). It starts at a
+    random value drawn from the layer's params stream, so layers draw differently.
+    Non-trainable; every call adds 1."""
+
+
+def input_jitter_key(step, device):
+    """The router input jitter's key of call `step` on token device `device`
+    (InputJitterStep)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(43), step), device)
+
+
+def _draw_counter(kind, rngs, enabled):
+    """A random draw counter variable (ForceBalanceStep, InputJitterStep) starting at a random
+    value from the params stream, or None when its feature is off."""
+    if not enabled:
+        return None
+    return kind(jax.random.randint(rngs.params(), (), 0, 2**30, jnp.int32),
+                eager_sharding=False, **{_SHARDING_KEY: ()})
+
+
 class MoELayer(_RouterState, nnx.Module):
     """Mixture-of-experts feed-forward layer with expert parallelism (Megatron-Core's MoELayer).
 
@@ -704,10 +749,12 @@ class MoELayer(_RouterState, nnx.Module):
         else:
             self.shared_gate_up = self.shared_down = None
         self._init_router_state(config)
-        self.force_balance_step = (  # a random start: each layer draws its own logits
-            ForceBalanceStep(jax.random.randint(rngs.params(), (), 0, 2**30, jnp.int32),
-                             eager_sharding=False, **{_SHARDING_KEY: ()})
-            if config.moe_router_force_load_balancing else None)
+        self.shared_gate = (param(rngs.params(), (H, 1), H ** -0.5, (None, None))
+                            if S and config.moe_shared_expert_gate else None)
+        self.force_balance_step = _draw_counter(ForceBalanceStep, rngs,
+                                                config.moe_router_force_load_balancing)
+        self.input_jitter_step = _draw_counter(InputJitterStep, rngs,
+                                               config.moe_input_jitter_eps is not None)
         num_local = num_experts // expert_parallel_size
         self.dispatcher = dispatcher or shared_dispatcher(num_local, dcfg, axis)
 
@@ -726,21 +773,20 @@ class MoELayer(_RouterState, nnx.Module):
         axes = (self.data_axis,) + axes if self.data_axis else axes
         return axes + (self.tensor_axis,) if self.tensor_axis else axes
 
-    def _local(self, x, router, expert_weights, shared, expert_bias, tracker, padding,
-               force_step):
+    def _local(self, x, router, expert_weights, shared, expert_bias, tracker, padding, draws):
         """The per-device body (inside shard_map): x [..., H] local tokens, router (weight
         [H,E], bias [E] or None), expert_weights (w_gate_up, w_down, b_gate_up or None,
-        b_down or None) of the local experts, padding bool[...] or None, force_step i32[]
-        (ForceBalanceStep) or None. Returns (y, aux, the global_aux_loss tracker's new counts
-        f32[E] or None)."""
+        b_down or None) of the local experts, shared (gate_up, down, gate or None) or None,
+        padding bool[...] or None, draws (ForceBalanceStep i32[] or None, InputJitterStep
+        i32[] or None). Returns (y, aux, the global_aux_loss tracker's new counts f32[E] or
+        None)."""
         cfg, dcfg = self.config, self.dispatch_config
         tokens = x.reshape(-1, x.shape[-1])
         valid = None if padding is None else ~padding.reshape(-1)
         axes = self._token_axes()
-        noise_key = None if force_step is None else force_balance_key(
-            force_step, jax.lax.axis_index(axes) if axes else 0)
+        keys = self._draw_keys(*draws, jax.lax.axis_index(axes) if axes else 0)
         logits, probs, ids, dropped_per_expert = _route(tokens, router, cfg, expert_bias,
-                                                        not self.deterministic, noise_key)
+                                                        not self.deterministic, *keys)
         balancing, z, tracked = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, axes,
                                         tracker=tracker, valid=valid)
         d = self.dispatcher
@@ -753,15 +799,16 @@ class MoELayer(_RouterState, nnx.Module):
 
         def experts_of(rows, tokens_per_expert, rows_probs, weights):
             w_gate_up, w_down, b_gate_up, b_down = weights
-            return _weighted(experts(rows, tokens_per_expert, w_gate_up, w_down,
-                                     b_gate_up=b_gate_up, b_down=b_down), rows_probs)
+            return _with_probs(lambda r: experts(r, tokens_per_expert, w_gate_up, w_down,
+                                                 b_gate_up=b_gate_up, b_down=b_down),
+                               rows, rows_probs, cfg)
 
         def weighted_experts(rows, tokens_per_expert, rows_probs):
             return experts_of(rows, tokens_per_expert, rows_probs, expert_weights)
 
         def weighted_blocks(rows, _, rows_probs):  # padded to capacity: blocks of equal size
-            return _weighted(swiglu_expert_blocks(rows, *expert_weights[:2], activation,
-                                                  *expert_weights[2:]), rows_probs)
+            return _with_probs(lambda r: swiglu_expert_blocks(
+                r, *expert_weights[:2], activation, *expert_weights[2:]), rows, rows_probs, cfg)
         if cfg.moe_pad_expert_input_to_capacity:
             # (with a tensor axis the S ranks' blocks are gathered and reordered first: the
             # grouped GEMM of `experts` does that)
@@ -787,7 +834,7 @@ class MoELayer(_RouterState, nnx.Module):
             y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
             dropped = state.num_dropped
         if shared is not None:
-            y = y + _ffn(tokens, *shared, activation)
+            y = y + _shared_expert(tokens, shared, activation)
         E = cfg.num_moe_experts
         counts = _tokens_per_expert(ids, valid, E)
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
@@ -820,9 +867,9 @@ class MoELayer(_RouterState, nnx.Module):
         _check_tokens(x, self.router.shape[0], self.config)
         x, router, expert_weights, shared = self._weights(x)
         tracker = self._tracker()
-        step = _value(self.force_balance_step)
+        draws = (_value(self.force_balance_step), _value(self.input_jitter_step))
         params = (router, expert_weights, shared, _value(self.expert_bias), tracker,
-                  _checked_padding_mask(padding_mask, x), step)
+                  _checked_padding_mask(padding_mask, x), draws)
         axis = self.dispatch_config.expert_axis_name
         try:
             jax.lax.axis_size(axis)
@@ -836,11 +883,19 @@ class MoELayer(_RouterState, nnx.Module):
             y, aux, tracked = self._sharded(x, params)
         self._track(tracked, tracker)
         self._count_tokens(aux["tokens_per_expert"])
-        if step is not None:
-            self.force_balance_step[...] = step + 1
+        for counter in (self.force_balance_step, self.input_jitter_step):
+            if counter is not None:
+                counter[...] += 1
         if self.sow_aux:
             self.sow(nnx.Intermediate, "moe_aux", aux)
         return y, aux
+
+    def _draw_keys(self, force_step, jitter_step, device):
+        """(force balancing's random-logits key, the input jitter's key) of this call on
+        token device `device`, None where off (the jitter in training calls only)."""
+        jitter = jitter_step is not None and not self.deterministic
+        return (None if force_step is None else force_balance_key(force_step, device),
+                input_jitter_key(jitter_step, device) if jitter else None)
 
     def _weights(self, x):
         """x and the parameters in the compute dtype (self.dtype, or promoted from x's and
@@ -850,7 +905,7 @@ class MoELayer(_RouterState, nnx.Module):
         expert_weights = tuple(_value(v) for v in (self.w_gate_up, self.w_down, self.b_gate_up,
                                                    self.b_down))
         shared = (None if self.shared_gate_up is None
-                  else (self.shared_gate_up[...], self.shared_down[...]))
+                  else (self.shared_gate_up[...], self.shared_down[...], _value(self.shared_gate)))
         tree = (x, router, expert_weights, shared)
         dtype = self.dtype or jnp.result_type(*jax.tree.leaves(tree))
         return jax.tree.map(lambda a: jnp.asarray(a, dtype), tree)
@@ -900,14 +955,16 @@ class MoELayer(_RouterState, nnx.Module):
             raise ValueError(f"x: expected [batch, ..., hidden_size] with batch divisible by the "
                              f"{devices} devices of mesh axes {token_axes}, got shape {x.shape}")
         tokens_spec = P(token_axes)
-        router, _, shared, expert_bias, tracker, padding, step = params
+        router, _, shared, expert_bias, tracker, padding, (force, jitter) = params
         t = self.tensor_axis
         router_spec = (P(), _spec_of(router[1], P()))
         experts_spec = (P(axis, None, t), P(axis, t, None), _spec_of(self.b_gate_up, P(axis, t)),
                         _spec_of(self.b_down, P(axis, None)))
-        in_specs = (tokens_spec, router_spec, experts_spec, _spec_of(shared, (P(), P())),
+        shared_spec = _spec_of(shared, (P(), P(), _spec_of(self.shared_gate, P())))
+        in_specs = (tokens_spec, router_spec, experts_spec, shared_spec,
                     _spec_of(expert_bias, P()), _spec_of(tracker, (P(), P())),
-                    _spec_of(padding, tokens_spec), _spec_of(step, P()))
+                    _spec_of(padding, tokens_spec),
+                    (_spec_of(force, P()), _spec_of(jitter, P())))
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P(), P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
@@ -1167,11 +1224,11 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     """Single-device reference of `layer` (no expert parallelism): the oracle the layer is
     tested against. x [B, ..., H] is taken as num_devices equal blocks of the batch (default:
     the devices of the layer's token mesh axes, 1 without a mesh), each routed, dropped to
-    capacity and counted in the losses as that device does (with force load balancing: by
-    the random logits of the layer's next call); padding_mask as the layer's.
+    capacity and counted in the losses as that device does (with force load balancing and
+    input jitter: by the random draws of the layer's next call); padding_mask as the layer's.
     A gated w_gate_up (and b_gate_up) is read in the layout of
-    config.expert_tensor_parallel_size column shards (`gate_up_from_etp`). Returns (y [..., H], aux_loss f32[], the layer's
-    aux["aux_loss"])."""
+    config.expert_tensor_parallel_size column shards (`gate_up_from_etp`). Returns (y [..., H],
+    aux_loss f32[], the layer's aux["aux_loss"])."""
     cfg = layer.config
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
@@ -1184,22 +1241,25 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     tokens = x.reshape(-1, x.shape[-1])
     bias = None if layer.expert_bias is None else layer.expert_bias[...]
     blocks = tokens.reshape(num_devices, -1, tokens.shape[-1])
-    step = None if layer.force_balance_step is None else layer.force_balance_step[...]
-    keys = None if step is None else jax.vmap(partial(force_balance_key, step))(
-        jnp.arange(num_devices))
+    draws = (_value(layer.force_balance_step), _value(layer.input_jitter_step))
+    keys = jax.vmap(lambda device: layer._draw_keys(*draws, device))(jnp.arange(num_devices))
     logits, probs, ids, _ = jax.vmap(
-        lambda t, k: _route(t, router, cfg, bias, not layer.deterministic, k))(blocks, keys)
+        lambda t, k: _route(t, router, cfg, bias, not layer.deterministic, *k))(blocks, keys)
     logits, probs, ids = (a.reshape(-1, a.shape[-1]) for a in (logits, probs, ids))
     padding = _checked_padding_mask(padding_mask, x)
     balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,
                               layer._tracker(), None if padding is None else ~padding.reshape(-1))
     activation = cfg.gated_activation()
-    every = jax.vmap(lambda *w: _ffn(tokens, *w[:2], activation, *w[2:]))(
+    # with moe_apply_probs_on_input (K = 1) every expert sees the token times its prob
+    inputs = _weighted(tokens, probs[:, 0]) if cfg.moe_apply_probs_on_input else tokens
+    every = jax.vmap(lambda *w: _ffn(inputs, *w[:2], activation, *w[2:]))(
         w_gate_up, w_down, b_gate_up, b_down)
     picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
-    y = jnp.sum(_weighted(picked, probs), axis=1)  # dropped slots have probs 0
+    if not cfg.moe_apply_probs_on_input:
+        picked = _weighted(picked, probs)
+    y = jnp.sum(jnp.where((ids >= 0)[..., None], picked, 0), axis=1)  # dropped slots: none
     if shared is not None:
-        y = y + _ffn(tokens, *shared, activation)
+        y = y + _shared_expert(tokens, shared, activation)
     return y.reshape(x.shape), _scaled(cfg, balancing, z)
 
 

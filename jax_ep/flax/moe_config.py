@@ -93,6 +93,17 @@ class MoEConfig:
         a new draw per layer, call and device: the layer's `ForceBalanceStep` counter and
         the device's index), the gradient passing straight through to the router weights, so
         the routing is balanced whatever the weights.
+      moe_input_jitter_eps: None, or eps >= 0: while training (not deterministic) the
+        router's input is multiplied by noise uniform in [1 - eps, 1 + eps] (Switch
+        Transformer's jitter), a new draw per layer, call and device (the layer's
+        `InputJitterStep` counter and the device's index); the experts see the input
+        unchanged. Megatron jitters in eval too; here eval routes the input as it is.
+      moe_apply_probs_on_input: the router's probs scale each expert's input rows instead of
+        its output (Llama 4's experts); Megatron's rule: only with moe_router_topk 1.
+      moe_shared_expert_gate: the shared expert's output is scaled by sigmoid(x @
+        shared_gate), shared_gate [H, 1] a parameter (Megatron's gate_weight [1, H]
+        transposed; Qwen2-MoE's shared_expert_gate). No effect without a shared expert, as in
+        Megatron.
       token_dispatcher: the dispatcher's TokenDispatcherConfig (backend, transport, buffer
         sizes, ...); its fields num_moe_experts, moe_router_topk, moe_expert_capacity_factor
         and moe_router_dtype are replaced by this config's (see `dispatcher_config`).
@@ -150,6 +161,9 @@ class MoEConfig:
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float | None = None
     add_bias_linear: bool = False
+    moe_input_jitter_eps: float | None = None
+    moe_apply_probs_on_input: bool = False
+    moe_shared_expert_gate: bool = False
 
     def __post_init__(self):
         E, K = self.num_moe_experts, self.moe_router_topk
@@ -164,7 +178,8 @@ class MoEConfig:
                  "moe_router_score_function", f"one of {SCORE_FUNCTIONS}",
                  self.moe_router_score_function)
         for name in ("moe_router_pre_softmax", "moe_router_enable_expert_bias",
-                     "moe_pad_expert_input_to_capacity", "moe_router_force_load_balancing"):
+                     "moe_pad_expert_input_to_capacity", "moe_router_force_load_balancing",
+                     "moe_apply_probs_on_input", "moe_shared_expert_gate"):
             _require(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
         _require(K != 1 or self.moe_router_pre_softmax or self.sinkhorn
                  or self.moe_router_score_function != "softmax", "moe_router_pre_softmax",
@@ -204,6 +219,12 @@ class MoEConfig:
                  "expert_tensor_parallel_size",
                  f"a positive int dividing moe_ffn_hidden_size={self.moe_ffn_hidden_size}", etp)
         self._check_activation()
+        eps = self.moe_input_jitter_eps
+        _require(eps is None or _real(eps), "moe_input_jitter_eps", "None or a float >= 0",
+                 eps)
+        _require(not self.moe_apply_probs_on_input or K == 1, "moe_apply_probs_on_input",
+                 "False unless moe_router_topk is 1 (Megatron's rule)",
+                 self.moe_apply_probs_on_input)
         _require(isinstance(self.add_bias_linear, bool) and not (
             self.add_bias_linear and self.moe_shared_expert_intermediate_size),
                  "add_bias_linear", "a bool, False with a shared expert (Megatron's rule: "
@@ -324,9 +345,32 @@ class MoEConfig:
 
 # Megatron's dispatcher types and the backend that gives their results here.
 _DISPATCHER_TYPES = {"alltoall": "alltoall", "allgather": "alltoall", "flex": None}
-# Megatron fields that pick a kernel, not a result: accepted, no effect under XLA.
+# Megatron fields that pick a kernel, a schedule, a memory plan or logging, not a result:
+# accepted, no effect under XLA.
 _KERNEL_CHOICES = ("moe_grouped_gemm", "moe_router_fusion", "moe_use_legacy_grouped_gemm",
-                   "expert_model_parallel_size")
+                   "expert_model_parallel_size", "moe_layer_recompute",
+                   "moe_shared_expert_overlap", "moe_per_layer_logging",
+                   "moe_flex_dispatcher_num_sms", "moe_single_grouped_weight",
+                   "moe_single_grouped_bias", "moe_use_grouped_tensor", "moe_paged_stash",
+                   "moe_paged_stash_buffer_size_factor_cpu",
+                   "moe_paged_stash_buffer_size_factor_cuda", "moe_paged_stash_page_size",
+                   "moe_pad_experts_for_cuda_graph_inference", "moe_ncclep_zero_copy",
+                   "moe_hybridep_pad_uneven_dispatch_inputs", "moe_layer_freq",
+                   "moe_router_quantile_balancing_ema")
+# Megatron fields jax_ep has only at their default: (default, why, what to use instead).
+_DEFAULT_ONLY = {
+    "moe_enable_routing_replay": (False, "router replay has no XLA counterpart", None),
+    "moe_token_dropping": (False, "Megatron's legacy switch (unsupported there too)",
+                           "moe_expert_capacity_factor"),
+    "moe_router_force_biased": (None, "random logit biases are not implemented",
+                                "moe_router_force_load_balancing"),
+    "moe_mlp_glu_interleave_size": (None, "fc1 is [gate | up] here, not interleaved", None),
+    "moe_shared_expert_glu_interleave_size": (None, "fc1 is [gate | up] here", None),
+    "moe_latent_size": (None, "latent MoE projections are not implemented", None),
+    "moe_dispatch_fwd_dtype": ("bf16", "MXFP8 on the wire is the ncclep backend's",
+                               "moe_fp8_dispatch"),
+    "moe_combine_bwd_dtype": ("bf16", "MXFP8 on the wire is the ncclep backend's", None),
+}
 
 
 def megatron_fields(fields: dict) -> dict:
@@ -343,9 +387,24 @@ def megatron_fields(fields: dict) -> dict:
         with the "allgather" dispatcher; here every backend pads.)
       moe_permute_fusion_into_hybridep -> moe_hybridep_permute_fusion.
       ffn_hidden_size -> moe_ffn_hidden_size where that is not given (Megatron's default).
-      moe_grouped_gemm, moe_router_fusion, moe_use_legacy_grouped_gemm (kernel choices: the
-        experts are always one grouped GEMM, the router one XLA program) and
-        expert_model_parallel_size (the mesh's expert axis decides P): accepted, no effect.
+      moe_expert_rank_capacity_factor f: with the "hybridep" backend (the only one Megatron
+        reads it with, besides ncclep) -> ragged_buffer_factor f where that is not given: the
+        permuted buffer holds ceil(f * T * K) rows plus each expert's padding room (Megatron:
+        int(f * T * K) rounded up to the pad multiple); rows past it are dropped and counted
+        (aux "num_dropped"; Megatron's over_budget flag). Other backends: no effect.
+      moe_router_topk_limited_devices n (deprecated in Megatron): moe_router_group_topk n and
+        moe_router_num_groups = expert_model_parallel_size, as Megatron's __post_init__ (needs
+        that field; refused with moe_router_group_topk).
+      Kernel, schedule, memory and logging choices (_KERNEL_CHOICES: moe_grouped_gemm,
+        moe_router_fusion, moe_use_legacy_grouped_gemm, moe_layer_recompute (use jax.checkpoint
+        around the layer), moe_shared_expert_overlap (XLA schedules), moe_flex_dispatcher_num_sms,
+        the grouped weight / bias / tensor layouts, the paged stash, moe_per_layer_logging, ...),
+        expert_model_parallel_size (the mesh's expert axis decides P) and moe_layer_freq (the
+        model decides which layers are MoE layers): accepted, no effect.
+      Fields jax_ep has only at Megatron's default (_DEFAULT_ONLY: moe_enable_routing_replay,
+        moe_token_dropping, moe_router_force_biased, the GLU interleave sizes, moe_latent_size,
+        the ncclep wire dtypes): the default is accepted, anything else refused with the reason
+        and what to use instead.
     Invalid values raise ValueError naming the field."""
     fields = dict(fields)
     kind = fields.pop("moe_token_dispatcher_type", None)
@@ -364,6 +423,22 @@ def megatron_fields(fields: dict) -> dict:
     ffn = fields.pop("ffn_hidden_size", None)
     if ffn is not None and fields.get("moe_ffn_hidden_size") is None:
         fields["moe_ffn_hidden_size"] = ffn
+    rank_factor = fields.pop("moe_expert_rank_capacity_factor", None)
+    if (rank_factor is not None and fields.get("moe_flex_dispatcher_backend") == "hybridep"
+            and fields.get("ragged_buffer_factor") is None):
+        fields["ragged_buffer_factor"] = rank_factor
+    limited = fields.pop("moe_router_topk_limited_devices", None)
+    if limited:
+        ep = fields.get("expert_model_parallel_size")
+        _require(not fields.get("moe_router_group_topk") and _int(ep),
+                 "moe_router_topk_limited_devices", "None with moe_router_group_topk "
+                 "(Megatron's rule), else given with expert_model_parallel_size (Megatron "
+                 "routes over that many groups)", limited)
+        fields["moe_router_group_topk"], fields["moe_router_num_groups"] = limited, ep
+    for name, (default, why, instead) in _DEFAULT_ONLY.items():
+        value = fields.pop(name, default)
+        _require(value == default, name, f"{default!r} ({why}"
+                 + (f"; use {instead}" if instead else "") + ")", value)
     for name in _KERNEL_CHOICES:
         fields.pop(name, None)
     return fields
