@@ -119,6 +119,8 @@ def parse_args(argv=None):
                    help="moe_apply_probs_on_input: the probs scale the experts' input (--topk 1)")
     p.add_argument("--shared-expert-gate", action="store_true",
                    help="moe_shared_expert_gate: the shared expert's output times a sigmoid gate")
+    p.add_argument("--latent-size", type=int, default=None,
+                   help="moe_latent_size: the experts (and the wire) in this width")
     p.add_argument("--input-jitter-eps", type=float, default=None,
                    help="moe_input_jitter_eps: the router's input times uniform [1-eps, 1+eps]")
     p.add_argument("--expert-bias", action="store_true",
@@ -263,7 +265,7 @@ def build_model(args, mesh, jax):
         gated_linear_unit=args.gated_linear_unit, add_bias_linear=args.add_bias_linear,
         moe_apply_probs_on_input=args.apply_probs_on_input,
         moe_shared_expert_gate=args.shared_expert_gate,
-        moe_input_jitter_eps=args.input_jitter_eps,
+        moe_input_jitter_eps=args.input_jitter_eps, moe_latent_size=args.latent_size,
         glu_linear_offset=args.glu_linear_offset,
         activation_func_clamp_value=args.activation_clamp,
         token_dispatcher=jax_ep.TokenDispatcherConfig(

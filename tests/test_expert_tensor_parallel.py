@@ -27,6 +27,7 @@ H, F = 16, 32
 
 
 def _config(etp, backend="deepep", capacity=None, activation=None, **dispatcher):
+    """activation: more MoEConfig fields (the experts' activation, latent size, ...)."""
     return MoEConfig(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
                      moe_z_loss_coeff=1e-3, moe_shared_expert_intermediate_size=8,
                      moe_expert_capacity_factor=capacity, expert_tensor_parallel_size=etp,
@@ -89,6 +90,8 @@ def test_values_and_gradients_match_dense(backend, shape, capacity):
                                    # Megatron's MLP experts: fc1 [E,H,F], plain column shards
                                    dict(activation=dict(gated_linear_unit=False,
                                                         activation_func="squared_relu")),
+                                   # latent MoE: the experts (and their shards) in D = 8
+                                   dict(activation=dict(moe_latent_size=8)),
                                    dict(moe_deepep_async_dispatch=True, num_overlap_chunks=2),
                                    dict(moe_router_expert_pad_multiple=4),
                                    dict(grouped_gemm_impl="ragged_dot"),

@@ -406,6 +406,66 @@ def test_apply_probs_on_input_scales_the_expert_input(extra):
         MoEConfig(num_moe_experts=8, moe_router_topk=2, moe_apply_probs_on_input=True)
 
 
+@pytest.mark.parametrize("backend,extra", [("deepep", {}),
+                                           ("deepep", dict(dropless_buffer_factor=1.25)),
+                                           ("deepep", dict(pad_to_capacity=True)),
+                                           ("hybridep", {}),
+                                           ("deepep", dict(add_bias_linear=True))],
+                         ids=["ffi", "bounded", "drop_and_pad", "hybridep", "biases"])
+def test_latent_moe_matches_dense(backend, extra):
+    """Megatron's moe_latent_size D (Nemotron 3 Super's latent MoE): tokens projected H -> D
+    before the dispatch, the experts in D, the combined rows projected D -> H; the router and
+    the shared expert on the full H. Values and gradients (both projections included)
+    against the dense forward."""
+    extra = dict(extra)
+    pad = extra.pop("pad_to_capacity", False)
+    biases = extra.pop("add_bias_linear", False)
+    if pad:
+        extra["moe_expert_capacity_factor"] = 1.5
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       moe_flex_dispatcher_backend=backend,
+                                       moe_permute_fusion=True, **extra)
+    moe_cfg = _moe(cfg, moe_latent_size=8, moe_aux_loss_coeff=1e-2, add_bias_linear=biases,
+                   moe_pad_expert_input_to_capacity=pad,
+                   moe_shared_expert_intermediate_size=None if biases else 8)
+    mesh = _mesh()
+    layer, twin = (MoELayer(moe_cfg, 16, 32, rngs=nnx.Rngs(0), mesh=mesh) for _ in range(2))
+    assert (layer.w_gate_up.shape, layer.w_down.shape) == ((8, 8, 64), (8, 32, 8))
+    assert (layer.fc1_latent_proj.shape, layer.fc2_latent_proj.shape) == ((16, 8), (8, 16))
+    if biases:
+        assert (layer.fc1_latent_proj_bias.shape, layer.fc2_latent_proj_bias.shape) == ((8,),
+                                                                                        (16,))
+        randomize_biases(layer, twin)
+        for m in (layer, twin):
+            m.fc1_latent_proj_bias[...] = jnp.linspace(-1.0, 1.0, 8)
+            m.fc2_latent_proj_bias[...] = jnp.linspace(1.0, -1.0, 16)
+    shard_params(layer, mesh)
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    got, _, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-5)
+    assert float(jnp.abs(grads["fc1_latent_proj"][...]).max()) > 0
+
+
+def test_latent_projections_wrap_the_routed_experts_only():
+    """With D = H, fc1_latent_proj = I and fc2_latent_proj = 2I the latent layer is the plain
+    layer with its routed part doubled (same router, experts and shared expert): y_latent =
+    y_plain + routed, routed the output of the same layer without a shared expert."""
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2)
+    fields = dict(moe_aux_loss_coeff=1e-2)
+    make = lambda **f: MoELayer(_moe(cfg, **fields, **f), 16, 32,  # noqa: E731
+                                rngs=nnx.Rngs(0), mesh=_mesh())
+    latent, plain, routed_only = (make(moe_latent_size=16, moe_shared_expert_intermediate_size=8),
+                                  make(moe_shared_expert_intermediate_size=8), make())
+    latent.fc1_latent_proj[...] = jnp.eye(16)
+    latent.fc2_latent_proj[...] = 2 * jnp.eye(16)
+    x = jax.random.normal(jax.random.key(1), (8, 6, 16))
+    y_latent, y_plain, routed = (np.asarray(dense_forward(m, x)[0])
+                                 for m in (latent, plain, routed_only))
+    np.testing.assert_allclose(y_latent, y_plain + routed, rtol=1e-5, atol=1e-6)
+    assert np.abs(routed).max() > 0.1
+
+
 def test_add_bias_linear_router_and_config_rules():
     """TopKRouter's bias shifts the logits (Megatron's router_gating_linear); add_bias_linear
     with a shared expert is refused (Megatron: the shared expert has no bias)."""

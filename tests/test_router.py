@@ -525,7 +525,7 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
     assert MoEConfig.from_dict(dict(base, **defaults)) == MoEConfig.from_dict(base)
     for name, value in dict(moe_enable_routing_replay=True, moe_token_dropping=True,
                             moe_router_force_biased=0.1, moe_mlp_glu_interleave_size=32,
-                            moe_latent_size=64, moe_dispatch_fwd_dtype="mxfp8").items():
+                            moe_dispatch_fwd_dtype="mxfp8").items():
         with pytest.raises(ValueError, match=f"MoEConfig.{name}: expected"):
             MoEConfig.from_dict(dict(base, **{name: value}))
     layer = MoELayer(MoEConfig.from_dict(dict(base, moe_router_padding_for_fp8=True)), H,

@@ -324,12 +324,16 @@ def _shared_expert(x, shared, activation):
     return y if gate is None else y * jax.nn.sigmoid(x @ gate)
 
 
+def _linear(x, weight, bias=None):
+    """x [..., A] @ weight [A, B] (+ bias [B]) -> [..., B]."""
+    y = x @ weight
+    return y if bias is None else y + bias
+
+
 def _ffn(x, w_gate_up, w_down, activation, b_gate_up=None, b_down=None):
     """One expert (or the shared expert): x [T,H] -> activation(x @ fc1 + b_gate_up) @ fc2 +
     b_down [T,H] (biases None: none)."""
-    h = x @ w_gate_up
-    y = activation(h if b_gate_up is None else h + b_gate_up) @ w_down
-    return y if b_down is None else y + b_down
+    return _linear(activation(_linear(x, w_gate_up, b_gate_up)), w_down, b_down)
 
 
 def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True, noise_key=None,
@@ -628,7 +632,11 @@ class MoELayer(_RouterState, nnx.Module):
       hidden_size H; ffn_hidden_size F (default config.moe_ffn_hidden_size): each expert is
         a GLU H -> 2F -> H (SwiGLU, or config.activation_func's), or with
         config.gated_linear_unit=False an MLP H -> F -> H;
-        config.moe_shared_expert_intermediate_size adds a shared expert.
+        config.moe_shared_expert_intermediate_size adds a shared expert (gated by a sigmoid
+        with moe_shared_expert_gate). With config.moe_latent_size D the experts work in D:
+        the tokens are projected H -> D (fc1_latent_proj) after the router and D -> H
+        (fc2_latent_proj) after the combine; with add_bias_linear the router, the experts'
+        GEMMs and the projections have biases (router_bias, b_gate_up, b_down, ...).
       mesh: a Mesh with the expert axis (and optionally data_axis) for calls under jit; or
         expert_parallel_size P when the layer is called inside your shard_map.
       tensor_axis: the mesh axis of expert tensor parallelism (Megatron's ETP group), used
@@ -732,15 +740,16 @@ class MoELayer(_RouterState, nnx.Module):
             return nnx.Param(jnp.zeros(shape, param_dtype), eager_sharding=False,
                              **{_SHARDING_KEY: names})
 
+        D = config.moe_latent_size or H  # the width the experts (and the wire) see
         self.router = param(rngs.params(), (H, num_experts), H ** -0.5, (None, None))
         fc1_columns = config.gated_activation().fc1_columns
-        self.w_gate_up = param(rngs.params(), (num_experts, H, fc1_columns(F)), H ** -0.5,
+        self.w_gate_up = param(rngs.params(), (num_experts, D, fc1_columns(F)), D ** -0.5,
                                (axis, None, self.tensor_axis))
-        self.w_down = param(rngs.params(), (num_experts, F, H), F ** -0.5,
+        self.w_down = param(rngs.params(), (num_experts, F, D), F ** -0.5,
                             (axis, self.tensor_axis, None))
         self.router_bias = bias((num_experts,), (None,))
         self.b_gate_up = bias((num_experts, fc1_columns(F)), (axis, self.tensor_axis))
-        self.b_down = bias((num_experts, H), (axis, None))
+        self.b_down = bias((num_experts, D), (axis, None))
         S = config.moe_shared_expert_intermediate_size
         if S:
             self.shared_gate_up = param(rngs.params(), (H, fc1_columns(S)), H ** -0.5,
@@ -751,6 +760,12 @@ class MoELayer(_RouterState, nnx.Module):
         self._init_router_state(config)
         self.shared_gate = (param(rngs.params(), (H, 1), H ** -0.5, (None, None))
                             if S and config.moe_shared_expert_gate else None)
+        latent = config.moe_latent_size
+        self.fc1_latent_proj, self.fc2_latent_proj = (
+            (param(rngs.params(), (H, D), H ** -0.5, (None, None)),
+             param(rngs.params(), (D, H), D ** -0.5, (None, None))) if latent else (None, None))
+        self.fc1_latent_proj_bias, self.fc2_latent_proj_bias = (
+            (bias((D,), (None,)), bias((H,), (None,))) if latent else (None, None))
         self.force_balance_step = _draw_counter(ForceBalanceStep, rngs,
                                                 config.moe_router_force_load_balancing)
         self.input_jitter_step = _draw_counter(InputJitterStep, rngs,
@@ -773,11 +788,12 @@ class MoELayer(_RouterState, nnx.Module):
         axes = (self.data_axis,) + axes if self.data_axis else axes
         return axes + (self.tensor_axis,) if self.tensor_axis else axes
 
-    def _local(self, x, router, expert_weights, shared, expert_bias, tracker, padding, draws):
+    def _local(self, x, router, expert_weights, shared, latent, expert_bias, tracker, padding,
+               draws):
         """The per-device body (inside shard_map): x [..., H] local tokens, router (weight
         [H,E], bias [E] or None), expert_weights (w_gate_up, w_down, b_gate_up or None,
         b_down or None) of the local experts, shared (gate_up, down, gate or None) or None,
-        padding bool[...] or None, draws (ForceBalanceStep i32[] or None, InputJitterStep
+        latent (fc1 [H,D], fc2 [D,H], their biases or None) or None, padding bool[...] or None, draws (ForceBalanceStep i32[] or None, InputJitterStep
         i32[] or None). Returns (y, aux, the global_aux_loss tracker's new counts f32[E] or
         None)."""
         cfg, dcfg = self.config, self.dispatch_config
@@ -816,6 +832,8 @@ class MoELayer(_RouterState, nnx.Module):
                                        weighted_experts if self.tensor_axis else weighted_blocks,
                                        tokens.shape[0])
         overflow = None  # dropless_buffer_factor: 1 where the worst-case buffers ran
+        # what the dispatch moves: the tokens, or with moe_latent_size their projections
+        moved = tokens if latent is None else _linear(tokens, latent[0], latent[2])
         if dcfg.moe_deepep_async_dispatch and d.backend != "hybridep":
             def local_kernel(recv_x, recv_idx, recv_w):
                 routing_map, rprobs = d.local_multihot(recv_idx, recv_w)
@@ -825,14 +843,16 @@ class MoELayer(_RouterState, nnx.Module):
                                                 impl=d._local_impl)
                 out = weighted_experts(px, tpe, pp)
                 return ops.unpermute(out, rows, num_tokens=recv_x.shape[0], impl=d._local_impl)
-            y, dropped = d.overlapped_forward(tokens, probs, ids, local_kernel)
+            y, dropped = d.overlapped_forward(moved, probs, ids, local_kernel)
         elif dcfg.dropless_buffer_factor is not None:
-            y, overflow, dropped = d.bounded_forward(tokens, probs, ids, experts_of,
+            y, overflow, dropped = d.bounded_forward(moved, probs, ids, experts_of,
                                                      expert_weights)
         else:
-            permuted, tpe, pp, state = d.token_permutation2(tokens, tokens.shape[0], probs, ids)
+            permuted, tpe, pp, state = d.token_permutation2(moved, moved.shape[0], probs, ids)
             y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
             dropped = state.num_dropped
+        if latent is not None:
+            y = _linear(y, latent[1], latent[3])
         if shared is not None:
             y = y + _shared_expert(tokens, shared, activation)
         E = cfg.num_moe_experts
@@ -865,10 +885,10 @@ class MoELayer(_RouterState, nnx.Module):
     def __call__(self, x, padding_mask=None):
         routing.check_top_k(self.config)
         _check_tokens(x, self.router.shape[0], self.config)
-        x, router, expert_weights, shared = self._weights(x)
+        x, router, expert_weights, shared, latent = self._weights(x)
         tracker = self._tracker()
         draws = (_value(self.force_balance_step), _value(self.input_jitter_step))
-        params = (router, expert_weights, shared, _value(self.expert_bias), tracker,
+        params = (router, expert_weights, shared, latent, _value(self.expert_bias), tracker,
                   _checked_padding_mask(padding_mask, x), draws)
         axis = self.dispatch_config.expert_axis_name
         try:
@@ -900,13 +920,18 @@ class MoELayer(_RouterState, nnx.Module):
     def _weights(self, x):
         """x and the parameters in the compute dtype (self.dtype, or promoted from x's and
         theirs): (x, router (weight [H,E], bias [E] or None), (w_gate_up, w_down, b_gate_up or
-        None, b_down or None), shared expert (gate_up, down) or None)."""
+        None, b_down or None), shared expert (gate_up, down, gate or None) or None, latent
+        projections (fc1 [H,D], fc2 [D,H], their biases or None) or None)."""
         router = (self.router[...], _value(self.router_bias))
         expert_weights = tuple(_value(v) for v in (self.w_gate_up, self.w_down, self.b_gate_up,
                                                    self.b_down))
         shared = (None if self.shared_gate_up is None
                   else (self.shared_gate_up[...], self.shared_down[...], _value(self.shared_gate)))
-        tree = (x, router, expert_weights, shared)
+        latent = (None if self.fc1_latent_proj is None
+                  else tuple(_value(v) for v in (self.fc1_latent_proj, self.fc2_latent_proj,
+                                                 self.fc1_latent_proj_bias,
+                                                 self.fc2_latent_proj_bias)))
+        tree = (x, router, expert_weights, shared, latent)
         dtype = self.dtype or jnp.result_type(*jax.tree.leaves(tree))
         return jax.tree.map(lambda a: jnp.asarray(a, dtype), tree)
 
@@ -955,13 +980,15 @@ class MoELayer(_RouterState, nnx.Module):
             raise ValueError(f"x: expected [batch, ..., hidden_size] with batch divisible by the "
                              f"{devices} devices of mesh axes {token_axes}, got shape {x.shape}")
         tokens_spec = P(token_axes)
-        router, _, shared, expert_bias, tracker, padding, (force, jitter) = params
+        router, _, shared, latent, expert_bias, tracker, padding, (force, jitter) = params
         t = self.tensor_axis
         router_spec = (P(), _spec_of(router[1], P()))
         experts_spec = (P(axis, None, t), P(axis, t, None), _spec_of(self.b_gate_up, P(axis, t)),
                         _spec_of(self.b_down, P(axis, None)))
         shared_spec = _spec_of(shared, (P(), P(), _spec_of(self.shared_gate, P())))
-        in_specs = (tokens_spec, router_spec, experts_spec, shared_spec,
+        latent_spec = _spec_of(latent, (P(), P(), _spec_of(self.fc1_latent_proj_bias, P()),
+                                        _spec_of(self.fc2_latent_proj_bias, P())))
+        in_specs = (tokens_spec, router_spec, experts_spec, shared_spec, latent_spec,
                     _spec_of(expert_bias, P()), _spec_of(tracker, (P(), P())),
                     _spec_of(padding, tokens_spec),
                     (_spec_of(force, P()), _spec_of(jitter, P())))
@@ -1233,7 +1260,7 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
                        else math.prod(layer.mesh.shape[a] for a in layer._token_axes()))
-    x, router, (w_gate_up, w_down, b_gate_up, b_down), shared = layer._weights(x)
+    x, router, (w_gate_up, w_down, b_gate_up, b_down), shared, latent = layer._weights(x)
     if cfg.gated_linear_unit:
         w_gate_up, b_gate_up = (None if a is None else
                                 gate_up_from_etp(a, cfg.expert_tensor_parallel_size)
@@ -1250,14 +1277,18 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,
                               layer._tracker(), None if padding is None else ~padding.reshape(-1))
     activation = cfg.gated_activation()
+    inputs = tokens if latent is None else _linear(tokens, latent[0], latent[2])
     # with moe_apply_probs_on_input (K = 1) every expert sees the token times its prob
-    inputs = _weighted(tokens, probs[:, 0]) if cfg.moe_apply_probs_on_input else tokens
+    if cfg.moe_apply_probs_on_input:
+        inputs = _weighted(inputs, probs[:, 0])
     every = jax.vmap(lambda *w: _ffn(inputs, *w[:2], activation, *w[2:]))(
         w_gate_up, w_down, b_gate_up, b_down)
-    picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,H]
+    picked = every[jnp.maximum(ids, 0), jnp.arange(tokens.shape[0])[:, None]]  # [T,K,D]
     if not cfg.moe_apply_probs_on_input:
         picked = _weighted(picked, probs)
     y = jnp.sum(jnp.where((ids >= 0)[..., None], picked, 0), axis=1)  # dropped slots: none
+    if latent is not None:
+        y = _linear(y, latent[1], latent[3])
     if shared is not None:
         y = y + _shared_expert(tokens, shared, activation)
     return y.reshape(x.shape), _scaled(cfg, balancing, z)

@@ -104,6 +104,11 @@ class MoEConfig:
         shared_gate), shared_gate [H, 1] a parameter (Megatron's gate_weight [1, H]
         transposed; Qwen2-MoE's shared_expert_gate). No effect without a shared expert, as in
         Megatron.
+      moe_latent_size: None, or D: latent MoE (Nemotron 3 Super / Ultra): the tokens are
+        projected H -> D (fc1_latent_proj [H,D]) after the router and before the dispatch, the
+        experts work in D (w_gate_up [E,D,2F], w_down [E,F,D]), the combined rows are projected
+        D -> H (fc2_latent_proj [D,H]); the wire moves D-wide rows. The router and the shared
+        expert see the full H, as Megatron's. With add_bias_linear both projections get a bias.
       token_dispatcher: the dispatcher's TokenDispatcherConfig (backend, transport, buffer
         sizes, ...); its fields num_moe_experts, moe_router_topk, moe_expert_capacity_factor
         and moe_router_dtype are replaced by this config's (see `dispatcher_config`).
@@ -164,6 +169,7 @@ class MoEConfig:
     moe_input_jitter_eps: float | None = None
     moe_apply_probs_on_input: bool = False
     moe_shared_expert_gate: bool = False
+    moe_latent_size: int | None = None
 
     def __post_init__(self):
         E, K = self.num_moe_experts, self.moe_router_topk
@@ -171,7 +177,8 @@ class MoEConfig:
         # K > E is accepted, as Megatron's TransformerConfig accepts it (its tests build such
         # a layer); MoELayer refuses it when called (the router cannot pick K of E experts).
         _require(_int(K), "moe_router_topk", "a positive int", K)
-        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                     "moe_latent_size"):
             v = getattr(self, name)
             _require(v is None or _int(v), name, "None or a positive int", v)
         _require(self.moe_router_score_function in SCORE_FUNCTIONS,
@@ -366,7 +373,6 @@ _DEFAULT_ONLY = {
                                 "moe_router_force_load_balancing"),
     "moe_mlp_glu_interleave_size": (None, "fc1 is [gate | up] here, not interleaved", None),
     "moe_shared_expert_glu_interleave_size": (None, "fc1 is [gate | up] here", None),
-    "moe_latent_size": (None, "latent MoE projections are not implemented", None),
     "moe_dispatch_fwd_dtype": ("bf16", "MXFP8 on the wire is the ncclep backend's",
                                "moe_fp8_dispatch"),
     "moe_combine_bwd_dtype": ("bf16", "MXFP8 on the wire is the ncclep backend's", None),
@@ -402,8 +408,8 @@ def megatron_fields(fields: dict) -> dict:
         expert_model_parallel_size (the mesh's expert axis decides P) and moe_layer_freq (the
         model decides which layers are MoE layers): accepted, no effect.
       Fields jax_ep has only at Megatron's default (_DEFAULT_ONLY: moe_enable_routing_replay,
-        moe_token_dropping, moe_router_force_biased, the GLU interleave sizes, moe_latent_size,
-        the ncclep wire dtypes): the default is accepted, anything else refused with the reason
+        moe_token_dropping, moe_router_force_biased, the GLU interleave sizes, the ncclep wire
+        dtypes): the default is accepted, anything else refused with the reason
         and what to use instead.
     Invalid values raise ValueError naming the field."""
     fields = dict(fields)
