@@ -793,9 +793,9 @@ class MoELayer(_RouterState, nnx.Module):
         """The per-device body (inside shard_map): x [..., H] local tokens, router (weight
         [H,E], bias [E] or None), expert_weights (w_gate_up, w_down, b_gate_up or None,
         b_down or None) of the local experts, shared (gate_up, down, gate or None) or None,
-        latent (fc1 [H,D], fc2 [D,H], their biases or None) or None, padding bool[...] or None, draws (ForceBalanceStep i32[] or None, InputJitterStep
-        i32[] or None). Returns (y, aux, the global_aux_loss tracker's new counts f32[E] or
-        None)."""
+        latent (fc1 [H,D], fc2 [D,H], their biases or None) or None, padding bool[...] or
+        None, draws (ForceBalanceStep i32[] or None, InputJitterStep i32[] or None). Returns
+        (y, aux, the global_aux_loss tracker's new counts f32[E] or None)."""
         cfg, dcfg = self.config, self.dispatch_config
         tokens = x.reshape(-1, x.shape[-1])
         valid = None if padding is None else ~padding.reshape(-1)
