@@ -135,9 +135,10 @@ def parse_args(argv=None):
                    help="moe_router_group_topk: groups each token may use")
     p.add_argument("--topk-scaling-factor", type=float, default=None,
                    help="moe_router_topk_scaling_factor")
-    p.add_argument("--activation", default="silu",
+    p.add_argument("--activation", default=None,
                    choices=["silu", "gelu", "gelu_tanh", "quick_gelu", "relu", "squared_relu"],
-                   help="the experts' activation (activation_func; silu: SwiGLU)")
+                   help="the experts' activation (activation_func; default silu, SwiGLU, for "
+                        "gated experts and gelu for MLP experts, as Megatron)")
     p.add_argument("--add-bias-linear", default=False, action=argparse.BooleanOptionalAction,
                    help="add_bias_linear: router and expert biases (gpt-oss; needs "
                         "--shared-ffn 0)")

@@ -109,8 +109,9 @@ class TokenDispatcherConfig:
       moe_fp8_dispatch: move the dispatched tokens as FP8 codes plus per-128-channel f32
         scales (jax_ep.dispatch / hybridep_dispatch use_fp8=True, fp8_output="cast_back":
         the experts get the rows cast back to the input dtype; gradients straight-through,
-        moved back in the input dtype). Needs a hidden size that is a multiple of 128; not
-        with moe_deepep_async_dispatch.
+        moved back in the input dtype). Needs a hidden size (the rows' width on the wire:
+        MoEConfig.moe_latent_size where set) that is a multiple of 128; not with
+        moe_deepep_async_dispatch.
     """
 
     moe_enable_deepep: bool = True

@@ -377,8 +377,10 @@ def test_shared_expert_gate_scales_the_shared_expert_by_its_sigmoid():
 
 @pytest.mark.parametrize("extra", [dict(), dict(grouped_gemm_impl="blocks"),
                                    dict(dropless_buffer_factor=1.25),
-                                   dict(pad_to_capacity=True)],
-                         ids=["ffi", "blocks", "bounded", "drop_and_pad"])
+                                   dict(pad_to_capacity=True),
+                                   dict(moe_flex_dispatcher_backend="hybridep",
+                                        moe_router_expert_pad_multiple=4)],
+                         ids=["ffi", "blocks", "bounded", "drop_and_pad", "hybridep_pad4"])
 def test_apply_probs_on_input_scales_the_expert_input(extra):
     """Megatron's moe_apply_probs_on_input (K = 1, Llama 4's experts): each expert computes
     f(p * x) (its fc2 bias unweighted), against the dense forward on every expert path, and
@@ -410,8 +412,12 @@ def test_apply_probs_on_input_scales_the_expert_input(extra):
                                            ("deepep", dict(dropless_buffer_factor=1.25)),
                                            ("deepep", dict(pad_to_capacity=True)),
                                            ("hybridep", {}),
-                                           ("deepep", dict(add_bias_linear=True))],
-                         ids=["ffi", "bounded", "drop_and_pad", "hybridep", "biases"])
+                                           ("deepep", dict(add_bias_linear=True)),
+                                           ("deepep", dict(add_bias_linear=True,
+                                                           moe_deepep_async_dispatch=True,
+                                                           num_overlap_chunks=2))],
+                         ids=["ffi", "bounded", "drop_and_pad", "hybridep", "biases",
+                              "biases_overlap"])
 def test_latent_moe_matches_dense(backend, extra):
     """Megatron's moe_latent_size D (Nemotron 3 Super's latent MoE): tokens projected H -> D
     before the dispatch, the experts in D, the combined rows projected D -> H; the router and
@@ -478,6 +484,8 @@ def test_add_bias_linear_router_and_config_rules():
     np.testing.assert_allclose(router.gating(x), x @ router.weight[...].T + jnp.arange(8.0),
                                rtol=1e-6)
     assert TopKRouter(MoEConfig(num_moe_experts=8), 16, rngs=nnx.Rngs(0)).bias is None
+    with pytest.raises(ValueError, match="MoEConfig.moe_input_jitter_eps: TopKRouter"):
+        TopKRouter(MoEConfig(num_moe_experts=8, moe_input_jitter_eps=0.1), 16, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="MoEConfig.add_bias_linear"):
         MoEConfig(num_moe_experts=8, add_bias_linear=True, moe_shared_expert_intermediate_size=8)
     with pytest.raises(ValueError, match="MoEConfig.add_bias_linear"):

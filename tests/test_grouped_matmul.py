@@ -576,3 +576,21 @@ def test_swiglu_experts_with_biases_match_the_per_row_reference(impl, sizes):
     assert not np.asarray(y[routed:]).any()
     assert np.abs(np.asarray(y[:routed] - swiglu_experts(x, sizes, wgu, wd, impl=impl)[
         :routed])).min() > 0  # every routed row moved by its biases
+
+
+def test_swiglu_experts_checks_its_biases_and_keeps_the_gemm_dtype():
+    # a bias of the wrong shape is refused (not broadcast); an f32 bias with bf16 operands
+    # runs in bf16 on every impl (the biases promote nothing)
+    from jax_ep.flax import swiglu_experts
+    x, wgu, wd, _ = _swiglu_operands(10, 2, jnp.bfloat16)
+    sizes = jnp.asarray([5, 5], jnp.int32)
+    bgu, bd = jnp.ones((2, 12), jnp.float32), jnp.ones((2, 8), jnp.float32)
+    for impl in ("blocks", "ffi", "tiled"):
+        y = swiglu_experts(x, sizes, wgu, wd, impl=impl, b_gate_up=bgu, b_down=bd)
+        assert y.dtype == jnp.bfloat16
+        with pytest.raises(ValueError, match=r"b_down: expected shape \(2, 8\)"):
+            swiglu_experts(x, sizes, wgu, wd, impl=impl, b_down=bd[:, :1])
+        with pytest.raises(ValueError, match=r"b_gate_up: expected shape \(2, 12\)"):
+            swiglu_experts(x, sizes, wgu, wd, impl=impl, b_gate_up=bgu[0])
+        with pytest.raises(ValueError, match="b_down: expected a float"):
+            swiglu_experts(x, sizes, wgu, wd, impl=impl, b_down=bd.astype(jnp.int32))

@@ -463,6 +463,12 @@ def test_moe_config_reads_megatrons_activation_fields():
                                ).gated_activation() == GatedActivation("gelu_tanh")
     assert MoEConfig(num_moe_experts=8, gated_linear_unit=False, activation_func=jax.nn.relu
                      ).gated_activation() == GatedActivation("relu", gated_linear_unit=False)
+    # no activation_func: SwiGLU gated, Megatron's default F.gelu not gated (from_dict too)
+    assert MoEConfig(num_moe_experts=8).activation_func == "silu"
+    assert MoEConfig(num_moe_experts=8, gated_linear_unit=False).activation_func == "gelu"
+    assert MoEConfig.from_dict(dict(num_moe_experts=8, gated_linear_unit=False)
+                               ).gated_activation() == GatedActivation("gelu",
+                                                                       gated_linear_unit=False)
     for field, value in [("gated_linear_unit", 1), ("activation_func", "tanh"),
                          ("glu_linear_offset", float("nan")),
                          ("activation_func_clamp_value", 0.0)]:

@@ -30,7 +30,7 @@ from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
-from jax_ep._checks import check_float, check_positive, check_shape
+from jax_ep._checks import check_float, check_float_weights, check_positive, check_shape
 from jax_ep._index import search
 
 __all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "InputJitterStep",
@@ -55,8 +55,9 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
     `jax_ep.flax.activations.GatedActivation`). b_gate_up [L, 2F] (or [L, F]) and b_down
     [L, H]: optional per-expert biases of fc1 and fc2 (Megatron's add_bias_linear), each added
     to its expert's rows."""
-    biases = (b_gate_up, b_down)
-    impl = ops.grouped_matmul_impl(impl, jnp.result_type(tokens, w_gate_up, w_down))
+    dtype = jnp.result_type(tokens, w_gate_up, w_down)
+    biases = _checked_biases(b_gate_up, b_down, w_gate_up, w_down, dtype)
+    impl = ops.grouped_matmul_impl(impl, dtype)
     if impl == "blocks":
         return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, biases, tile_rows,
                                activation)
@@ -64,6 +65,22 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
                   tile_rows=tile_rows)
     add_b_gate_up, add_b_down = (partial(_add_group_bias, b, tokens_per_expert) for b in biases)
     return add_b_down(gmm(activation(add_b_gate_up(gmm(tokens, w_gate_up))), w_down))
+
+
+def _checked_biases(b_gate_up, b_down, w_gate_up, w_down, dtype):
+    """(b_gate_up, b_down) checked against the weights (b_gate_up [L, fc1 columns], b_down
+    [L, H_out], or None) and cast to the GEMMs' dtype, so they promote nothing; else
+    ValueError naming the bias."""
+    L = jnp.shape(w_gate_up)[0]
+    wanted = {"b_gate_up": (L, jnp.shape(w_gate_up)[-1]), "b_down": (L, jnp.shape(w_down)[-1])}
+    checked = []
+    for name, bias in (("b_gate_up", b_gate_up), ("b_down", b_down)):
+        if bias is not None:
+            check_shape(bias, wanted[name], name)
+            check_float_weights(bias, name)
+            bias = jnp.asarray(bias).astype(dtype)
+        checked.append(bias)
+    return tuple(checked)
 
 
 def _add_group_bias(bias, group_sizes, rows):
@@ -200,6 +217,8 @@ def swiglu_expert_blocks(tokens, w_gate_up, w_down, activation=SWIGLU, b_gate_up
     tokens' dtype (fp32 accumulation, as grouped_matmul). One batched GEMM per weight over
     [L, C, H]: no group bookkeeping, no tile loop (on XLA:CPU the tiled grouped GEMM computes
     whole tiles; here every row is a block row)."""
+    b_gate_up, b_down = _checked_biases(b_gate_up, b_down, w_gate_up, w_down,
+                                        jnp.result_type(tokens, w_gate_up, w_down))
     blocks = tokens.reshape(w_gate_up.shape[0], -1, tokens.shape[-1])
     gate_up = _add_block_bias(b_gate_up, ops.block_matmul("lcx,lxy->lcy", blocks, w_gate_up))
     return _add_block_bias(b_down, ops.block_matmul("lcx,lxy->lcy", activation(gate_up),
@@ -871,7 +890,7 @@ class MoELayer(_RouterState, nnx.Module):
         i32[L], probs [N] -> outputs times probs [N,H]) run on every local expert's block padded
         to C = P * ceil(T*K/E * factor) rows (each of the P ranks sends an expert at most its
         capacity), rounded up to moe_router_expert_pad_multiple. Returns the weighted outputs
-        [N,H] in the rows' order."""
+        [N,H] in the rows' order (weighted on the input with moe_apply_probs_on_input)."""
         cfg = self.config
         pad = self.dispatch_config.moe_router_expert_pad_multiple or 1
         capacity = self.dispatcher.ep_size * deepep.expert_capacity(
@@ -1072,16 +1091,17 @@ class TopKRouter(_RouterState, nnx.Module):
       padding_mask=None) is Megatron's sequence-first entry. With
       sow_aux the unscaled losses are sown as nnx.Intermediate "router_aux" (MoELayer's aux
       keys: aux_loss, load_balancing_loss(es), z_loss, ...).
-    moe_router_force_load_balancing is refused (the layer has it: its draw counter is per
-    layer and device).
+    moe_router_force_load_balancing and moe_input_jitter_eps are refused (the layer has them:
+    their draw counters are per layer and device).
     """
 
     def __init__(self, config, hidden_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
                  sow_aux: bool = False, deterministic: bool = False):
         config = _as_moe_config(config)
-        if config.moe_router_force_load_balancing:
-            raise ValueError("MoEConfig.moe_router_force_load_balancing: TopKRouter has no "
-                             "random-logit draw counter; use MoELayer, which has one")
+        for field in ("moe_router_force_load_balancing", "moe_input_jitter_eps"):
+            if getattr(config, field) not in (False, None):
+                raise ValueError(f"MoEConfig.{field}: TopKRouter has no random draw counter; "
+                                 f"use MoELayer, which has one")
         E, H = config.num_moe_experts, check_positive(hidden_size, "hidden_size")
         self.config = config
         self.weight = nnx.Param(jax.nn.initializers.normal(H ** -0.5)(

@@ -124,18 +124,23 @@ class MoEConfig:
         [-c, c] first (gpt-oss: quick_gelu, offset 1.0, clamp 7.0). Not gated (False,
         Megatron's MLP experts): fc1 gives F columns (w_gate_up [L,H,F]) and the experts
         compute activation_func(fc1), offset and clamp unused as in Megatron (Nemotron's
-        experts: squared_relu). activation_func one of ACTIVATION_FUNCS: "silu" (the default:
-        SwiGLU gated), "gelu" (exact), "gelu_tanh" (Gemma's GEGLU gated), "quick_gelu" (x *
+        experts: squared_relu). activation_func one of ACTIVATION_FUNCS, None (the default)
+        meaning "silu" for gated experts (SwiGLU) and "gelu" for MLP experts (Megatron's
+        default F.gelu); it holds the name after construction: "silu", "gelu" (exact),
+        "gelu_tanh" (Gemma's GEGLU gated), "quick_gelu" (x *
         sigmoid(1.702 x)), "relu", "squared_relu" (relu(x)^2); torch's and Megatron's
         functions of these names (F.silu, F.gelu, F.relu, quick_gelu, squared_relu) and
         jax.nn.silu / jax.nn.relu are read as the name, other functions refused (jax.nn.gelu
         is tanh by default: pass "gelu" or "gelu_tanh").
       add_bias_linear: TransformerConfig's field (Megatron's default True; False here, as the
         MoE recipes set --disable-bias-linear): the router's logits get a bias [E] and every
-        expert's fc1 and fc2 a bias (b_gate_up [E, 2F] or [E, F], b_down [E, H]; gpt-oss's
-        experts), all starting at zero; the fc2 bias is weighted by the token's prob with the
-        rest of the expert's output, as Megatron's. Refused with a shared expert (Megatron's
-        rule).
+        expert's fc1 and fc2 a bias (b_gate_up [E, 2F] or [E, F], b_down [E, H], or [E, D]
+        with moe_latent_size; gpt-oss's experts), all starting at zero (Megatron draws its
+        router's bias from init_method, its TE linears' biases are zero); the fc2 bias is
+        weighted by the token's prob with the rest of the expert's output, as Megatron's.
+        With expert_tensor_parallel_size > 1 the fc1 bias is split with fc1's columns and the
+        fc2 bias added once after the reduction (Megatron refuses biases with ETP > 1).
+        Refused with a shared expert (Megatron's rule).
     Invalid values raise ValueError naming the field.
     """
 
@@ -162,7 +167,7 @@ class MoEConfig:
         default_factory=TokenDispatcherConfig)
     expert_tensor_parallel_size: int = 1
     gated_linear_unit: bool = True
-    activation_func: str = "silu"
+    activation_func: str | None = None
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float | None = None
     add_bias_linear: bool = False
@@ -241,8 +246,11 @@ class MoEConfig:
     def _check_activation(self):
         _require(isinstance(self.gated_linear_unit, bool), "gated_linear_unit", "a bool",
                  self.gated_linear_unit)
+        func = self.activation_func
+        if func is None:  # SwiGLU experts, or Megatron's default F.gelu for its MLP experts
+            func = "silu" if self.gated_linear_unit else "gelu"
         try:
-            object.__setattr__(self, "activation_func", activation_name(self.activation_func))
+            object.__setattr__(self, "activation_func", activation_name(func))
             self.gated_activation()
         except ValueError as e:
             raise ValueError(f"MoEConfig.{e}") from None
