@@ -111,8 +111,10 @@ def parse_args(argv=None):
     p.add_argument("--score-function", default="softmax",
                    choices=["softmax", "sigmoid", "sqrtsoftplus"], help="moe_router_score_function")
     p.add_argument("--load-balancing", default="aux_loss",
-                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
-                   help="moe_router_load_balancing_type (sinkhorn: set --aux-loss-coeff 0)")
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                            "quantile_balancing", "none"],
+                   help="moe_router_load_balancing_type (sinkhorn, quantile_balancing: set "
+                        "--aux-loss-coeff 0)")
     p.add_argument("--aux-loss-coeff", type=float, default=1e-2, help="moe_aux_loss_coeff")
     p.add_argument("--z-loss-coeff", type=float, default=None, help="moe_z_loss_coeff")
     p.add_argument("--apply-probs-on-input", action="store_true",
@@ -413,6 +415,8 @@ def train(args):
             if args.expert_bias:  # once per step, no autodiff: the global counts the layer
                 block.moe.update_expert_bias()  # gathered over the step's micro-batches
             block.moe.reset_global_aux_loss_tracker()  # once per optimizer step, as Megatron
+            if args.load_balancing == "quantile_balancing":  # its bias, from the step's
+                block.moe.update_quantile_balancing()      # micro-batches' quantiles
         stats = {name: jnp.stack([a[name] for a in auxes]) for name in (
             "tokens_per_expert", "load_ratio", "num_dropped", "load_balancing_loss")}
         stats["crossed"] = jnp.stack([sum(a.get(k, 0) for a in auxes)

@@ -504,8 +504,7 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
                  moe_paged_stash_buffer_size_factor_cpu=1.5,
                  moe_paged_stash_buffer_size_factor_cuda=1.1, moe_paged_stash_page_size=64,
                  moe_pad_experts_for_cuda_graph_inference=True, moe_ncclep_zero_copy=True,
-                 moe_hybridep_pad_uneven_dispatch_inputs=True, moe_layer_freq=2,
-                 moe_router_quantile_balancing_ema=0.5)
+                 moe_hybridep_pad_uneven_dispatch_inputs=True, moe_layer_freq=2)
     assert MoEConfig.from_dict(dict(base, **inert)) == MoEConfig.from_dict(base)
     # ... or read into jax_ep's field of the same effect
     c = MoEConfig.from_dict(dict(base, moe_router_topk_limited_devices=2))
@@ -751,6 +750,100 @@ def test_force_load_balancing_routes_by_random_logits():
     assert int(other.force_balance_step[...]) != start
     with pytest.raises(ValueError, match="moe_router_force_load_balancing"):
         _cfg(moe_router_force_load_balancing=1)
+
+
+def np_qb_dual_update(scores, k, beta):
+    """Megatron's qb_dual_update in numpy float64: (top-k indices of scores - beta, the column
+    quantile: for expert e the (T*k/E + 1)-th largest of scores[:, e] - alpha, alpha each
+    token's (k+1)-th largest of scores - beta)."""
+    scores, beta = np.asarray(scores, np.float64), np.asarray(beta, np.float64)
+    shifted = scores - beta
+    order = np.argsort(-shifted, axis=1, kind="stable")
+    alpha = np.take_along_axis(shifted, order[:, k:k + 1], axis=1)
+    target = scores.shape[0] * k // scores.shape[1]
+    quantile = -np.sort(-(scores - alpha), axis=0)[target]
+    return order[:, :k], quantile
+
+
+def test_qb_dual_update_matches_megatrons_formula():
+    rng = np.random.default_rng(21)
+    for T, E, k in ((12, 6, 2), (16, 8, 1), (24, 8, 3)):
+        scores = rng.standard_normal((T, E)).astype(np.float32)
+        beta = (rng.standard_normal(E) * 0.3).astype(np.float32)
+        ids, quantile = routing.qb_dual_update(jnp.asarray(scores), k, jnp.asarray(beta))
+        want_ids, want_quantile = np_qb_dual_update(scores, k, beta)
+        np.testing.assert_array_equal(np.asarray(ids), want_ids)
+        np.testing.assert_allclose(np.asarray(quantile), want_quantile, rtol=1e-6, atol=1e-6)
+        # the quantile bias gives every expert its T*k/E share of the k-th choices
+        shifted = scores - np.asarray(quantile)
+        assert np.bincount(np.argsort(-shifted, axis=1)[:, :k].ravel(), minlength=E).max() \
+            <= T * k // E + k
+    same_ids, same_beta = routing.qb_dual_update(jnp.asarray(scores), 3, jnp.asarray(beta),
+                                                 update_beta=False)
+    assert same_beta is not None and np.array_equal(np.asarray(same_beta), beta)
+    with pytest.raises(ValueError, match="divisible"):
+        routing.qb_dual_update(jnp.zeros((5, 8)), 2, jnp.zeros(8))
+
+
+def test_quantile_balancing_layer_routes_accumulates_and_updates():
+    # Megatron's "quantile_balancing": the experts are the top-k of logits - qb_beta (the
+    # dense oracle routes the same); a training call adds the devices' mean quantile to
+    # qb_beta_accum and 1 to qb_beta_count, eval adds nothing; update_quantile_balancing
+    # moves qb_beta by the EMA rule and re-centres it
+    c = _cfg(moe_router_load_balancing_type="quantile_balancing", moe_aux_loss_coeff=0.0,
+             moe_router_score_function="sigmoid", moe_router_quantile_balancing_ema=0.25)
+    mesh = _mesh()
+    layer, twin = (MoELayer(c, H, 32, rngs=nnx.Rngs(0), mesh=mesh) for _ in range(2))
+    beta = jnp.asarray(np.linspace(-0.5, 0.5, E), jnp.float32)
+    for m in (layer, twin):
+        m.qb_beta[...] = beta
+    shard_params(layer, mesh)
+    x = jax.random.normal(jax.random.key(1), (16, 4, H))  # 8 tokens a device: 8 * K % E == 0
+    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_param_grads_close(grads, want_grads, rtol=3e-5, atol=3e-6)
+    logits = np.asarray(x, np.float64).reshape(8, -1, H) @ np.asarray(twin.router[...])
+    want_quantile = np.mean([np_qb_dual_update(block, K, beta)[1] for block in logits], axis=0)
+    np.testing.assert_allclose(np.asarray(layer.qb_beta_accum[...]), want_quantile,
+                               rtol=1e-5, atol=1e-5)
+    assert float(layer.qb_beta_count[...]) == 1.0
+    # the dense counts are the top-k of logits - beta on each device
+    np_ids = np.concatenate([np_qb_dual_update(block, K, beta)[0] for block in logits])
+    np.testing.assert_array_equal(np.asarray(aux["tokens_per_expert"]),
+                                  np.bincount(np_ids.ravel(), minlength=E))
+    layer.eval()
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+    with jax.set_mesh(mesh):
+        nnx.jit(lambda m, x: m(x)[0])(layer, xs)
+    assert float(layer.qb_beta_count[...]) == 1.0
+    layer.train()
+    with jax.set_mesh(mesh):
+        nnx.jit(lambda m: m.update_quantile_balancing())(layer)
+    new = 0.25 * np.asarray(beta) + 0.75 * want_quantile
+    np.testing.assert_allclose(np.asarray(layer.qb_beta[...]), new - new.mean(), rtol=1e-5,
+                               atol=1e-6)
+    assert float(layer.qb_beta_count[...]) == 0.0 and not np.asarray(layer.qb_beta_accum[...]).any()
+    with pytest.raises(ValueError, match="padding_mask"):
+        layer(x, padding_mask=jnp.zeros(x.shape[:2], bool))
+
+
+@pytest.mark.parametrize("fields", [
+    dict(moe_aux_loss_coeff=1e-2),
+    dict(moe_router_num_groups=4, moe_router_group_topk=2),
+    dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
+    dict(moe_router_quantile_balancing_ema=1.5)])
+def test_quantile_balancing_config_rules(fields):
+    with pytest.raises(ValueError, match="MoEConfig.moe_"):
+        _cfg(moe_router_load_balancing_type="quantile_balancing",
+             **dict(dict(moe_aux_loss_coeff=0.0), **fields))
+
+
+def test_quantile_balancing_only_as_a_plain_string():
+    with pytest.raises(ValueError, match="moe_router_load_balancing_type"):
+        _cfg(moe_router_load_balancing_type=["aux_loss", "quantile_balancing"],
+             moe_aux_loss_coeff=[1e-2, 0.0])
+    with pytest.raises(ValueError, match="update_quantile_balancing"):
+        MoELayer(_cfg(), H, 32, rngs=nnx.Rngs(0), mesh=_mesh()).update_quantile_balancing()
 
 
 def test_input_jitter_scales_the_router_input_in_training_only():

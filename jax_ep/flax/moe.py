@@ -546,6 +546,60 @@ class _RouterState:
                                            **{_SHARDING_KEY: ()})
         else:
             self.global_tokens_per_expert = self.ga_steps = None
+        if config.quantile_balancing:
+            self.qb_beta = QuantileBias(jnp.zeros((E,), jnp.float32), eager_sharding=False,
+                                        **{_SHARDING_KEY: (None,)})
+            self.qb_beta_accum, self.qb_beta_count = (
+                QuantileTracker(jnp.zeros(shape, jnp.float32), eager_sharding=False,
+                                **{_SHARDING_KEY: (None,) * len(shape)})
+                for shape in ((E,), ()))
+        else:
+            self.qb_beta = self.qb_beta_accum = self.qb_beta_count = None
+
+    def _quantile(self, logits, qb_beta):
+        """Quantile balancing's quantile f32[E] of these logits [T,E] in a training call
+        (qb_dual_update), else None."""
+        if self.qb_beta is None or self.deterministic:
+            return None
+        return routing.qb_dual_update(logits, self.config.moe_router_topk, qb_beta)[1]
+
+    def _choice_bias(self):
+        """The per-expert bias the router's choice reads: quantile balancing's qb_beta f32[E]
+        (subtracted from the logits), the expert bias f32[E] (added to the scores), or None."""
+        return _value(self.qb_beta if self.qb_beta is not None else self.expert_bias)
+
+    def _check_quantile_padding(self, padding_mask):
+        if self.qb_beta is not None and padding_mask is not None:
+            raise ValueError("padding_mask: expected None with quantile balancing (Megatron "
+                             "asserts the same: the quantile counts every token)")
+
+    def _accumulate_quantile(self, quantile):
+        """Adds a training call's quantile f32[E] (None: none) to qb_beta_accum, 1 to
+        qb_beta_count (Megatron's per-micro-batch accumulation)."""
+        if quantile is not None and not self.deterministic:
+            self.qb_beta_accum[...] += quantile
+            self.qb_beta_count[...] += 1.0
+
+    def update_quantile_balancing(self, dp_cp_group=None):
+        """Quantile balancing's update, once per optimizer step after its micro-batches
+        (Megatron's _update_router_qb_beta in finalize_model_grads): qb_beta = ema * qb_beta +
+        (1 - ema) * qb_beta_accum / max(qb_beta_count, 1), then minus its mean over experts
+        (ema = moe_router_quantile_balancing_ema); qb_beta_accum and qb_beta_count start again
+        from zero. dp_cp_group: mesh axis name(s) to average the accumulated quantile over,
+        inside shard_map (Megatron's data-parallel average; MoELayer's quantiles are averaged
+        over its mesh already, a TopKRouter's are its device's)."""
+        if self.qb_beta is None:
+            raise ValueError("update_quantile_balancing: there is no quantile bias "
+                             "(MoEConfig.moe_router_load_balancing_type is not "
+                             "'quantile_balancing')")
+        average = self.qb_beta_accum[...] / jnp.maximum(self.qb_beta_count[...], 1.0)
+        if dp_cp_group:
+            average = jax.lax.pmean(average, dp_cp_group)
+        ema = self.config.moe_router_quantile_balancing_ema
+        beta = ema * self.qb_beta[...] + (1.0 - ema) * average
+        self.qb_beta[...] = beta - beta.mean()
+        self.qb_beta_accum[...] = jnp.zeros_like(self.qb_beta_accum[...])
+        self.qb_beta_count[...] = jnp.zeros_like(self.qb_beta_count[...])
 
     def update_expert_bias(self, tokens_per_expert=None, tp_dp_cp_group=None):
         """Aux-loss-free balancing, once per step outside autodiff (Megatron's rule): the
@@ -600,6 +654,18 @@ class TokenCounts(nnx.Variable):
     """local_tokens_per_expert f32[E]: the slots each expert got in the training calls since
     the last `update_expert_bias` (Megatron's router buffer; saved with the state, where
     Megatron's is not persistent). Non-trainable; every training call adds to it."""
+
+
+class QuantileBias(nnx.Variable):
+    """Quantile balancing's per-expert bias qb_beta f32[E] (Megatron's persistent router
+    buffer): subtracted from the logits for the choice of experts; non-trainable, moved by
+    `update_quantile_balancing`."""
+
+
+class QuantileTracker(nnx.Variable):
+    """Quantile balancing's running state over the micro-batches of one optimizer step
+    (Megatron's qb_beta_accum f32[E] and qb_beta_count f32[]): added to by every training call,
+    read and zeroed by `update_quantile_balancing`."""
 
 
 class AuxLossTracker(nnx.Variable):
@@ -813,8 +879,10 @@ class MoELayer(_RouterState, nnx.Module):
         [H,E], bias [E] or None), expert_weights (w_gate_up, w_down, b_gate_up or None,
         b_down or None) of the local experts, shared (gate_up, down, gate or None) or None,
         latent (fc1 [H,D], fc2 [D,H], their biases or None) or None, padding bool[...] or
-        None, draws (ForceBalanceStep i32[] or None, InputJitterStep i32[] or None). Returns
-        (y, aux, the global_aux_loss tracker's new counts f32[E] or None)."""
+        None, draws (ForceBalanceStep i32[] or None, InputJitterStep i32[] or None);
+        expert_bias: the router choice's bias (`_choice_bias`). Returns (y, aux, (the
+        global_aux_loss tracker's new counts f32[E] or None, quantile balancing's quantile
+        f32[E] of a training call, averaged over the token devices, or None))."""
         cfg, dcfg = self.config, self.dispatch_config
         tokens = x.reshape(-1, x.shape[-1])
         valid = None if padding is None else ~padding.reshape(-1)
@@ -824,6 +892,9 @@ class MoELayer(_RouterState, nnx.Module):
                                                         not self.deterministic, *keys)
         balancing, z, tracked = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, axes,
                                         tracker=tracker, valid=valid)
+        quantile = self._quantile(logits, expert_bias)
+        if quantile is not None and axes:
+            quantile = jax.lax.pmean(quantile, axes)
         d = self.dispatcher
         activation = cfg.gated_activation()
         experts = partial(swiglu_experts, impl=dcfg.grouped_gemm_impl, tile_rows=expert_tile_rows(
@@ -883,7 +954,7 @@ class MoELayer(_RouterState, nnx.Module):
         if not isinstance(dcfg.expert_axis_name, str):
             aux.update(zip(("rows_across_nodes", "flat_rows_across_nodes"), _sum_over(
                 axes, *_rows_across_nodes(ids, E, dcfg.expert_axis_name))))
-        return y.reshape(x.shape), aux, tracked
+        return y.reshape(x.shape), aux, (tracked, quantile)
 
     def _padded_experts(self, weighted_experts, num_tokens, rows, tokens_per_expert, probs):
         """moe_pad_expert_input_to_capacity: `weighted_experts` (rows [N,H], tokens_per_expert
@@ -907,7 +978,8 @@ class MoELayer(_RouterState, nnx.Module):
         x, router, expert_weights, shared, latent = self._weights(x)
         tracker = self._tracker()
         draws = (_value(self.force_balance_step), _value(self.input_jitter_step))
-        params = (router, expert_weights, shared, latent, _value(self.expert_bias), tracker,
+        self._check_quantile_padding(padding_mask)
+        params = (router, expert_weights, shared, latent, self._choice_bias(), tracker,
                   _checked_padding_mask(padding_mask, x), draws)
         axis = self.dispatch_config.expert_axis_name
         try:
@@ -917,10 +989,11 @@ class MoELayer(_RouterState, nnx.Module):
             inside_shard_map = False
         if inside_shard_map:
             self._check_tensor_axis_bound()
-            y, aux, tracked = self._local(x, *params)
+            y, aux, (tracked, quantile) = self._local(x, *params)
         else:
-            y, aux, tracked = self._sharded(x, params)
+            y, aux, (tracked, quantile) = self._sharded(x, params)
         self._track(tracked, tracker)
+        self._accumulate_quantile(quantile)
         self._count_tokens(aux["tokens_per_expert"])
         for counter in (self.force_balance_step, self.input_jitter_step):
             if counter is not None:
@@ -1135,8 +1208,10 @@ class TopKRouter(_RouterState, nnx.Module):
         if padding_mask is not None:
             check_shape(padding_mask, (logits.shape[0],), "padding_mask")
         valid = None if padding_mask is None else ~padding_mask.reshape(-1)
-        bias = None if self.expert_bias is None else self.expert_bias[...]
+        self._check_quantile_padding(padding_mask)
+        bias = self._choice_bias()
         probs, ids, dropped = _routed(logits, cfg, bias, not self.deterministic)
+        self._accumulate_quantile(self._quantile(logits, bias))
         tracker = self._tracker()
         balancing, z, tracked = _losses(logits, seq_len, cfg, (), tracker=tracker, valid=valid)
         self._track(tracked, tracker)
@@ -1286,7 +1361,7 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
                                 gate_up_from_etp(a, cfg.expert_tensor_parallel_size)
                                 for a in (w_gate_up, b_gate_up))
     tokens = x.reshape(-1, x.shape[-1])
-    bias = None if layer.expert_bias is None else layer.expert_bias[...]
+    bias = layer._choice_bias()
     blocks = tokens.reshape(num_devices, -1, tokens.shape[-1])
     draws = (_value(layer.force_balance_step), _value(layer.input_jitter_step))
     keys = jax.vmap(lambda device: layer._draw_keys(*draws, device))(jnp.arange(num_devices))

@@ -18,7 +18,8 @@ __all__ = ["AUX_LOSS_TYPES", "DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig
            "SCORE_FUNCTIONS", "megatron_fields"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                        "quantile_balancing", "none")
 # The types that add a loss (each with its own coefficient), in the order Megatron applies them.
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
@@ -69,7 +70,12 @@ class MoEConfig:
         "seq_aux_loss" (per sequence, averaged over sequences), "global_aux_loss" (over the
         global batch, its expert counts a running mean over the micro-batches of a step, as
         Megatron's), "sinkhorn" (experts chosen by top-k of Sinkhorn-balanced scores while
-        training; needs moe_aux_loss_coeff 0 and no capacity factor), or "none"; or a list /
+        training; needs moe_aux_loss_coeff 0 and no capacity factor), "quantile_balancing"
+        (Megatron's dual quantile balancing: the top-k of logits - qb_beta, a per-expert bias
+        moved once per optimizer step by `MoELayer.update_quantile_balancing` towards the
+        quantile that gives every expert T*K/E of a device's T tokens, EMA
+        moe_router_quantile_balancing_ema; needs moe_aux_loss_coeff 0, no groups, no expert
+        bias, T*K divisible by E, no padding mask), or "none"; or a list /
         tuple of the loss types (Megatron >= core 0.14), each with its coefficient at the same
         index of moe_aux_loss_coeff (a list of the same length); lists never route by
         sinkhorn (Megatron's rule: only the plain string does). Kept as tuples.
@@ -175,6 +181,7 @@ class MoEConfig:
     moe_apply_probs_on_input: bool = False
     moe_shared_expert_gate: bool = False
     moe_latent_size: int | None = None
+    moe_router_quantile_balancing_ema: float = 0.0
 
     def __post_init__(self):
         E, K = self.num_moe_experts, self.moe_router_topk
@@ -282,11 +289,39 @@ class MoEConfig:
         if kind == "sinkhorn":
             _require(coeff == 0, "moe_aux_loss_coeff",
                      "0 with moe_router_load_balancing_type='sinkhorn' (Megatron's rule)", coeff)
+        self._check_quantile_balancing(kind, coeff)
         if self.moe_expert_capacity_factor is not None:
             _require("sinkhorn" not in self.load_balancing_types(),
                      "moe_router_load_balancing_type",
                      f"one of {AUX_LOSS_TYPES + ('none',)} (each entry) with "
                      f"moe_expert_capacity_factor (Megatron's rule)", kind)
+
+    def _check_quantile_balancing(self, kind, coeff):
+        """Megatron's rules for "quantile_balancing" (a plain string type: in a list Megatron
+        never reads it): no aux loss, no group-limited routing; and no expert bias (the
+        quantile bias alone picks the experts)."""
+        ema = self.moe_router_quantile_balancing_ema
+        _require(_real(ema) and ema <= 1, "moe_router_quantile_balancing_ema",
+                 "a float in [0, 1]", ema)
+        if kind == "quantile_balancing":
+            _require(coeff == 0, "moe_aux_loss_coeff", "0 with moe_router_load_balancing_type="
+                     "'quantile_balancing' (Megatron's rule: the bias balances the load)", coeff)
+            _require(self.moe_router_num_groups is None and self.moe_router_group_topk is None,
+                     "moe_router_num_groups", "None with quantile balancing (Megatron's rule)",
+                     self.moe_router_num_groups)
+            _require(not self.moe_router_enable_expert_bias, "moe_router_enable_expert_bias",
+                     "False with quantile balancing (its own per-expert bias picks the "
+                     "experts; Megatron would ignore the expert bias)",
+                     self.moe_router_enable_expert_bias)
+        else:
+            _require("quantile_balancing" not in self.load_balancing_types(),
+                     "moe_router_load_balancing_type", "'quantile_balancing' as a plain string "
+                     "(Megatron reads it only so)", kind)
+
+    @property
+    def quantile_balancing(self) -> bool:
+        """Whether the router picks experts by quantile balancing (the plain string type)."""
+        return self.moe_router_load_balancing_type == "quantile_balancing"
 
     def load_balancing_types(self) -> tuple[str, ...]:
         """moe_router_load_balancing_type as a tuple (a string type: a tuple of one)."""
@@ -370,8 +405,7 @@ _KERNEL_CHOICES = ("moe_grouped_gemm", "moe_router_fusion", "moe_use_legacy_grou
                    "moe_paged_stash_buffer_size_factor_cpu",
                    "moe_paged_stash_buffer_size_factor_cuda", "moe_paged_stash_page_size",
                    "moe_pad_experts_for_cuda_graph_inference", "moe_ncclep_zero_copy",
-                   "moe_hybridep_pad_uneven_dispatch_inputs", "moe_layer_freq",
-                   "moe_router_quantile_balancing_ema")
+                   "moe_hybridep_pad_uneven_dispatch_inputs", "moe_layer_freq")
 # Megatron fields jax_ep has only at their default: (default, why, what to use instead).
 _DEFAULT_ONLY = {
     "moe_enable_routing_replay": (False, "router replay has no XLA counterpart", None),

@@ -14,7 +14,8 @@ from jax_ep.flax.moe_config import MoEConfig
 
 __all__ = ["apply_random_logits", "apply_router_token_dropping", "capacity_drop",
            "check_top_k", "compute_routing_scores_for_aux_loss", "get_capacity",
-           "get_updated_expert_bias", "group_limited_topk", "pad_routing_map", "route",
+           "get_updated_expert_bias", "group_limited_topk", "pad_routing_map",
+           "qb_dual_update", "route",
            "router_gating_linear",
            "sinkhorn", "switch_load_balancing_loss_func", "switch_loss_terms",
            "topk_routing_with_score_function", "z_loss_func", "z_loss_terms"]
@@ -163,16 +164,49 @@ def check_top_k(cfg: MoEConfig):
                         "num_moe_experts")
 
 
+def qb_dual_update(scores, k, beta, update_beta=True):
+    """Megatron's qb_dual_update (quantile balancing): scores [T,E] (the router's logits),
+    beta f32[E] the per-expert bias -> (indices i32[T,k]: the top-k of scores - beta, and with
+    update_beta the column quantile f32[E] that would give each expert T*k/E tokens: for
+    expert e the (T*k/E + 1)-th largest of scores[:, e] - alpha, alpha each token's (k+1)-th
+    largest score - beta; else beta). Computed in float32, no gradient. T*k must be divisible
+    by E (ValueError); T = 0 gives beta back."""
+    scores = jax.lax.stop_gradient(scores).astype(jnp.float32)
+    num_tokens, num_experts = scores.shape
+    if k + 1 > num_experts:
+        raise ValueError(f"k: quantile balancing needs top-k + 1 <= num_experts, got k={k}, "
+                         f"E={num_experts}")
+    values, indices = jax.lax.top_k(scores - beta, k + 1)
+    if not update_beta or num_tokens == 0:
+        return indices[:, :k].astype(jnp.int32), beta
+    if (num_tokens * k) % num_experts:
+        raise ValueError(f"scores: quantile balancing needs the routed slots (T={num_tokens} "
+                         f"tokens * top-{k}) divisible by the {num_experts} experts")
+    column_target = num_tokens * k // num_experts
+    alpha = values[:, -1:]
+    quantile = jax.lax.top_k((scores - alpha).T, column_target + 1)[0][:, -1]
+    return indices[:, :k].astype(jnp.int32), quantile
+
+
 def route(logits, cfg: MoEConfig, expert_bias=None, training=True):
     """The layer's routing before the capacity drop: logits [T,E] (router dtype) -> (probs
     [T,K] in the logits' dtype, ids i32[T,K]): sinkhorn (Megatron's sinkhorn_load_balancing),
-    else `topk_routing_with_score_function` with cfg's fields. expert_bias f32[E] (sigmoid /
+    quantile balancing (the experts: qb_dual_update's top-k of logits - expert_bias, here
+    the quantile bias qb_beta; the probs: the score function's at them), else
+    `topk_routing_with_score_function` with cfg's fields. expert_bias f32[E] (sigmoid /
     sqrtsoftplus) shifts the scores for the choice of experts, not the probs. training:
     Megatron's module.training, read by sinkhorn routing only."""
     check_top_k(cfg)
     if cfg.sinkhorn:
         probs, ids = _sinkhorn_route(logits, cfg, training)
         return probs.astype(logits.dtype), ids.astype(jnp.int32)
+    if cfg.quantile_balancing:
+        ids, _ = qb_dual_update(logits, cfg.moe_router_topk, expert_bias, update_beta=False)
+        return topk_routing_with_score_function(
+            logits, cfg.moe_router_topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+            scaling_factor=cfg.moe_router_topk_scaling_factor,
+            score_function=cfg.moe_router_score_function, dense_output=True,
+            precomputed_indices=ids)
     return topk_routing_with_score_function(
         logits, cfg.moe_router_topk, use_pre_softmax=cfg.moe_router_pre_softmax,
         num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
