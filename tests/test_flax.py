@@ -233,6 +233,19 @@ def _mesh():
     return jax.make_mesh((2, 4), ("data", "expert"))
 
 
+def _path_config(extra, backend="deepep", top_k=2):
+    """An expert-path case's TokenDispatcherConfig (E = 8, fused permutation): `extra` holds
+    TokenDispatcherConfig fields, or pad_to_capacity=True for drop-and-pad at capacity factor
+    1.5. Returns (config, pad), pad for MoEConfig.moe_pad_expert_input_to_capacity."""
+    extra = dict(extra)
+    pad = extra.pop("pad_to_capacity", False)
+    if pad:
+        extra["moe_expert_capacity_factor"] = 1.5
+    extra.setdefault("moe_flex_dispatcher_backend", backend)
+    return jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=top_k,
+                                        moe_permute_fusion=True, **extra), pad
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("extra", [dict(), dict(moe_router_expert_pad_multiple=4),
                                    dict(moe_deepep_async_dispatch=True, num_overlap_chunks=3),
@@ -281,12 +294,7 @@ def test_moe_layer_activation_matches_dense(activation, extra):
     through every expert path: the grouped GEMM handler, the blocks, bounded buffers and
     drop-and-pad's equal blocks, against the dense forward; and the result is not that of
     SwiGLU (gated) or ReLU (not gated) with the same parameters."""
-    extra = dict(extra)
-    pad = extra.pop("pad_to_capacity", False)
-    if pad:
-        extra["moe_expert_capacity_factor"] = 1.5
-    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
-                                       moe_permute_fusion=True, **extra)
+    cfg, pad = _path_config(extra)
     fields = dict(moe_shared_expert_intermediate_size=8, moe_aux_loss_coeff=1e-2,
                   moe_pad_expert_input_to_capacity=pad)
     mesh = _mesh()
@@ -318,13 +326,7 @@ def test_moe_layer_add_bias_linear_matches_dense(backend, extra):
     and fc2 biases, through every expert path, against the dense forward (values and the
     gradients of all six parameters, biases included); zero-initialised, so a fresh layer
     equals the layer without biases."""
-    extra = dict(extra)
-    pad = extra.pop("pad_to_capacity", False)
-    if pad:
-        extra["moe_expert_capacity_factor"] = 1.5
-    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
-                                       moe_flex_dispatcher_backend=backend,
-                                       moe_permute_fusion=True, **extra)
+    cfg, pad = _path_config(extra, backend)
     fields = dict(moe_aux_loss_coeff=1e-2, moe_pad_expert_input_to_capacity=pad,
                   activation_func="quick_gelu", glu_linear_offset=1.0,
                   activation_func_clamp_value=1.5)
@@ -385,12 +387,7 @@ def test_apply_probs_on_input_scales_the_expert_input(extra):
     """Megatron's moe_apply_probs_on_input (K = 1, Llama 4's experts): each expert computes
     f(p * x) (its fc2 bias unweighted), against the dense forward on every expert path, and
     differs from p * f(x)."""
-    extra = dict(extra)
-    pad = extra.pop("pad_to_capacity", False)
-    if pad:
-        extra["moe_expert_capacity_factor"] = 1.5
-    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=1,
-                                       moe_permute_fusion=True, **extra)
+    cfg, pad = _path_config(extra, top_k=1)
     fields = dict(moe_router_score_function="sigmoid", moe_aux_loss_coeff=1e-2,
                   moe_pad_expert_input_to_capacity=pad, add_bias_linear=True)
     mesh = _mesh()
@@ -424,13 +421,8 @@ def test_latent_moe_matches_dense(backend, extra):
     the shared expert on the full H. Values and gradients (both projections included)
     against the dense forward."""
     extra = dict(extra)
-    pad = extra.pop("pad_to_capacity", False)
     biases = extra.pop("add_bias_linear", False)
-    if pad:
-        extra["moe_expert_capacity_factor"] = 1.5
-    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
-                                       moe_flex_dispatcher_backend=backend,
-                                       moe_permute_fusion=True, **extra)
+    cfg, pad = _path_config(extra, backend)
     moe_cfg = _moe(cfg, moe_latent_size=8, moe_aux_loss_coeff=1e-2, add_bias_linear=biases,
                    moe_pad_expert_input_to_capacity=pad,
                    moe_shared_expert_intermediate_size=None if biases else 8)

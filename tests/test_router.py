@@ -718,6 +718,18 @@ def test_apply_random_logits_is_a_straight_through_draw():
     assert routing.apply_random_logits(logits.astype(jnp.bfloat16), key).dtype == jnp.bfloat16
 
 
+def _layer_matching_dense(c, mesh):
+    """A layer of config c and its twin (`_layer`) on x [16, 3, H]: one training call of each
+    (the layer under jit on mesh, the twin's dense_forward), their losses and parameter
+    gradients asserted equal. Returns (layer, twin, x, the layer's gradients)."""
+    layer, twin = _layer(c, mesh)
+    x = jax.random.normal(jax.random.key(1), (16, 3, H))
+    got, _, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_param_grads_close(grads, want_grads, rtol=3e-5, atol=3e-6)
+    return layer, twin, x, grads
+
+
 def test_force_load_balancing_routes_by_random_logits():
     # Megatron's moe_router_force_load_balancing: the routing ignores the router weights (a
     # router scaled by 100 routes the same), draws anew per call and device, and the router
@@ -725,11 +737,7 @@ def test_force_load_balancing_routes_by_random_logits():
     c = _cfg(moe_router_force_load_balancing=True, moe_aux_loss_coeff=1e-2,
              moe_z_loss_coeff=1e-3)
     mesh = _mesh()
-    layer, twin = _layer(c, mesh)
-    x = jax.random.normal(jax.random.key(1), (16, 3, H))
-    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert_param_grads_close(grads, want_grads, rtol=3e-5, atol=3e-6)
+    layer, twin, x, grads = _layer_matching_dense(c, mesh)
     assert float(jnp.linalg.norm(grads["router"][...])) > 0
     start = int(twin.force_balance_step[...])  # the twin's: same seed, same start
     assert int(layer.force_balance_step[...]) == start + 1
@@ -852,11 +860,7 @@ def test_input_jitter_scales_the_router_input_in_training_only():
     # routes the plain input; the experts see the input unjittered
     c = _cfg(moe_input_jitter_eps=0.5, moe_aux_loss_coeff=1e-2)
     mesh = _mesh()
-    layer, twin = _layer(c, mesh)
-    x = jax.random.normal(jax.random.key(1), (16, 3, H))
-    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert_param_grads_close(grads, want_grads, rtol=3e-5, atol=3e-6)
+    layer, twin, x, _ = _layer_matching_dense(c, mesh)
     start = int(twin.input_jitter_step[...])
     assert int(layer.input_jitter_step[...]) == start + 1
     plain = _layer(_cfg(moe_aux_loss_coeff=1e-2), mesh)[1]  # the same weights, no jitter
