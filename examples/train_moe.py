@@ -153,6 +153,10 @@ def parse_args(argv=None):
     p.add_argument("--force-load-balancing", action="store_true",
                    help="moe_router_force_load_balancing (Megatron's benchmark switch): route "
                         "by random logits, the gradient straight through to the router")
+    p.add_argument("--force-biased", type=float, default=None, metavar="STD",
+                   help="moe_router_force_biased (Megatron's skewed benchmark routing): random "
+                        "logits plus a normal(0, |STD|) bias per expert shared by the devices, "
+                        "new per step for STD > 0, fixed per layer for STD < 0")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per optimizer step (--batch split in equal parts; "
                         "global_aux_loss keeps its running mean over them)")
@@ -264,6 +268,7 @@ def build_model(args, mesh, jax):
         moe_router_group_topk=args.router_group_topk,
         moe_router_topk_scaling_factor=args.topk_scaling_factor,
         moe_router_force_load_balancing=args.force_load_balancing,
+        moe_router_force_biased=args.force_biased,
         expert_tensor_parallel_size=args.etp, activation_func=args.activation,
         gated_linear_unit=args.gated_linear_unit, add_bias_linear=args.add_bias_linear,
         moe_apply_probs_on_input=args.apply_probs_on_input,

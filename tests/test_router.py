@@ -518,12 +518,12 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
                                ).token_dispatcher.ragged_buffer_factor is None
     # ... or at Megatron's default only, refused otherwise with the reason
     defaults = dict(moe_enable_routing_replay=False, moe_token_dropping=False,
-                    moe_router_force_biased=None, moe_mlp_glu_interleave_size=None,
+                    moe_mlp_glu_interleave_size=None,
                     moe_shared_expert_glu_interleave_size=None, moe_latent_size=None,
                     moe_dispatch_fwd_dtype="bf16", moe_combine_bwd_dtype="bf16")
     assert MoEConfig.from_dict(dict(base, **defaults)) == MoEConfig.from_dict(base)
     for name, value in dict(moe_enable_routing_replay=True, moe_token_dropping=True,
-                            moe_router_force_biased=0.1, moe_mlp_glu_interleave_size=32,
+                            moe_mlp_glu_interleave_size=32,
                             moe_dispatch_fwd_dtype="mxfp8").items():
         with pytest.raises(ValueError, match=f"MoEConfig.{name}: expected"):
             MoEConfig.from_dict(dict(base, **{name: value}))
@@ -759,6 +759,49 @@ def test_force_load_balancing_routes_by_random_logits():
     with pytest.raises(ValueError, match="moe_router_force_load_balancing"):
         _cfg(moe_router_force_load_balancing=1)
 
+
+
+@pytest.mark.parametrize("std", [2.0, -2.0])
+def test_force_biased_routes_by_random_logits_plus_a_shared_bias(std):
+    # Megatron's moe_router_force_biased: force balancing's random logits plus a normal(0,
+    # |std|) bias per expert that every device shares: a new one per call for std > 0
+    # (force_biased_key of the call's counter), one per layer for std < 0 (ForcedBias). The
+    # layer equals the dense oracle and the router gets its straight-through gradient
+    c = _cfg(moe_router_force_biased=std, moe_aux_loss_coeff=1e-2)
+    mesh = _mesh()
+    layer, twin, x, grads = _layer_matching_dense(c, mesh)
+    assert float(jnp.linalg.norm(grads["router"][...])) > 0
+    assert (layer.forced_bias is None) == (std > 0)
+    # With |std| = 1000 the bias outweighs the N(0, 1) logits: every token on every device
+    # takes the top K experts of the call's bias
+    big = _cfg(moe_router_force_biased=1000.0 if std > 0 else -1000.0)
+    model = _layer(big, mesh)[0]
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
+    step = jax.jit(lambda state, x: nnx.merge(nnx.graphdef(model), state)(x)[1][
+        "tokens_per_expert"])
+    seen = []
+    for _ in range(3):
+        counter = int(model.force_balance_step[...])
+        bias = (np.asarray(model.forced_bias[...]) if std < 0 else 1000.0 * np.asarray(
+            jax.random.normal(moe.force_biased_key(counter), (E,), jnp.float32)))
+        want = np.zeros(E, np.int64)
+        want[np.argsort(-bias)[:K]] = 16 * 3
+        with jax.set_mesh(mesh):
+            got = np.asarray(step(nnx.state(model), xs))
+        np.testing.assert_array_equal(got, want)
+        model.force_balance_step[...] += 1  # what a call through nnx.jit would do
+        seen.append(tuple(np.flatnonzero(got)))
+    assert (len(set(seen)) == 1) == (std < 0)  # per call (these draws differ) or per layer
+    bias_of = [np.asarray(m.forced_bias[...]) for m in (_layer(big, mesh)[0], MoELayer(
+        big, H, 32, rngs=nnx.Rngs(1), mesh=mesh))] if std < 0 else None
+    if bias_of:  # drawn at init from the params stream: another seed, another bias
+        assert abs(np.std(bias_of[0]) - 1000.0) < 600.0 and (bias_of[0] != bias_of[1]).all()
+    with pytest.raises(ValueError, match="moe_router_force_biased"):
+        _cfg(moe_router_force_biased=float("nan"))
+    with pytest.raises(ValueError, match="moe_router_force_biased"):
+        _cfg(moe_router_force_biased=True)
+    with pytest.raises(ValueError, match="moe_router_force_biased"):
+        jax_ep.flax.TopKRouter(_cfg(moe_router_force_biased=1.0), H, rngs=nnx.Rngs(0))
 
 def np_qb_dual_update(scores, k, beta):
     """Megatron's qb_dual_update in numpy float64: (top-k indices of scores - beta, the column

@@ -33,9 +33,10 @@ from jax_ep import _ffi, deepep, ops, transport
 from jax_ep._checks import check_float, check_float_weights, check_positive, check_shape
 from jax_ep._index import search
 
-__all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "InputJitterStep",
+__all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "ForcedBias", "InputJitterStep",
            "MoEAuxLossAutoScaler", "MoELayer", "TokenCounts", "TopKRouter", "dense_forward",
-           "expert_tile_rows", "force_balance_key", "gate_up_from_etp", "gate_up_to_etp",
+           "expert_tile_rows", "force_balance_key", "force_biased_key", "gate_up_from_etp",
+           "gate_up_to_etp",
            "input_jitter_key", "load_ratio", "pad_expert_blocks", "shard_params",
            "swiglu_expert_blocks", "swiglu_experts", "unpad_expert_blocks"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
@@ -356,19 +357,23 @@ def _ffn(x, w_gate_up, w_down, activation, b_gate_up=None, b_down=None):
 
 
 def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True, noise_key=None,
-           jitter_key=None):
+           jitter_key=None, forced_bias=None):
     """tokens [T,H], router (weight [H,E], bias [E] or None) -> (logits [T,E] router dtype,
     top-k probs f32[T,K], ids i32[T,K], dropped i32[E]: slots each expert dropped to the
-    capacity factor). noise_key: with moe_router_force_load_balancing, this device's key of
-    the random logits; jitter_key: with moe_input_jitter_eps eps, this device's key of the
-    uniform [1 - eps, 1 + eps] noise the router's input is multiplied by."""
+    capacity factor). noise_key: with moe_router_force_load_balancing or
+    moe_router_force_biased, this device's key of the random logits; forced_bias f32[E]:
+    with moe_router_force_biased, the bias added to them; jitter_key: with
+    moe_input_jitter_eps eps, this device's key of the uniform [1 - eps, 1 + eps] noise the
+    router's input is multiplied by."""
     weight, bias = router
     if jitter_key is not None:
         eps = cfg.moe_input_jitter_eps
         tokens = tokens * jax.random.uniform(jitter_key, tokens.shape, tokens.dtype, 1.0 - eps,
                                              1.0 + eps)
     logits = _gate(tokens, weight.T, cfg, bias)
-    if noise_key is not None:
+    if forced_bias is not None:
+        logits = routing.apply_biased_logits(logits, noise_key, forced_bias)
+    elif noise_key is not None:
         logits = routing.apply_random_logits(logits, noise_key)
     return (logits, *_routed(logits, cfg, expert_bias, training))
 
@@ -687,6 +692,18 @@ def force_balance_key(step, device):
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(42), step), device)
 
 
+def force_biased_key(step):
+    """moe_router_force_biased's key of call `step` (ForceBalanceStep) for std > 0: the bias
+    normal(0, std) f32[E] of that key, the same on every device."""
+    return jax.random.fold_in(jax.random.key(44), step)
+
+
+class ForcedBias(nnx.Variable):
+    """moe_router_force_biased std < 0: the layer's bias f32[E], normal(0, |std|) values drawn
+    at init from the params stream and added to the random logits of every call.
+    Non-trainable."""
+
+
 class InputJitterStep(nnx.Variable):
     """moe_input_jitter_eps's draw counter i32[]: at value n a training call multiplies the
     router's input by the uniform noise of key input_jitter_key(n, device). It starts at a
@@ -851,8 +868,12 @@ class MoELayer(_RouterState, nnx.Module):
              param(rngs.params(), (D, H), D ** -0.5, (None, None))) if latent else (None, None))
         self.fc1_latent_proj_bias, self.fc2_latent_proj_bias = (
             (bias((D,), (None,)), bias((H,), (None,))) if latent else (None, None))
-        self.force_balance_step = _draw_counter(ForceBalanceStep, rngs,
-                                                config.moe_router_force_load_balancing)
+        std = config.moe_router_force_biased
+        self.force_balance_step = _draw_counter(
+            ForceBalanceStep, rngs, config.moe_router_force_load_balancing or std is not None)
+        self.forced_bias = (ForcedBias(abs(std) * jax.random.normal(
+            rngs.params(), (num_experts,), jnp.float32), eager_sharding=False,
+            **{_SHARDING_KEY: (None,)}) if std is not None and std < 0 else None)
         self.input_jitter_step = _draw_counter(InputJitterStep, rngs,
                                                config.moe_input_jitter_eps is not None)
         num_local = num_experts // expert_parallel_size
@@ -879,7 +900,8 @@ class MoELayer(_RouterState, nnx.Module):
         [H,E], bias [E] or None), expert_weights (w_gate_up, w_down, b_gate_up or None,
         b_down or None) of the local experts, shared (gate_up, down, gate or None) or None,
         latent (fc1 [H,D], fc2 [D,H], their biases or None) or None, padding bool[...] or
-        None, draws (ForceBalanceStep i32[] or None, InputJitterStep i32[] or None);
+        None, draws (ForceBalanceStep i32[] or None, InputJitterStep i32[] or None, the
+        forced bias f32[E] or None: `_forced_bias`);
         expert_bias: the router choice's bias (`_choice_bias`). Returns (y, aux, (the
         global_aux_loss tracker's new counts f32[E] or None, quantile balancing's quantile
         f32[E] of a training call, averaged over the token devices, or None))."""
@@ -887,9 +909,9 @@ class MoELayer(_RouterState, nnx.Module):
         tokens = x.reshape(-1, x.shape[-1])
         valid = None if padding is None else ~padding.reshape(-1)
         axes = self._token_axes()
-        keys = self._draw_keys(*draws, jax.lax.axis_index(axes) if axes else 0)
+        keys = self._draw_keys(*draws[:2], jax.lax.axis_index(axes) if axes else 0)
         logits, probs, ids, dropped_per_expert = _route(tokens, router, cfg, expert_bias,
-                                                        not self.deterministic, *keys)
+                                                        not self.deterministic, *keys, draws[2])
         balancing, z, tracked = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, axes,
                                         tracker=tracker, valid=valid)
         quantile = self._quantile(logits, expert_bias)
@@ -977,7 +999,7 @@ class MoELayer(_RouterState, nnx.Module):
         _check_tokens(x, self.router.shape[0], self.config)
         x, router, expert_weights, shared, latent = self._weights(x)
         tracker = self._tracker()
-        draws = (_value(self.force_balance_step), _value(self.input_jitter_step))
+        draws = self._draws()
         self._check_quantile_padding(padding_mask)
         params = (router, expert_weights, shared, latent, self._choice_bias(), tracker,
                   _checked_padding_mask(padding_mask, x), draws)
@@ -1001,6 +1023,20 @@ class MoELayer(_RouterState, nnx.Module):
         if self.sow_aux:
             self.sow(nnx.Intermediate, "moe_aux", aux)
         return y, aux
+
+    def _draws(self):
+        """(ForceBalanceStep i32[] or None, InputJitterStep i32[] or None, the forced bias
+        f32[E] of this call or None: moe_router_force_biased's)."""
+        force_step = _value(self.force_balance_step)
+        std = self.config.moe_router_force_biased
+        if std is None:
+            forced = None
+        elif std < 0:
+            forced = _value(self.forced_bias)
+        else:
+            forced = std * jax.random.normal(force_biased_key(force_step),
+                                             (self.config.num_moe_experts,), jnp.float32)
+        return force_step, _value(self.input_jitter_step), forced
 
     def _draw_keys(self, force_step, jitter_step, device):
         """(force balancing's random-logits key, the input jitter's key) of this call on
@@ -1072,7 +1108,8 @@ class MoELayer(_RouterState, nnx.Module):
             raise ValueError(f"x: expected [batch, ..., hidden_size] with batch divisible by the "
                              f"{devices} devices of mesh axes {token_axes}, got shape {x.shape}")
         tokens_spec = P(token_axes)
-        router, _, shared, latent, expert_bias, tracker, padding, (force, jitter) = params
+        router, _, shared, latent, expert_bias, tracker, padding, (force, jitter, forced) = \
+            params
         t = self.tensor_axis
         router_spec = (P(), _spec_of(router[1], P()))
         experts_spec = (P(axis, None, t), P(axis, t, None), _spec_of(self.b_gate_up, P(axis, t)),
@@ -1083,7 +1120,7 @@ class MoELayer(_RouterState, nnx.Module):
         in_specs = (tokens_spec, router_spec, experts_spec, shared_spec, latent_spec,
                     _spec_of(expert_bias, P()), _spec_of(tracker, (P(), P())),
                     _spec_of(padding, tokens_spec),
-                    (_spec_of(force, P()), _spec_of(jitter, P())))
+                    (_spec_of(force, P()), _spec_of(jitter, P()), _spec_of(forced, P())))
         fn = jax.shard_map(self._local, mesh=self.mesh, in_specs=in_specs,
                            out_specs=(tokens_spec, P(), P()))
         return fn(*_laid_out(self.mesh, (x, *params), in_specs))
@@ -1164,14 +1201,15 @@ class TopKRouter(_RouterState, nnx.Module):
       padding_mask=None) is Megatron's sequence-first entry. With
       sow_aux the unscaled losses are sown as nnx.Intermediate "router_aux" (MoELayer's aux
       keys: aux_loss, load_balancing_loss(es), z_loss, ...).
-    moe_router_force_load_balancing and moe_input_jitter_eps are refused (the layer has them:
-    their draw counters are per layer and device).
+    moe_router_force_load_balancing, moe_router_force_biased and moe_input_jitter_eps are
+    refused (the layer has them: their draw counters are per layer and device).
     """
 
     def __init__(self, config, hidden_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
                  sow_aux: bool = False, deterministic: bool = False):
         config = _as_moe_config(config)
-        for field in ("moe_router_force_load_balancing", "moe_input_jitter_eps"):
+        for field in ("moe_router_force_load_balancing", "moe_router_force_biased",
+                      "moe_input_jitter_eps"):
             if getattr(config, field) not in (False, None):
                 raise ValueError(f"MoEConfig.{field}: TopKRouter has no random draw counter; "
                                  f"use MoELayer, which has one")
@@ -1363,10 +1401,10 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     tokens = x.reshape(-1, x.shape[-1])
     bias = layer._choice_bias()
     blocks = tokens.reshape(num_devices, -1, tokens.shape[-1])
-    draws = (_value(layer.force_balance_step), _value(layer.input_jitter_step))
-    keys = jax.vmap(lambda device: layer._draw_keys(*draws, device))(jnp.arange(num_devices))
-    logits, probs, ids, _ = jax.vmap(
-        lambda t, k: _route(t, router, cfg, bias, not layer.deterministic, *k))(blocks, keys)
+    draws = layer._draws()
+    keys = jax.vmap(lambda device: layer._draw_keys(*draws[:2], device))(jnp.arange(num_devices))
+    logits, probs, ids, _ = jax.vmap(lambda t, k: _route(
+        t, router, cfg, bias, not layer.deterministic, *k, draws[2]))(blocks, keys)
     logits, probs, ids = (a.reshape(-1, a.shape[-1]) for a in (logits, probs, ids))
     padding = _checked_padding_mask(padding_mask, x)
     balancing, z, _ = _losses(logits, x.shape[-2] if x.ndim > 2 else 1, cfg, (), num_devices,

@@ -99,6 +99,13 @@ class MoEConfig:
         a new draw per layer, call and device: the layer's `ForceBalanceStep` counter and
         the device's index), the gradient passing straight through to the router weights, so
         the routing is balanced whatever the weights.
+      moe_router_force_biased: None, or std: Megatron's skewed benchmark routing
+        (`router.apply_biased_logits`): the random logits of force load balancing plus a bias
+        f32[E] of normal(0, |std|) values that every device shares, so some experts get more
+        tokens than others. std > 0: a new bias per call (key `force_biased_key` of the
+        layer's `ForceBalanceStep` counter, no device index); std < 0: one bias per layer,
+        drawn at init (the layer's `ForcedBias` variable). The gradient passes straight
+        through to the router weights.
       moe_input_jitter_eps: None, or eps >= 0: while training (not deterministic) the
         router's input is multiplied by noise uniform in [1 - eps, 1 + eps] (Switch
         Transformer's jitter), a new draw per layer, call and device (the layer's
@@ -169,6 +176,7 @@ class MoEConfig:
     moe_token_drop_policy: str = "probs"
     moe_router_dtype: str | None = None
     moe_router_force_load_balancing: bool = False
+    moe_router_force_biased: float | None = None
     token_dispatcher: TokenDispatcherConfig = dataclasses.field(
         default_factory=TokenDispatcherConfig)
     expert_tensor_parallel_size: int = 1
@@ -241,6 +249,9 @@ class MoEConfig:
         eps = self.moe_input_jitter_eps
         _require(eps is None or _real(eps), "moe_input_jitter_eps", "None or a float >= 0",
                  eps)
+        std = self.moe_router_force_biased
+        _require(std is None or _real(std, -math.inf, strict=True), "moe_router_force_biased",
+                 "None or a finite float (the bias's std; negative: drawn once per layer)", std)
         _require(not self.moe_apply_probs_on_input or K == 1, "moe_apply_probs_on_input",
                  "False unless moe_router_topk is 1 (Megatron's rule)",
                  self.moe_apply_probs_on_input)
@@ -411,8 +422,6 @@ _DEFAULT_ONLY = {
     "moe_enable_routing_replay": (False, "router replay has no XLA counterpart", None),
     "moe_token_dropping": (False, "Megatron's legacy switch (unsupported there too)",
                            "moe_expert_capacity_factor"),
-    "moe_router_force_biased": (None, "random logit biases are not implemented",
-                                "moe_router_force_load_balancing"),
     "moe_mlp_glu_interleave_size": (None, "fc1 is [gate | up] here, not interleaved", None),
     "moe_shared_expert_glu_interleave_size": (None, "fc1 is [gate | up] here", None),
     "moe_dispatch_fwd_dtype": ("bf16", "MXFP8 on the wire is the ncclep backend's",
@@ -450,8 +459,7 @@ def megatron_fields(fields: dict) -> dict:
         expert_model_parallel_size (the mesh's expert axis decides P) and moe_layer_freq (the
         model decides which layers are MoE layers): accepted, no effect.
       Fields jax_ep has only at Megatron's default (_DEFAULT_ONLY: moe_enable_routing_replay,
-        moe_token_dropping, moe_router_force_biased, the GLU interleave sizes, the ncclep wire
-        dtypes): the default is accepted, anything else refused with the reason
+        moe_token_dropping, the GLU interleave sizes, the ncclep wire dtypes): the default is accepted, anything else refused with the reason
         and what to use instead.
     Invalid values raise ValueError naming the field."""
     fields = dict(fields)

@@ -32,6 +32,7 @@ from jax_ep.flax.activations import (QUICK_GELU_ALPHA, clamp_glu_halves, geglu, 
                                      quick_gelu, swiglu)
 from jax_ep.flax.moe import MoEAuxLossAutoScaler
 from jax_ep.flax.router import (
+    apply_biased_logits,
     apply_random_logits,
     apply_router_token_dropping,
     compute_routing_scores_for_aux_loss,
@@ -49,7 +50,8 @@ from jax_ep.flax.router import (
 from jax_ep.transport import exclusive_cumsum
 
 __all__ = [
-    "MoEAuxLossAutoScaler", "apply_random_logits", "apply_router_token_dropping",
+    "MoEAuxLossAutoScaler", "apply_biased_logits", "apply_random_logits",
+    "apply_router_token_dropping",
     "compute_routing_scores_for_aux_loss", "geglu", "geglu_back", "get_capacity",
     "get_tokens_per_expert_and_token_count", "get_updated_expert_bias", "group_limited_topk",
     "pad_routing_map", "permute", "qb_dual_update",

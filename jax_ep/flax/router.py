@@ -12,11 +12,10 @@ import jax.numpy as jnp
 from jax_ep import _checks, deepep, ops
 from jax_ep.flax.moe_config import MoEConfig
 
-__all__ = ["apply_random_logits", "apply_router_token_dropping", "capacity_drop",
-           "check_top_k", "compute_routing_scores_for_aux_loss", "get_capacity",
-           "get_updated_expert_bias", "group_limited_topk", "pad_routing_map",
-           "qb_dual_update", "route",
-           "router_gating_linear",
+__all__ = ["apply_biased_logits", "apply_random_logits", "apply_router_token_dropping",
+           "capacity_drop", "check_top_k", "compute_routing_scores_for_aux_loss",
+           "get_capacity", "get_updated_expert_bias", "group_limited_topk", "pad_routing_map",
+           "qb_dual_update", "route", "router_gating_linear",
            "sinkhorn", "switch_load_balancing_loss_func", "switch_loss_terms",
            "topk_routing_with_score_function", "z_loss_func", "z_loss_terms"]
 
@@ -94,6 +93,14 @@ def apply_random_logits(logits, key):
     gradient passing straight through to `logits` (Megatron's RandomSTE)."""
     noise = jax.random.normal(key, logits.shape, logits.dtype)
     return noise + (logits - jax.lax.stop_gradient(logits))
+
+
+def apply_biased_logits(logits, key, bias):
+    """Megatron's apply_biased_logits (moe_router_force_biased), with its random state as
+    explicit values: apply_random_logits(logits, key) plus bias [E] (Megatron's normal(0,
+    |std|) draw, the same on every rank), cast to logits' dtype; the gradient passes straight
+    through to `logits`."""
+    return apply_random_logits(logits, key) + bias.astype(logits.dtype)
 
 
 def router_gating_linear(inp, weight, bias, router_dtype):
