@@ -358,7 +358,7 @@ def return_local(y, hop, *, num_forward, hop_cap, local_axis, transport, impl):
 @partial(jax.tree_util.register_dataclass,
          data_fields=["hop1", "hop2", "recv_topk_idx", "num_recv_tokens",
                       "num_recv_tokens_per_expert", "num_tokens_per_rdma_rank",
-                      "num_rdma_recv_tokens", "num_dropped", "num_invalid"],
+                      "num_rdma_recv_tokens", "is_token_in_rank", "num_dropped", "num_invalid"],
          meta_fields=["num_tokens", "num_recv", "num_rdma_recv", "capacity", "hop_capacity",
                       "num_experts", "axis_name", "transport", "impl", "tuple_layout"])
 @dataclasses.dataclass(frozen=True)
@@ -372,13 +372,17 @@ class InternodeHandle(_DeepEPTupleView):
       DispatchHandle's (the flat contract over the N*G global ranks).
     num_tokens_per_rdma_rank i32[N]: this rank's tokens going to each node (once per node).
     num_rdma_recv_tokens i32[]: rows this rank received on hop 1 (as a forwarder).
+    is_token_in_rank bool[T,N*G]: DeepEP's handle[0], the sender's layout
+      (get_dispatch_layout's over the N*G ranks: token t has an expert on global rank
+      n*G + g), as DeepEP keeps the is_token_in_rank its dispatch was given; rows a
+      forwarder dropped on hop 2 are not taken out (the sender never learns of them).
     num_dropped i32[]: hop-1 rows this rank dropped as a source (num_worst_rdma_tokens) plus
       hop-2 rows it dropped as a forwarder (capacity, num_worst_tokens); summed over the
       ranks it equals the flat exchange's count when hop 1 drops nothing.
     num_invalid i32[]: expert ids outside [-1, E) seen (routed nowhere).
     tuple_layout: "deepep" (default) or "uccl_ep" (a dispatch with backend="uccl_ep"): the
-      handle tuple it reads as. handle[4] and handle[6] read recv_rdma_rank_prefix_sum and
-      recv_gbl_rank_prefix_sum in both (DeepEP's 10 entries: handle[-4] is the latter;
+      handle tuple it reads as. handle[0] reads is_token_in_rank, handle[4] and handle[6]
+      recv_rdma_rank_prefix_sum and recv_gbl_rank_prefix_sum in both (DeepEP's 10 entries: handle[-4] is the latter;
       UCCL-EP's 12 add num_recv_tokens and num_rdma_recv_tokens at [7] and [8], so there it
       is handle[-6]); see _deepep_item.
     """
@@ -390,6 +394,7 @@ class InternodeHandle(_DeepEPTupleView):
     num_recv_tokens_per_expert: jax.Array
     num_tokens_per_rdma_rank: jax.Array
     num_rdma_recv_tokens: jax.Array
+    is_token_in_rank: jax.Array
     num_dropped: jax.Array
     num_invalid: jax.Array
     num_tokens: int
@@ -415,18 +420,19 @@ class InternodeHandle(_DeepEPTupleView):
                     "recv_gbl_rank_prefix_sum", "num_recv_tokens", "num_rdma_recv_tokens",
                     "recv_src_meta", "send_rdma_head", "send_nvl_head"),
     }
-    _KEPT = {"deepep": "handle[4] and handle[6] are the receive prefix sums",
-             "uccl_ep": "handle[4] and handle[6] are the receive prefix sums, handle[7] and "
-                        "handle[8] the received row counts"}
+    _KEPT = {"deepep": "handle[0] is is_token_in_rank, handle[4] and handle[6] the receive "
+                       "prefix sums",
+             "uccl_ep": "handle[0] is is_token_in_rank, handle[4] and handle[6] the receive "
+                        "prefix sums, handle[7] and handle[8] the received row counts"}
 
     def _deepep_item(self, name):
         """handle[4], recv_rdma_rank_prefix_sum i32[N]: the inclusive prefix of the hop-1 rows
         this rank received from each node; handle[6] (DeepEP's handle[-4], UCCL-EP's
         handle[-6]), recv_gbl_rank_prefix_sum i32[N*G]: that of the rows it finally received
-        from each global rank n*G + g (rows [S[i-1], S[i]) came from rank i). (UCCL-EP's
-        handle[7] and handle[8] are the fields num_recv_tokens and num_rdma_recv_tokens.) The
-        other entries describe channels and send buffers (or the sender's is_token_in_rank,
-        which get_dispatch_layout returns)."""
+        from each global rank n*G + g (rows [S[i-1], S[i]) came from rank i). (handle[0] is
+        the field is_token_in_rank; UCCL-EP's handle[7] and handle[8] the fields
+        num_recv_tokens and num_rdma_recv_tokens.) The other entries describe channels and
+        send buffers."""
         if name == "recv_rdma_rank_prefix_sum":
             return jnp.cumsum(self.hop1.plan.recv_counts).astype(jnp.int32)
         if name == "recv_gbl_rank_prefix_sum":
@@ -499,8 +505,10 @@ def two_hop_plan(topk_idx, num_experts, axes, *, transports, impl, capacity=None
                                 num_worst_tokens)
     num_rdma_recv = max(1, num_nodes * num_tokens) if num_worst_rdma_tokens is None else \
         check_positive(num_worst_rdma_tokens, "num_worst_rdma_tokens")
-    per_node = ops.get_dispatch_layout(topk_idx, num_experts=num_experts, num_ranks=num_nodes,
-                                       impl=impl)[0]
+    in_rank = ops.get_dispatch_layout(topk_idx, num_experts=num_experts,
+                                      num_ranks=num_nodes * num_local_ranks, impl=impl)[1]
+    per_node = in_rank.reshape(num_tokens, num_nodes, num_local_ranks).any(-1).sum(
+        0, dtype=jnp.int32)
     hop1 = routing_plan(topk_idx, num_experts, node_axis, transport=transports[0], impl=impl,
                         num_worst_tokens=num_rdma_recv, send_counts=per_node)
     source_node = source_of_rows(hop1.plan.recv_counts, hop1.plan.recv_offsets, num_rdma_recv)
@@ -515,7 +523,7 @@ def two_hop_plan(topk_idx, num_experts, axes, *, transports, impl, capacity=None
         num_recv_tokens_per_expert=_per_expert_counts(hop2.recv_topk_idx, num_local,
                                                       expert_alignment),
         num_tokens_per_rdma_rank=per_node.astype(jnp.int32),
-        num_rdma_recv_tokens=hop1.num_recv_tokens,
+        num_rdma_recv_tokens=hop1.num_recv_tokens, is_token_in_rank=in_rank,
         num_dropped=hop1.num_dropped + hop2.num_dropped, num_invalid=num_invalid,
         num_tokens=num_tokens, num_recv=num_recv, num_rdma_recv=num_rdma_recv,
         capacity=capacity, hop_capacity=hop_cap, num_experts=num_experts,

@@ -387,17 +387,24 @@ def test_buffer_over_a_pair_runs_two_hops(cls, N, G):
         if cls is jax_ep.UCCLBuffer:
             assert len(h) == 12
             gbl, n, n_rdma = h[-6], h[7], h[8]
-            with pytest.raises(ValueError, match=r"handle\[0\]: UCCL-EP's is_token_in_rank"):
-                h[0]
+            with pytest.raises(ValueError, match=r"handle\[1\]: UCCL-EP's rdma_channel_pre"):
+                h[1]
         else:
             assert len(h) == 10
             gbl, n, n_rdma = h[-4], h.num_recv_tokens, h.num_rdma_recv_tokens
-            with pytest.raises(ValueError, match=r"handle\[0\]: DeepEP's is_token_in_rank"):
-                h[0]
+            with pytest.raises(ValueError, match=r"handle\[1\]: DeepEP's rdma_channel_prefix"):
+                h[1]
+        # handle[0], as in both systems: the is_token_in_rank the dispatch was given
+        same = jnp.all(h[0] == in_rank) & (h[0].shape == in_rank.shape)
         return (rx, ri, combined, per_node, h.num_tokens_per_rdma_rank, gbl, h[4], n[None],
-                n_rdma[None])
-    rx, ri, combined, per_node, rdma, gbl_prefix, rdma_prefix, n, n_rdma = run_pair(
-        body, mesh, x, idx, w)
+                n_rdma[None], same[None], h[0])
+    rx, ri, combined, per_node, rdma, gbl_prefix, rdma_prefix, n, n_rdma, same, in_rank = \
+        run_pair(body, mesh, x, idx, w)
+    assert same.all()
+    # ... token t of rank s has an expert on rank d (experts in blocks of E / (N*G))
+    owner = np.asarray(idx).reshape(N * G, T, K) // (E // (N * G))
+    want = (owner[..., None] == np.arange(N * G)).any(2)  # -1 (unrouted) owns nothing
+    np.testing.assert_array_equal(np.asarray(in_rank).reshape(N * G, T, N * G), want)
     flat = _dispatch_combine(mesh, x, idx, w, E, hierarchical=False)
     # DeepEP's test_internode check_data: rows [S[i-1], S[i]) of rank d came from rank i
     # (x[:, 0] holds the source rank), S = handle[-4], recv_gbl_rank_prefix_sum.
