@@ -382,9 +382,9 @@ class InternodeHandle(_DeepEPTupleView):
     num_invalid i32[]: expert ids outside [-1, E) seen (routed nowhere).
     tuple_layout: "deepep" (default) or "uccl_ep" (a dispatch with backend="uccl_ep"): the
       handle tuple it reads as. handle[0] reads is_token_in_rank, handle[4] and handle[6]
-      recv_rdma_rank_prefix_sum and recv_gbl_rank_prefix_sum in both (DeepEP's 10 entries: handle[-4] is the latter;
-      UCCL-EP's 12 add num_recv_tokens and num_rdma_recv_tokens at [7] and [8], so there it
-      is handle[-6]); see _deepep_item.
+      recv_rdma_rank_prefix_sum and recv_gbl_rank_prefix_sum in both (DeepEP's 10 entries:
+      handle[-4] is the latter; UCCL-EP's 12 add num_recv_tokens and num_rdma_recv_tokens at
+      [7] and [8], so there it is handle[-6]); see _deepep_item.
     """
 
     hop1: DispatchHandle

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep.flax import (MoEConfig, MoELayer, dense_forward, gate_up_from_etp, gate_up_to_etp,
                          shard_params, shard_state)
-from jax_ep.flax.moe import _expert_major_order
+from jax_ep.flax.experts import _expert_major_order
 
 AXES = ("data", "expert", "tensor")
 H, F = 16, 32

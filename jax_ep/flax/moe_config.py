@@ -459,8 +459,8 @@ def megatron_fields(fields: dict) -> dict:
         expert_model_parallel_size (the mesh's expert axis decides P) and moe_layer_freq (the
         model decides which layers are MoE layers): accepted, no effect.
       Fields jax_ep has only at Megatron's default (_DEFAULT_ONLY: moe_enable_routing_replay,
-        moe_token_dropping, the GLU interleave sizes, the ncclep wire dtypes): the default is accepted, anything else refused with the reason
-        and what to use instead.
+        moe_token_dropping, the GLU interleave sizes, the ncclep wire dtypes): the default is
+        accepted, anything else refused with the reason and what to use instead.
     Invalid values raise ValueError naming the field."""
     fields = dict(fields)
     kind = fields.pop("moe_token_dispatcher_type", None)
