@@ -150,6 +150,9 @@ def parse_args(argv=None):
     p.add_argument("--glu-linear-offset", type=float, default=0.0, help="glu_linear_offset")
     p.add_argument("--activation-clamp", type=float, default=None,
                    help="activation_func_clamp_value")
+    p.add_argument("--glu-interleave-size", type=int, default=None,
+                   help="moe_mlp_glu_interleave_size: fc1's columns in Megatron's blocks of "
+                        "this many, alternating gate and up")
     p.add_argument("--force-load-balancing", action="store_true",
                    help="moe_router_force_load_balancing (Megatron's benchmark switch): route "
                         "by random logits, the gradient straight through to the router")
@@ -276,6 +279,7 @@ def build_model(args, mesh, jax):
         moe_input_jitter_eps=args.input_jitter_eps, moe_latent_size=args.latent_size,
         glu_linear_offset=args.glu_linear_offset,
         activation_func_clamp_value=args.activation_clamp,
+        moe_mlp_glu_interleave_size=args.glu_interleave_size,
         token_dispatcher=jax_ep.TokenDispatcherConfig(
             moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
             grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from jax_ep.flax import (MoEConfig, MoELayer, dense_forward, gate_up_from_etp, gate_up_to_etp,
                          shard_params, shard_state)
+from jax_ep.flax.activations import remove_glu_interleaving
 from jax_ep.flax.experts import _expert_major_order
 
 AXES = ("data", "expert", "tensor")
@@ -174,6 +175,82 @@ def test_gate_up_layout():
     for etp in (1, 2, 3, 4, 6, 12):
         np.testing.assert_array_equal(gate_up_from_etp(gate_up_to_etp(full, etp), etp), full)
 
+
+
+def _np_interleave(w, s):
+    """[..., 2F] = [gate | up] -> Megatron's moe_mlp_glu_interleave_size layout, in numpy:
+    gate's columns b*s ... b*s + s - 1, then up's, for b = 0, 1, ..."""
+    F = w.shape[-1] // 2
+    blocks = [w[..., half * F + b * s:half * F + (b + 1) * s]
+              for b in range(F // s) for half in (0, 1)]
+    return np.concatenate(blocks, axis=-1)
+
+
+def test_glu_interleave_layout():
+    # F = 4, s = 2: [g0 g1 g2 g3 | u0 u1 u2 u3] -> [g0 g1 u0 u1 g2 g3 u2 u3]
+    w = np.array([10, 11, 12, 13, 20, 21, 22, 23])
+    np.testing.assert_array_equal(_np_interleave(w, 2), [10, 11, 20, 21, 12, 13, 22, 23])
+    for s in (1, 2, 4):
+        x = np.random.default_rng(s).standard_normal((3, 8)).astype(np.float32)
+        np.testing.assert_array_equal(remove_glu_interleaving(_np_interleave(x, s), s), x)
+        act = jax_ep.flax.activations.GatedActivation("quick_gelu", 1.0, 7.0,
+                                                      glu_interleave_size=s)
+        np.testing.assert_array_equal(act(_np_interleave(x, s)),
+                                      dataclasses.replace(act, glu_interleave_size=None)(x))
+    with pytest.raises(ValueError, match="moe_mlp_glu_interleave_size"):
+        remove_glu_interleaving(jnp.zeros((2, 12)), 4)
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match="moe_mlp_glu_interleave_size"):
+            MoEConfig(num_moe_experts=8, moe_mlp_glu_interleave_size=bad)
+    with pytest.raises(ValueError, match="moe_mlp_glu_interleave_size"):
+        MoEConfig(num_moe_experts=8, moe_ffn_hidden_size=32, moe_mlp_glu_interleave_size=5)
+    with pytest.raises(ValueError, match="moe_mlp_glu_interleave_size"):  # 32 // 2 units a rank
+        MoELayer(dataclasses.replace(_config(2), moe_mlp_glu_interleave_size=32), H, F,
+                 rngs=nnx.Rngs(0), mesh=jax.make_mesh((2, 2, 2), AXES))
+
+
+@pytest.mark.parametrize("shape, fields", [
+    ((2, 4, 1), {}),  # with the shared expert (it stays [gate | up])
+    ((2, 2, 2), {}),
+    ((2, 2, 2), dict(moe_shared_expert_intermediate_size=None, add_bias_linear=True)),
+])
+def test_glu_interleaved_fc1_equals_the_plain_layout(shape, fields):
+    # Megatron's moe_mlp_glu_interleave_size s: a layer whose w_gate_up (and b_gate_up) is
+    # interleave(W) gives the values of the plain layer with W (under ETP S: with
+    # gate_up_to_etp(W, S), the interleaved weight needing no reordering), its gradients are
+    # the plain ones in its layout, and it matches the dense reference
+    etp, s = shape[2], 4
+    mesh = jax.make_mesh(shape, AXES)
+    plain_cfg = dataclasses.replace(_config(etp), **fields)
+    inter_cfg = dataclasses.replace(plain_cfg, moe_mlp_glu_interleave_size=s)
+    make = lambda cfg: MoELayer(cfg, H, F, rngs=nnx.Rngs(0), mesh=mesh)  # noqa: E731
+    plain, plain_twin, inter, inter_twin = (make(c) for c in (plain_cfg,) * 2 + (inter_cfg,) * 2)
+    if plain_cfg.add_bias_linear:
+        randomize_biases(plain, plain_twin, inter, inter_twin)
+    names = ("w_gate_up", "b_gate_up") if plain_cfg.add_bias_linear else ("w_gate_up",)
+    for name in names:
+        full = np.asarray(getattr(plain, name)[...])  # read as [gate | up]
+        for m in (plain, plain_twin):
+            getattr(m, name)[...] = gate_up_to_etp(jnp.asarray(full), etp)
+        for m in (inter, inter_twin):
+            getattr(m, name)[...] = jnp.asarray(_np_interleave(full, s))
+    shard_params(plain, mesh)
+    shard_params(inter, mesh)
+    x = jax.random.normal(jax.random.key(1), (8, 6, H))
+    got, _, (grads, dx), want, (want_grads, want_dx) = _vs_dense(inter, inter_twin, mesh, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, want_dx, rtol=2e-5, atol=2e-6)
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
+    plain_got, _, (plain_grads, plain_dx), _, _ = _vs_dense(plain, plain_twin, mesh, x)
+    np.testing.assert_allclose(got, plain_got, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, plain_dx, rtol=2e-5, atol=2e-6)
+    got_grads = dict(nnx.to_flat_state(nnx.state(grads, nnx.Param)))
+    for path, g in nnx.to_flat_state(nnx.state(plain_grads, nnx.Param)):
+        g = np.asarray(g[...])
+        if path[-1] in names:
+            g = _np_interleave(np.asarray(gate_up_from_etp(jnp.asarray(g), etp)), s)
+        np.testing.assert_allclose(np.asarray(got_grads[path][...]), g, rtol=2e-5, atol=2e-6,
+                                   err_msg=str(path))
 
 def test_expert_major_order_matches_a_loop():
     rng = np.random.default_rng(0)

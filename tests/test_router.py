@@ -523,7 +523,7 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
                     moe_dispatch_fwd_dtype="bf16", moe_combine_bwd_dtype="bf16")
     assert MoEConfig.from_dict(dict(base, **defaults)) == MoEConfig.from_dict(base)
     for name, value in dict(moe_enable_routing_replay=True, moe_token_dropping=True,
-                            moe_mlp_glu_interleave_size=32,
+                            moe_shared_expert_glu_interleave_size=32,
                             moe_dispatch_fwd_dtype="mxfp8").items():
         with pytest.raises(ValueError, match=f"MoEConfig.{name}: expected"):
             MoEConfig.from_dict(dict(base, **{name: value}))

@@ -2,7 +2,7 @@
 gives act(gate) * up for fc2: SwiGLU, GEGLU, gpt-oss's Quick-GEGLU) and its non-gated MLP
 experts (act(fc1): GELU, Nemotron's squared ReLU), and `GatedActivation`, the one MoEConfig
 chooses (gated_linear_unit, activation_func, glu_linear_offset,
-activation_func_clamp_value)."""
+activation_func_clamp_value, moe_mlp_glu_interleave_size)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 __all__ = ["ACTIVATION_FUNCS", "GatedActivation", "QUICK_GELU_ALPHA", "SWIGLU",
            "activation_name", "clamp_glu_halves", "geglu", "quick_geglu", "quick_gelu",
-           "squared_relu", "swiglu"]
+           "remove_glu_interleaving", "squared_relu", "swiglu"]
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -67,19 +67,35 @@ def activation_name(func):
     return name
 
 
+def remove_glu_interleaving(x, interleave_size: int):
+    """Megatron's _remove_glu_interleaving: x [..., 2F] in blocks of interleave_size s columns
+    alternating gate and up ([gate_0 | up_0 | gate_1 | up_1 | ...], block b holding the FFN
+    units b*s ... b*s + s - 1) -> [gate | up]. 2F must be a multiple of 2s (ValueError naming
+    moe_mlp_glu_interleave_size)."""
+    *lead, width = x.shape
+    if width % (2 * interleave_size):
+        raise ValueError(f"moe_mlp_glu_interleave_size: expected fc1's {width} columns to be "
+                         f"whole blocks of 2 * {interleave_size}")
+    blocks = x.reshape(*lead, width // (2 * interleave_size), 2, interleave_size)
+    return jnp.swapaxes(blocks, -3, -2).reshape(x.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class GatedActivation:
     """fc1's output -> fc2's input, act one of ACTIVATION_FUNCS. Gated (gated_linear_unit,
     the default): [..., 2F] = [gate | up] -> act(gate) * (up + glu_linear_offset) [..., F];
     with clamp_value c the gate is first clamped to at most c and up to [-c, c] (Megatron's
-    activation_func_clamp_value, gpt-oss's 7.0). Not gated (Megatron's MLP experts):
-    [..., F] -> act [..., F], offset and clamp unused, as in Megatron. Hashable: it is a static
-    argument of the experts' custom_vjp."""
+    activation_func_clamp_value, gpt-oss's 7.0). glu_interleave_size s (Megatron's
+    moe_mlp_glu_interleave_size): fc1's output is in blocks of s columns alternating gate and
+    up instead (`remove_glu_interleaving`). Not gated (Megatron's MLP experts): [..., F] ->
+    act [..., F], offset, clamp and interleave unused, as in Megatron. Hashable: it is a
+    static argument of the experts' custom_vjp."""
 
     activation_func: str = "silu"
     glu_linear_offset: float = 0.0
     clamp_value: float | None = None
     gated_linear_unit: bool = True
+    glu_interleave_size: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.gated_linear_unit, bool):
@@ -97,6 +113,11 @@ class GatedActivation:
                               or not math.isfinite(c) or c <= 0):
             raise ValueError(f"activation_func_clamp_value: expected None or a float > 0, got "
                              f"{c!r}")
+        s = self.glu_interleave_size
+        if s is not None and (not isinstance(s, numbers.Integral) or isinstance(s, bool)
+                              or s < 1):
+            raise ValueError(f"moe_mlp_glu_interleave_size: expected None or a positive int, "
+                             f"got {s!r}")
 
     def fc1_columns(self, ffn_hidden_size: int) -> int:
         """fc1's output width for an FFN hidden size F: 2F gated ([gate | up]), else F."""
@@ -105,6 +126,8 @@ class GatedActivation:
     def __call__(self, fc1_out):
         if not self.gated_linear_unit:
             return _GATE_FUNCS[self.activation_func](fc1_out)
+        if self.glu_interleave_size is not None:
+            fc1_out = remove_glu_interleaving(fc1_out, self.glu_interleave_size)
         gate, up = jnp.split(fc1_out, 2, axis=-1)
         if self.clamp_value is not None:
             gate, up = clamp_glu_halves(gate, up, self.clamp_value)

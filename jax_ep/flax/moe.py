@@ -439,7 +439,8 @@ class MoELayer(_RouterState, nnx.Module):
         dispatch runs over the expert axis, the received rows are all-gathered over the
         tensor axis, w_gate_up [E,H,2F] is split (expert, -, tensor) into S column shards
         [gate_t | up_t] (the `gate_up_to_etp` layout: a plain [gate | up] weight is
-        `gate_up_to_etp(w, S)`; a non-gated [E,H,F] into plain column shards), w_down
+        `gate_up_to_etp(w, S)`; a non-gated [E,H,F], or with moe_mlp_glu_interleave_size
+        Megatron's interleaved one, into plain column shards), w_down
         [E,F,H] (expert, tensor, -) into row shards, and the partial outputs are
         reduce-scattered over the tensor axis (the one reduction) before the combine. The
         shared expert stays replicated (each device runs it on its tokens).
@@ -512,6 +513,7 @@ class MoELayer(_RouterState, nnx.Module):
             raise ValueError(f"MoEConfig.expert_tensor_parallel_size: "
                              f"{config.expert_tensor_parallel_size} must divide "
                              f"ffn_hidden_size={F}")
+        config.check_glu_interleave(F)
         self.config = config
         self.dispatch_config = dcfg
         self.mesh = mesh
@@ -657,7 +659,7 @@ class MoELayer(_RouterState, nnx.Module):
         if latent is not None:
             y = _linear(y, latent[1], latent[3])
         if shared is not None:
-            y = y + _shared_expert(tokens, shared, activation)
+            y = y + _shared_expert(tokens, shared, cfg.gated_activation(shared=True))
         E = cfg.num_moe_experts
         counts = _tokens_per_expert(ids, valid, E)
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
@@ -1078,14 +1080,15 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     capacity and counted in the losses as that device does (with force load balancing and
     input jitter: by the random draws of the layer's next call); padding_mask as the layer's.
     A gated w_gate_up (and b_gate_up) is read in the layout of
-    config.expert_tensor_parallel_size column shards (`gate_up_from_etp`). Returns (y [..., H],
-    aux_loss f32[], the layer's aux["aux_loss"])."""
+    config.expert_tensor_parallel_size column shards (`gate_up_from_etp`; an interleaved one,
+    moe_mlp_glu_interleave_size, as it is). Returns (y [..., H], aux_loss f32[], the layer's
+    aux["aux_loss"])."""
     cfg = layer.config
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
                        else math.prod(layer.mesh.shape[a] for a in layer._token_axes()))
     x, router, (w_gate_up, w_down, b_gate_up, b_down), shared, latent = layer._weights(x)
-    if cfg.gated_linear_unit:
+    if cfg.gated_linear_unit and cfg.moe_mlp_glu_interleave_size is None:
         w_gate_up, b_gate_up = (None if a is None else
                                 gate_up_from_etp(a, cfg.expert_tensor_parallel_size)
                                 for a in (w_gate_up, b_gate_up))
@@ -1114,7 +1117,7 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     if latent is not None:
         y = _linear(y, latent[1], latent[3])
     if shared is not None:
-        y = y + _shared_expert(tokens, shared, activation)
+        y = y + _shared_expert(tokens, shared, cfg.gated_activation(shared=True))
     return y.reshape(x.shape), _scaled(cfg, balancing, z)
 
 

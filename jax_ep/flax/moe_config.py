@@ -145,6 +145,14 @@ class MoEConfig:
         functions of these names (F.silu, F.gelu, F.relu, quick_gelu, squared_relu) and
         jax.nn.silu / jax.nn.relu are read as the name, other functions refused (jax.nn.gelu
         is tanh by default: pass "gelu" or "gelu_tanh").
+      moe_mlp_glu_interleave_size: None, or s: the routed experts' gated fc1 output (so
+        w_gate_up's columns and b_gate_up) in Megatron's block-interleaved layout, blocks of s
+        columns alternating gate and up (`activations.remove_glu_interleaving`), instead of
+        [gate | up]; s must divide F / expert_tensor_parallel_size. Under expert tensor
+        parallelism the layout needs no per-rank reordering (each contiguous column shard
+        is whole blocks: `gate_up_to_etp` is not applied to it). The shared expert stays [gate
+        | up] (Megatron's moe_shared_expert_glu_interleave_size is accepted at None only). A
+        non-gated fc1 ignores it, as in Megatron.
       add_bias_linear: TransformerConfig's field (Megatron's default True; False here, as the
         MoE recipes set --disable-bias-linear): the router's logits get a bias [E] and every
         expert's fc1 and fc2 a bias (b_gate_up [E, 2F] or [E, F], b_down [E, H], or [E, D]
@@ -184,6 +192,7 @@ class MoEConfig:
     activation_func: str | None = None
     glu_linear_offset: float = 0.0
     activation_func_clamp_value: float | None = None
+    moe_mlp_glu_interleave_size: int | None = None
     add_bias_linear: bool = False
     moe_input_jitter_eps: float | None = None
     moe_apply_probs_on_input: bool = False
@@ -246,6 +255,8 @@ class MoEConfig:
                  "expert_tensor_parallel_size",
                  f"a positive int dividing moe_ffn_hidden_size={self.moe_ffn_hidden_size}", etp)
         self._check_activation()
+        if self.moe_ffn_hidden_size:
+            self.check_glu_interleave(self.moe_ffn_hidden_size)
         eps = self.moe_input_jitter_eps
         _require(eps is None or _real(eps), "moe_input_jitter_eps", "None or a float >= 0",
                  eps)
@@ -273,11 +284,22 @@ class MoEConfig:
         except ValueError as e:
             raise ValueError(f"MoEConfig.{e}") from None
 
-    def gated_activation(self) -> GatedActivation:
-        """The experts' activation these fields describe: fc1's output [..., 2F] (gated) or
-        [..., F] -> [..., F]."""
+    def check_glu_interleave(self, ffn_hidden_size: int) -> None:
+        """ValueError naming moe_mlp_glu_interleave_size unless its blocks tile each expert
+        tensor parallel shard's F / expert_tensor_parallel_size units (gated experts)."""
+        s, etp = self.moe_mlp_glu_interleave_size, self.expert_tensor_parallel_size
+        _require(s is None or not self.gated_linear_unit or ffn_hidden_size // etp % s == 0,
+                 "moe_mlp_glu_interleave_size",
+                 f"a divisor of the FFN units per expert tensor parallel rank "
+                 f"({ffn_hidden_size} // {etp})", s)
+
+    def gated_activation(self, shared: bool = False) -> GatedActivation:
+        """The routed experts' activation these fields describe (shared=True: the shared
+        expert's, never interleaved): fc1's output [..., 2F] (gated) or [..., F] -> [..., F]."""
+        interleave = None if shared else self.moe_mlp_glu_interleave_size
         return GatedActivation(self.activation_func, self.glu_linear_offset,
-                               self.activation_func_clamp_value, self.gated_linear_unit)
+                               self.activation_func_clamp_value, self.gated_linear_unit,
+                               interleave)
 
     def _check_load_balancing(self):
         kind, coeff = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
@@ -422,8 +444,9 @@ _DEFAULT_ONLY = {
     "moe_enable_routing_replay": (False, "router replay has no XLA counterpart", None),
     "moe_token_dropping": (False, "Megatron's legacy switch (unsupported there too)",
                            "moe_expert_capacity_factor"),
-    "moe_mlp_glu_interleave_size": (None, "fc1 is [gate | up] here, not interleaved", None),
-    "moe_shared_expert_glu_interleave_size": (None, "fc1 is [gate | up] here", None),
+    "moe_shared_expert_glu_interleave_size": (None, "the shared expert is a dense FFN here "
+                                              "(Megatron reads it with a grouped-GEMM shared "
+                                              "expert only)", None),
     "moe_dispatch_fwd_dtype": ("bf16", "MXFP8 on the wire is the ncclep backend's",
                                "moe_fp8_dispatch"),
     "moe_combine_bwd_dtype": ("bf16", "MXFP8 on the wire is the ncclep backend's", None),
@@ -459,8 +482,9 @@ def megatron_fields(fields: dict) -> dict:
         expert_model_parallel_size (the mesh's expert axis decides P) and moe_layer_freq (the
         model decides which layers are MoE layers): accepted, no effect.
       Fields jax_ep has only at Megatron's default (_DEFAULT_ONLY: moe_enable_routing_replay,
-        moe_token_dropping, the GLU interleave sizes, the ncclep wire dtypes): the default is
-        accepted, anything else refused with the reason and what to use instead.
+        moe_token_dropping, moe_shared_expert_glu_interleave_size, the ncclep wire dtypes):
+        the default is accepted, anything else refused with the reason and what to use
+        instead.
     Invalid values raise ValueError naming the field."""
     fields = dict(fields)
     kind = fields.pop("moe_token_dispatcher_type", None)
