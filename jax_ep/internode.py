@@ -374,8 +374,8 @@ class InternodeHandle(_DeepEPTupleView):
     num_rdma_recv_tokens i32[]: rows this rank received on hop 1 (as a forwarder).
     is_token_in_rank bool[T,N*G]: DeepEP's handle[0], the sender's layout
       (get_dispatch_layout's over the N*G ranks: token t has an expert on global rank
-      n*G + g), as DeepEP keeps the is_token_in_rank its dispatch was given; rows a
-      forwarder dropped on hop 2 are not taken out (the sender never learns of them).
+      n*G + g), as DeepEP keeps the is_token_in_rank its dispatch was given: no dropped row
+      is taken out, on either hop (unlike the one-hop handle's is_token_in_rank).
     num_dropped i32[]: hop-1 rows this rank dropped as a source (num_worst_rdma_tokens) plus
       hop-2 rows it dropped as a forwarder (capacity, num_worst_tokens); summed over the
       ranks it equals the flat exchange's count when hop 1 drops nothing.
@@ -522,7 +522,7 @@ def two_hop_plan(topk_idx, num_experts, axes, *, transports, impl, capacity=None
         num_recv_tokens=hop2.plan.recv_counts.sum(),
         num_recv_tokens_per_expert=_per_expert_counts(hop2.recv_topk_idx, num_local,
                                                       expert_alignment),
-        num_tokens_per_rdma_rank=per_node.astype(jnp.int32),
+        num_tokens_per_rdma_rank=per_node,
         num_rdma_recv_tokens=hop1.num_recv_tokens, is_token_in_rank=in_rank,
         num_dropped=hop1.num_dropped + hop2.num_dropped, num_invalid=num_invalid,
         num_tokens=num_tokens, num_recv=num_recv, num_rdma_recv=num_rdma_recv,

@@ -176,7 +176,6 @@ def test_gate_up_layout():
         np.testing.assert_array_equal(gate_up_from_etp(gate_up_to_etp(full, etp), etp), full)
 
 
-
 def _np_interleave(w, s):
     """[..., 2F] = [gate | up] -> Megatron's moe_mlp_glu_interleave_size layout, in numpy:
     gate's columns b*s ... b*s + s - 1, then up's, for b = 0, 1, ..."""
@@ -251,6 +250,7 @@ def test_glu_interleaved_fc1_equals_the_plain_layout(shape, fields):
             g = _np_interleave(np.asarray(gate_up_from_etp(jnp.asarray(g), etp)), s)
         np.testing.assert_allclose(np.asarray(got_grads[path][...]), g, rtol=2e-5, atol=2e-6,
                                    err_msg=str(path))
+
 
 def test_expert_major_order_matches_a_loop():
     rng = np.random.default_rng(0)

@@ -105,7 +105,6 @@ def np_route(logits, c: MoEConfig, expert_bias=None):
             else scores
     if c.moe_router_topk_scaling_factor and c.moe_router_load_balancing_type != "sinkhorn":
         probs = probs * c.moe_router_topk_scaling_factor
-    T = logits.shape[0]
     routing_probs = np.zeros_like(logits)
     np.put_along_axis(routing_probs, top, probs, axis=1)
     routing_map = np.zeros(logits.shape, bool)
@@ -760,7 +759,6 @@ def test_force_load_balancing_routes_by_random_logits():
         _cfg(moe_router_force_load_balancing=1)
 
 
-
 @pytest.mark.parametrize("std", [2.0, -2.0])
 def test_force_biased_routes_by_random_logits_plus_a_shared_bias(std):
     # Megatron's moe_router_force_biased: force balancing's random logits plus a normal(0,
@@ -802,6 +800,42 @@ def test_force_biased_routes_by_random_logits_plus_a_shared_bias(std):
         _cfg(moe_router_force_biased=True)
     with pytest.raises(ValueError, match="moe_router_force_biased"):
         jax_ep.flax.TopKRouter(_cfg(moe_router_force_biased=1.0), H, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="moe_router_force_biased"):  # std 0 is not "off"
+        jax_ep.flax.TopKRouter(_cfg(moe_router_force_biased=0.0), H, rngs=nnx.Rngs(0))
+
+
+def test_force_biased_logits_ignore_the_router_and_std_zero_is_force_balancing():
+    # apply_biased_logits: standard normal logits of the key plus the bias, the gradient
+    # straight through to the logits
+    logits = jax.random.normal(jax.random.key(5), (6, E)) * 3
+    key, bias = jax.random.key(6), jnp.linspace(-1.0, 1.0, E)
+    got, grad = jax.value_and_grad(lambda l: routing.apply_biased_logits(l, key, bias).sum())(
+        logits)
+    np.testing.assert_allclose(
+        routing.apply_biased_logits(logits, key, bias),
+        jax.random.normal(key, logits.shape) + bias, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(grad, np.ones(logits.shape))
+    # in the layer the routing ignores the router weights (scaled by 100: the same counts),
+    # in training and in eval (deterministic) calls, and std 0 routes as force balancing
+    mesh = _mesh()
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 3, H)),
+                       NamedSharding(mesh, P(("data", "expert"))))
+
+    def counts(c, scale=1.0, deterministic=False):
+        m = _layer(c, mesh)[0]
+        m.router[...] = m.router[...] * scale
+        m.deterministic = deterministic
+        with jax.set_mesh(mesh):
+            return np.asarray(nnx.jit(lambda m, x: m(x)[1]["tokens_per_expert"])(m, x))
+    for std in (0.5, -0.5):
+        c = _cfg(moe_router_force_biased=std)
+        for deterministic in (False, True):
+            np.testing.assert_array_equal(counts(c, 100.0, deterministic),
+                                          counts(c, 1.0, deterministic))
+        assert (counts(c) != counts(_cfg())).any()
+    np.testing.assert_array_equal(counts(_cfg(moe_router_force_biased=0.0)),
+                                  counts(_cfg(moe_router_force_load_balancing=True)))
+
 
 def np_qb_dual_update(scores, k, beta):
     """Megatron's qb_dual_update in numpy float64: (top-k indices of scores - beta, the column

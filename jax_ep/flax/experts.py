@@ -249,7 +249,8 @@ def _tensor_parallel(experts, axis, rows, tokens_per_expert, w_gate_up, w_down, 
     (inside shard_map), Megatron's alltoall-dispatcher flow for expert tensor parallelism:
     each device's rows [N,H] (expert-major blocks of tokens_per_expert i32[L]) are
     all-gathered over `axis`, put expert-major across the S blocks, multiplied by this
-    device's column shard w_gate_up [L,H,2F/S] ([gate_t | up_t]; non-gated [L,H,F/S]) and
+    device's column shard w_gate_up [L,H,2F/S] ([gate_t | up_t]; whole blocks of an
+    interleaved fc1; non-gated [L,H,F/S]) and
     row shard w_down [L,F/S,H] (one grouped GEMM each), and the partial outputs
     reduce-scattered (summed in at least float32, as Megatron's reduce-scatter in the probs'
     dtype) back to each device's own rows -> [N,H] in the rows' dtype. Biases: b_gate_up

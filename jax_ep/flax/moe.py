@@ -39,9 +39,8 @@ from jax_ep.flax.experts import (_ffn, _linear, _shared_expert, _tensor_parallel
 __all__ = ["AuxLossTracker", "ExpertBias", "ForceBalanceStep", "ForcedBias", "InputJitterStep",
            "MoEAuxLossAutoScaler", "MoELayer", "TokenCounts", "TopKRouter", "dense_forward",
            "expert_tile_rows", "force_balance_key", "force_biased_key", "gate_up_from_etp",
-           "gate_up_to_etp",
-           "input_jitter_key", "load_ratio", "pad_expert_blocks", "shard_params",
-           "swiglu_expert_blocks", "swiglu_experts", "unpad_expert_blocks"]
+           "gate_up_to_etp", "input_jitter_key", "load_ratio", "pad_expert_blocks",
+           "shard_params", "swiglu_expert_blocks", "swiglu_experts", "unpad_expert_blocks"]
 # The nnx.Param metadata key nnx.get_named_sharding reads (renamed in flax 0.12).
 _SHARDING_KEY = ("out_sharding" if tuple(int(v) for v in flax.__version__.split(".")[:2])
                  >= (0, 12) else "sharding_names")
@@ -371,11 +370,12 @@ class AuxLossTracker(nnx.Variable):
 
 
 class ForceBalanceStep(nnx.Variable):
-    """moe_router_force_load_balancing's draw counter i32[]: at value n the layer routes by
-    the random logits of key fold_in(fold_in(key(42), n), device) (Megatron seeds 42 + rank
-    and draws anew per call, one generator for all layers). It starts at a random value drawn
-    from the layer's params stream, so layers draw differently. Non-trainable; every call
-    adds 1."""
+    """The draw counter i32[] of moe_router_force_load_balancing and moe_router_force_biased:
+    at value n the layer routes by the random logits of key fold_in(fold_in(key(42), n),
+    device) (Megatron seeds 42 + rank and draws anew per call, one generator for all layers),
+    plus with force_biased std > 0 the bias of `force_biased_key(n)`. It starts at a random
+    value drawn from the layer's params stream, so layers draw differently. Non-trainable;
+    every call adds 1."""
 
 
 def force_balance_key(step, device):
@@ -594,7 +594,7 @@ class MoELayer(_RouterState, nnx.Module):
         b_down or None) of the local experts, shared (gate_up, down, gate or None) or None,
         latent (fc1 [H,D], fc2 [D,H], their biases or None) or None, padding bool[...] or
         None, draws (ForceBalanceStep i32[] or None, InputJitterStep i32[] or None, the
-        forced bias f32[E] or None: `_forced_bias`);
+        forced bias f32[E] or None: `_draws`);
         expert_bias: the router choice's bias (`_choice_bias`). Returns (y, aux, (the
         global_aux_loss tracker's new counts f32[E] or None, quantile balancing's quantile
         f32[E] of a training call, averaged over the token devices, or None))."""
@@ -903,7 +903,8 @@ class TopKRouter(_RouterState, nnx.Module):
         config = _as_moe_config(config)
         for field in ("moe_router_force_load_balancing", "moe_router_force_biased",
                       "moe_input_jitter_eps"):
-            if getattr(config, field) not in (False, None):
+            value = getattr(config, field)
+            if value is not None and value is not False:  # (0.0 == False: std 0 is refused)
                 raise ValueError(f"MoEConfig.{field}: TopKRouter has no random draw counter; "
                                  f"use MoELayer, which has one")
         E, H = config.num_moe_experts, check_positive(hidden_size, "hidden_size")
