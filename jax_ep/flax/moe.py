@@ -219,6 +219,12 @@ def _as_moe_config(config):
                      f"{type(config).__name__}")
 
 
+def _replicated(kind, value):
+    """A non-trainable state variable of nnx.Variable subclass `kind` holding `value`,
+    replicated over the mesh (every dimension unsharded)."""
+    return kind(value, eager_sharding=False, **{_SHARDING_KEY: (None,) * jnp.ndim(value)})
+
+
 class _RouterState:
     """The router's non-trainable state and its updates, shared by MoELayer and TopKRouter:
     expert_bias (ExpertBias f32[E] or None) with local_tokens_per_expert (TokenCounts f32[E]:
@@ -230,23 +236,20 @@ class _RouterState:
         E = config.num_moe_experts
         if config.moe_router_enable_expert_bias:
             self.expert_bias, self.local_tokens_per_expert = (
-                kind(jnp.zeros((E,), jnp.float32), eager_sharding=False,
-                     **{_SHARDING_KEY: (None,)}) for kind in (ExpertBias, TokenCounts))
+                _replicated(kind, jnp.zeros((E,), jnp.float32))
+                for kind in (ExpertBias, TokenCounts))
         else:
             self.expert_bias = self.local_tokens_per_expert = None
         if "global_aux_loss" in config.aux_losses():
-            self.global_tokens_per_expert = AuxLossTracker(
-                jnp.zeros((E,), jnp.float32), eager_sharding=False, **{_SHARDING_KEY: (None,)})
-            self.ga_steps = AuxLossTracker(jnp.zeros((), jnp.float32), eager_sharding=False,
-                                           **{_SHARDING_KEY: ()})
+            self.global_tokens_per_expert, self.ga_steps = (
+                _replicated(AuxLossTracker, jnp.zeros(shape, jnp.float32))
+                for shape in ((E,), ()))
         else:
             self.global_tokens_per_expert = self.ga_steps = None
         if config.quantile_balancing:
-            self.qb_beta = QuantileBias(jnp.zeros((E,), jnp.float32), eager_sharding=False,
-                                        **{_SHARDING_KEY: (None,)})
+            self.qb_beta = _replicated(QuantileBias, jnp.zeros((E,), jnp.float32))
             self.qb_beta_accum, self.qb_beta_count = (
-                QuantileTracker(jnp.zeros(shape, jnp.float32), eager_sharding=False,
-                                **{_SHARDING_KEY: (None,) * len(shape)})
+                _replicated(QuantileTracker, jnp.zeros(shape, jnp.float32))
                 for shape in ((E,), ()))
         else:
             self.qb_beta = self.qb_beta_accum = self.qb_beta_count = None
@@ -413,8 +416,7 @@ def _draw_counter(kind, rngs, enabled):
     value from the params stream, or None when its feature is off."""
     if not enabled:
         return None
-    return kind(jax.random.randint(rngs.params(), (), 0, 2**30, jnp.int32),
-                eager_sharding=False, **{_SHARDING_KEY: ()})
+    return _replicated(kind, jax.random.randint(rngs.params(), (), 0, 2**30, jnp.int32))
 
 
 class MoELayer(_RouterState, nnx.Module):
@@ -564,9 +566,8 @@ class MoELayer(_RouterState, nnx.Module):
         std = config.moe_router_force_biased
         self.force_balance_step = _draw_counter(
             ForceBalanceStep, rngs, config.moe_router_force_load_balancing or std is not None)
-        self.forced_bias = (ForcedBias(abs(std) * jax.random.normal(
-            rngs.params(), (num_experts,), jnp.float32), eager_sharding=False,
-            **{_SHARDING_KEY: (None,)}) if std is not None and std < 0 else None)
+        self.forced_bias = (_replicated(ForcedBias, abs(std) * jax.random.normal(
+            rngs.params(), (num_experts,), jnp.float32)) if std is not None and std < 0 else None)
         self.input_jitter_step = _draw_counter(InputJitterStep, rngs,
                                                config.moe_input_jitter_eps is not None)
         num_local = num_experts // expert_parallel_size
