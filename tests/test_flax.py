@@ -476,8 +476,6 @@ def test_add_bias_linear_router_and_config_rules():
     np.testing.assert_allclose(router.gating(x), x @ router.weight[...].T + jnp.arange(8.0),
                                rtol=1e-6)
     assert TopKRouter(MoEConfig(num_moe_experts=8), 16, rngs=nnx.Rngs(0)).bias is None
-    with pytest.raises(ValueError, match="MoEConfig.moe_input_jitter_eps: TopKRouter"):
-        TopKRouter(MoEConfig(num_moe_experts=8, moe_input_jitter_eps=0.1), 16, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="MoEConfig.add_bias_linear"):
         MoEConfig(num_moe_experts=8, add_bias_linear=True, moe_shared_expert_intermediate_size=8)
     with pytest.raises(ValueError, match="MoEConfig.add_bias_linear"):

@@ -798,10 +798,6 @@ def test_force_biased_routes_by_random_logits_plus_a_shared_bias(std):
         _cfg(moe_router_force_biased=float("nan"))
     with pytest.raises(ValueError, match="moe_router_force_biased"):
         _cfg(moe_router_force_biased=True)
-    with pytest.raises(ValueError, match="moe_router_force_biased"):
-        jax_ep.flax.TopKRouter(_cfg(moe_router_force_biased=1.0), H, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="moe_router_force_biased"):  # std 0 is not "off"
-        jax_ep.flax.TopKRouter(_cfg(moe_router_force_biased=0.0), H, rngs=nnx.Rngs(0))
 
 
 def test_force_biased_logits_ignore_the_router_and_std_zero_is_force_balancing():
@@ -835,6 +831,103 @@ def test_force_biased_logits_ignore_the_router_and_std_zero_is_force_balancing()
         assert (counts(c) != counts(_cfg())).any()
     np.testing.assert_array_equal(counts(_cfg(moe_router_force_biased=0.0)),
                                   counts(_cfg(moe_router_force_load_balancing=True)))
+
+
+_DRAWS = {"force_balance": dict(moe_router_force_load_balancing=True),
+          "force_biased_per_call": dict(moe_router_force_biased=2.0),
+          "force_biased_per_layer": dict(moe_router_force_biased=-2.0),
+          "jitter": dict(moe_input_jitter_eps=0.1)}
+
+
+def _drawn_logits(router, plain, x, step, device):
+    """What Megatron's TopKRouter.forward routes for `router`'s config: x [T,H] jittered
+    (moe_input_jitter_eps, training only), gated by `plain` (the same weights, no draws), the
+    logits replaced by force balancing's random ones (plus the forced bias), from the keys of
+    draw counter value `step` on token device `device`."""
+    c = router.config
+    if c.moe_input_jitter_eps is not None and not router.deterministic:
+        eps = c.moe_input_jitter_eps
+        x = x * jax.random.uniform(moe.input_jitter_key(step, device), x.shape, x.dtype,
+                                   1.0 - eps, 1.0 + eps)
+    logits = plain.gating(x)
+    std = c.moe_router_force_biased
+    key = moe.force_balance_key(step, device)
+    if std is not None:
+        bias = (router.forced_bias[...] if std < 0 else
+                std * jax.random.normal(moe.force_biased_key(step), (E,), jnp.float32))
+        return routing.apply_biased_logits(logits, key, bias)
+    if c.moe_router_force_load_balancing:
+        return routing.apply_random_logits(logits, key)
+    return logits
+
+
+@pytest.mark.parametrize("draw", sorted(_DRAWS))
+def test_topk_router_draws_as_megatron_forward(draw):
+    """TopKRouter applies moe_input_jitter_eps, moe_router_force_load_balancing and
+    moe_router_force_biased in __call__ as Megatron's TopKRouter.forward does (jitter, gate,
+    random logits plus the forced bias, route; `routing` alone applies none): probs, map and
+    the router's gradient equal the router without them routing the logits written from the
+    keys (device 0 outside shard_map, the token device's index inside), a new draw per call
+    (the counter advances by one), the jitter in training calls only."""
+    c = _cfg(moe_aux_loss_coeff=1e-2, **_DRAWS[draw])
+    router = jax_ep.flax.TopKRouter(c, H, rngs=nnx.Rngs(3))
+    plain = jax_ep.flax.TopKRouter(_cfg(moe_aux_loss_coeff=1e-2), H, rngs=nnx.Rngs(3))
+    np.testing.assert_array_equal(router.weight[...], plain.weight[...])
+    counter = router.input_jitter_step if draw == "jitter" else router.force_balance_step
+    assert (router.forced_bias is not None) == (draw == "force_biased_per_layer")
+    x = jax.random.normal(jax.random.key(1), (4, 6, H))
+    tokens = x.reshape(-1, H)
+    w = jax.random.normal(jax.random.key(2), (24, E))
+
+    def loss(m, x):
+        probs, routing_map = m(x)
+        return (probs * w).sum(), routing_map
+
+    def want_loss(m, step):
+        probs, routing_map = m.routing(_drawn_logits(router, m, tokens, step, 0), None, 6)
+        return (probs * w).sum(), routing_map
+
+    seen = []
+    for call in range(2):
+        step = int(counter[...])
+        (got, got_map), grads = nnx.value_and_grad(loss, has_aux=True)(router, x)
+        (want, want_map), want_grads = nnx.value_and_grad(want_loss, has_aux=True)(plain, step)
+        assert int(counter[...]) == step + 1
+        np.testing.assert_array_equal(got_map, want_map)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+        np.testing.assert_allclose(grads.weight[...], want_grads.weight[...], rtol=1e-4,
+                                   atol=1e-6)
+        assert float(jnp.linalg.norm(grads.weight[...])) > 0  # straight through
+        seen.append(float(got))
+    assert seen[0] != seen[1]  # a new draw per call
+    plain_probs = plain(x)[0]
+    router_probs = router(x)[0]
+    assert not np.allclose(router_probs, plain_probs)
+    np.testing.assert_array_equal(router.routing(plain.gating(tokens))[0],  # routing: no draws
+                                  plain.routing(plain.gating(tokens))[0])
+    router.deterministic = plain.deterministic = True  # eval: jitter off, the rest on
+    step = int(counter[...])
+    np.testing.assert_allclose(router(x)[0], plain.routing(
+        _drawn_logits(router, plain, tokens, step, 0))[0], rtol=1e-6)
+    if draw == "jitter":
+        np.testing.assert_allclose(router(x)[0], plain(x)[0], rtol=1e-6)
+
+    # inside shard_map: each token device draws with its index over the axes x varies over
+    router.deterministic = plain.deterministic = False
+    mesh = _mesh()
+    graphdef, state = nnx.split(router)
+
+    def body(state, x):
+        return nnx.merge(graphdef, state)(x)
+    sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(("data", "expert"))),
+                                    out_specs=P(("data", "expert"))))
+    step = int(counter[...])
+    xs = jax.random.normal(jax.random.key(4), (8 * 3, H))
+    got = sharded(jax.device_put(state, NamedSharding(mesh, P())),
+                  jax.device_put(xs, NamedSharding(mesh, P(("data", "expert")))))[0]
+    want = [plain.routing(_drawn_logits(router, plain, block, step, d))[0]
+            for d, block in enumerate(xs.reshape(8, 3, H))]
+    np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-6)
 
 
 def np_qb_dual_update(scores, k, beta):
@@ -1576,8 +1669,6 @@ def test_topk_router_module_state_padding_and_refusals():
     valid = logits[~pad.reshape(-1)]
     np.testing.assert_allclose(float(aux["load_balancing_loss"]), np_switch(valid, plain.config),
                                rtol=1e-5)
-    with pytest.raises(ValueError, match="moe_router_force_load_balancing"):
-        jax_ep.flax.TopKRouter(_cfg(moe_router_force_load_balancing=True), H, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"x: expected \[..., hidden_size=16\]"):
         plain(jnp.zeros((3, H + 1)))
 

@@ -56,16 +56,30 @@ def _route(tokens, router, cfg: MoEConfig, expert_bias, training=True, noise_key
     moe_input_jitter_eps eps, this device's key of the uniform [1 - eps, 1 + eps] noise the
     router's input is multiplied by."""
     weight, bias = router
-    if jitter_key is not None:
-        eps = cfg.moe_input_jitter_eps
-        tokens = tokens * jax.random.uniform(jitter_key, tokens.shape, tokens.dtype, 1.0 - eps,
-                                             1.0 + eps)
-    logits = _gate(tokens, weight.T, cfg, bias)
-    if forced_bias is not None:
-        logits = routing.apply_biased_logits(logits, noise_key, forced_bias)
-    elif noise_key is not None:
-        logits = routing.apply_random_logits(logits, noise_key)
+    logits = _gate(_jittered(tokens, jitter_key, cfg), weight.T, cfg, bias)
+    logits = _forced_logits(logits, noise_key, forced_bias)
     return (logits, *_routed(logits, cfg, expert_bias, training))
+
+
+def _jittered(tokens, jitter_key, cfg: MoEConfig):
+    """tokens [T,H] times uniform [1 - eps, 1 + eps] noise of jitter_key (eps =
+    moe_input_jitter_eps), or unchanged where jitter_key is None."""
+    if jitter_key is None:
+        return tokens
+    eps = cfg.moe_input_jitter_eps
+    return tokens * jax.random.uniform(jitter_key, tokens.shape, tokens.dtype, 1.0 - eps,
+                                       1.0 + eps)
+
+
+def _forced_logits(logits, noise_key, forced_bias):
+    """logits [T,E] replaced by force balancing's random logits of noise_key, plus
+    forced_bias f32[E] (moe_router_force_biased) when given; unchanged where noise_key is None.
+    The gradient passes straight through."""
+    if forced_bias is not None:
+        return routing.apply_biased_logits(logits, noise_key, forced_bias)
+    if noise_key is not None:
+        return routing.apply_random_logits(logits, noise_key)
+    return logits
 
 
 def _gate(tokens, weight, cfg: MoEConfig, bias=None):
@@ -229,8 +243,9 @@ class _RouterState:
     """The router's non-trainable state and its updates, shared by MoELayer and TopKRouter:
     expert_bias (ExpertBias f32[E] or None) with local_tokens_per_expert (TokenCounts f32[E]:
     the slots each expert got in the training calls since the last update_expert_bias,
-    Megatron's router buffer; None without expert bias), and the global_aux_loss tracker
-    (global_tokens_per_expert f32[E], ga_steps f32[], or None)."""
+    Megatron's router buffer; None without expert bias), the global_aux_loss tracker
+    (global_tokens_per_expert f32[E], ga_steps f32[], or None), quantile balancing's bias and
+    trackers, and the random draws' counters and forced bias (`_init_draws`)."""
 
     def _init_router_state(self, config: MoEConfig):
         E = config.num_moe_experts
@@ -253,6 +268,48 @@ class _RouterState:
                 for shape in ((E,), ()))
         else:
             self.qb_beta = self.qb_beta_accum = self.qb_beta_count = None
+
+    def _init_draws(self, config: MoEConfig, rngs: nnx.Rngs):
+        """The random draws' state: force_balance_step (ForceBalanceStep, with
+        moe_router_force_load_balancing or moe_router_force_biased), forced_bias (ForcedBias
+        f32[E], with moe_router_force_biased < 0) and input_jitter_step (InputJitterStep, with
+        moe_input_jitter_eps), each None where its feature is off; drawn from the params
+        stream in that order."""
+        std = config.moe_router_force_biased
+        self.force_balance_step = _draw_counter(
+            ForceBalanceStep, rngs, config.moe_router_force_load_balancing or std is not None)
+        self.forced_bias = (_replicated(ForcedBias, abs(std) * jax.random.normal(
+            rngs.params(), (config.num_moe_experts,), jnp.float32))
+            if std is not None and std < 0 else None)
+        self.input_jitter_step = _draw_counter(InputJitterStep, rngs,
+                                               config.moe_input_jitter_eps is not None)
+
+    def _draws(self):
+        """(ForceBalanceStep i32[] or None, InputJitterStep i32[] or None, the forced bias
+        f32[E] of this call or None: moe_router_force_biased's)."""
+        force_step = _value(self.force_balance_step)
+        std = self.config.moe_router_force_biased
+        if std is None:
+            forced = None
+        elif std < 0:
+            forced = _value(self.forced_bias)
+        else:
+            forced = std * jax.random.normal(force_biased_key(force_step),
+                                             (self.config.num_moe_experts,), jnp.float32)
+        return force_step, _value(self.input_jitter_step), forced
+
+    def _draw_keys(self, force_step, jitter_step, device):
+        """(force balancing's random-logits key, the input jitter's key) of this call on
+        token device `device`, None where off (the jitter in training calls only)."""
+        jitter = jitter_step is not None and not self.deterministic
+        return (None if force_step is None else force_balance_key(force_step, device),
+                input_jitter_key(jitter_step, device) if jitter else None)
+
+    def _advance_draws(self):
+        """Every call adds 1 to each draw counter."""
+        for counter in (self.force_balance_step, self.input_jitter_step):
+            if counter is not None:
+                counter[...] += 1
 
     def _quantile(self, logits, qb_beta):
         """Quantile balancing's quantile f32[E] of these logits [T,E] in a training call
@@ -563,13 +620,7 @@ class MoELayer(_RouterState, nnx.Module):
              param(rngs.params(), (D, H), D ** -0.5, (None, None))) if latent else (None, None))
         self.fc1_latent_proj_bias, self.fc2_latent_proj_bias = (
             (bias((D,), (None,)), bias((H,), (None,))) if latent else (None, None))
-        std = config.moe_router_force_biased
-        self.force_balance_step = _draw_counter(
-            ForceBalanceStep, rngs, config.moe_router_force_load_balancing or std is not None)
-        self.forced_bias = (_replicated(ForcedBias, abs(std) * jax.random.normal(
-            rngs.params(), (num_experts,), jnp.float32)) if std is not None and std < 0 else None)
-        self.input_jitter_step = _draw_counter(InputJitterStep, rngs,
-                                               config.moe_input_jitter_eps is not None)
+        self._init_draws(config, rngs)
         num_local = num_experts // expert_parallel_size
         self.dispatcher = dispatcher or shared_dispatcher(num_local, dcfg, axis)
 
@@ -711,33 +762,10 @@ class MoELayer(_RouterState, nnx.Module):
         self._track(tracked, tracker)
         self._accumulate_quantile(quantile)
         self._count_tokens(aux["tokens_per_expert"])
-        for counter in (self.force_balance_step, self.input_jitter_step):
-            if counter is not None:
-                counter[...] += 1
+        self._advance_draws()
         if self.sow_aux:
             self.sow(nnx.Intermediate, "moe_aux", aux)
         return y, aux
-
-    def _draws(self):
-        """(ForceBalanceStep i32[] or None, InputJitterStep i32[] or None, the forced bias
-        f32[E] of this call or None: moe_router_force_biased's)."""
-        force_step = _value(self.force_balance_step)
-        std = self.config.moe_router_force_biased
-        if std is None:
-            forced = None
-        elif std < 0:
-            forced = _value(self.forced_bias)
-        else:
-            forced = std * jax.random.normal(force_biased_key(force_step),
-                                             (self.config.num_moe_experts,), jnp.float32)
-        return force_step, _value(self.input_jitter_step), forced
-
-    def _draw_keys(self, force_step, jitter_step, device):
-        """(force balancing's random-logits key, the input jitter's key) of this call on
-        token device `device`, None where off (the jitter in training calls only)."""
-        jitter = jitter_step is not None and not self.deterministic
-        return (None if force_step is None else force_balance_key(force_step, device),
-                input_jitter_key(jitter_step, device) if jitter else None)
 
     def _weights(self, x):
         """x and the parameters in the compute dtype (self.dtype, or promoted from x's and
@@ -895,19 +923,17 @@ class TopKRouter(_RouterState, nnx.Module):
       padding_mask=None) is Megatron's sequence-first entry. With
       sow_aux the unscaled losses are sown as nnx.Intermediate "router_aux" (MoELayer's aux
       keys: aux_loss, load_balancing_loss(es), z_loss, ...).
-    moe_router_force_load_balancing, moe_router_force_biased and moe_input_jitter_eps are
-    refused (the layer has them: their draw counters are per layer and device).
+    moe_router_force_load_balancing, moe_router_force_biased and moe_input_jitter_eps act in
+    __call__ / forward as in Megatron's TopKRouter.forward (jitter the input, gate, replace the
+    logits by random ones (plus the forced bias), route); `routing` alone applies none of them.
+    Their state is MoELayer's (force_balance_step, forced_bias, input_jitter_step; every
+    __call__ adds 1 to each counter); the device index of their keys is this device's over the
+    manual mesh axes x varies over, inside shard_map (0 outside: one draw over all the tokens).
     """
 
     def __init__(self, config, hidden_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
                  sow_aux: bool = False, deterministic: bool = False):
         config = _as_moe_config(config)
-        for field in ("moe_router_force_load_balancing", "moe_router_force_biased",
-                      "moe_input_jitter_eps"):
-            value = getattr(config, field)
-            if value is not None and value is not False:  # (0.0 == False: std 0 is refused)
-                raise ValueError(f"MoEConfig.{field}: TopKRouter has no random draw counter; "
-                                 f"use MoELayer, which has one")
         E, H = config.num_moe_experts, check_positive(hidden_size, "hidden_size")
         self.config = config
         self.weight = nnx.Param(jax.nn.initializers.normal(H ** -0.5)(
@@ -915,6 +941,7 @@ class TopKRouter(_RouterState, nnx.Module):
         self.bias = (nnx.Param(jnp.zeros((E,), param_dtype)) if config.add_bias_linear
                      else None)
         self._init_router_state(config)
+        self._init_draws(config, rngs)
         self.sow_aux, self.deterministic = sow_aux, deterministic
 
     @property
@@ -963,8 +990,13 @@ class TopKRouter(_RouterState, nnx.Module):
         H = self.weight.shape[1]
         _check_tokens(x, H, self.config)
         mask = _checked_padding_mask(padding_mask, x)
-        return self.routing(self.gating(x.reshape(-1, H)),
-                            None if mask is None else mask.reshape(-1),
+        tokens = x.reshape(-1, H)
+        force_step, jitter_step, forced_bias = self._draws()
+        noise_key, jitter_key = self._draw_keys(force_step, jitter_step, _device_index(tokens))
+        logits = _forced_logits(self.gating(_jittered(tokens, jitter_key, self.config)),
+                                noise_key, forced_bias)
+        self._advance_draws()
+        return self.routing(logits, None if mask is None else mask.reshape(-1),
                             x.shape[-2] if x.ndim > 2 else 1)
 
     def forward(self, input, padding_mask=None):
@@ -984,6 +1016,14 @@ class TopKRouter(_RouterState, nnx.Module):
                                                                                  1))
         return tuple(jnp.swapaxes(a.reshape(batch, seq, -1), 0, 1).reshape(seq * batch, -1)
                      for a in (probs, routing_map))
+
+
+def _device_index(x):
+    """This device's index (i32[]) over the manual mesh axes x varies over, in the mesh's
+    order, inside shard_map; 0 outside (or where x varies over none)."""
+    varying = _ffi.varying_axes(x)
+    axes = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in varying)
+    return jax.lax.axis_index(axes) if axes else 0
 
 
 def _check_tokens(x, hidden: int, cfg: MoEConfig):

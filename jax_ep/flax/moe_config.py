@@ -96,9 +96,9 @@ class MoEConfig:
         the scores between them are computed in at least float32 (Megatron's precision).
       moe_router_force_load_balancing: Megatron's benchmark switch (its perf recipes set it):
         the router's logits are replaced by standard normal ones (`router.apply_random_logits`,
-        a new draw per layer, call and device: the layer's `ForceBalanceStep` counter and
-        the device's index), the gradient passing straight through to the router weights, so
-        the routing is balanced whatever the weights.
+        a new draw per layer, call and device: the layer's (or TopKRouter's)
+        `ForceBalanceStep` counter and the device's index), the gradient passing straight
+        through to the router weights, so the routing is balanced whatever the weights.
       moe_router_force_biased: None, or std: Megatron's skewed benchmark routing
         (`router.apply_biased_logits`): the random logits of force load balancing plus a bias
         f32[E] of normal(0, |std|) values that every device shares, so some experts get more
