@@ -926,8 +926,8 @@ class TopKRouter(_RouterState, nnx.Module):
     moe_router_force_load_balancing, moe_router_force_biased and moe_input_jitter_eps act in
     __call__ / forward as in Megatron's TopKRouter.forward (jitter the input, gate, replace the
     logits by random ones (plus the forced bias), route); `routing` alone applies none of them.
-    Their state is MoELayer's (force_balance_step, forced_bias, input_jitter_step; every
-    __call__ adds 1 to each counter); the device index of their keys is this device's over the
+    The router keeps its own state, named as MoELayer's (force_balance_step, forced_bias,
+    input_jitter_step; every __call__ adds 1 to each counter); the device index of their keys is this device's over the
     manual mesh axes x varies over, inside shard_map (0 outside: one draw over all the tokens).
     """
 
