@@ -927,8 +927,9 @@ class TopKRouter(_RouterState, nnx.Module):
     __call__ / forward as in Megatron's TopKRouter.forward (jitter the input, gate, replace the
     logits by random ones (plus the forced bias), route); `routing` alone applies none of them.
     The router keeps its own state, named as MoELayer's (force_balance_step, forced_bias,
-    input_jitter_step; every __call__ adds 1 to each counter); the device index of their keys is this device's over the
-    manual mesh axes x varies over, inside shard_map (0 outside: one draw over all the tokens).
+    input_jitter_step; every __call__ adds 1 to each counter); the device index of their keys
+    is this device's over the manual mesh axes x varies over, inside shard_map (0 outside:
+    one draw over all the tokens).
     """
 
     def __init__(self, config, hidden_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
