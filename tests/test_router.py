@@ -930,6 +930,29 @@ def test_topk_router_draws_as_megatron_forward(draw):
     np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-6)
 
 
+def test_draws_follow_a_swapped_config():
+    """A config swapped after construction: a draw whose state the router was not built with
+    is a ValueError naming the field (never a silent no-op); a draw switched off routes as
+    the plain router does."""
+    x = jax.random.normal(jax.random.key(1), (4, 6, H))
+    for built, swapped, field in (
+            (_cfg(), _cfg(moe_router_force_load_balancing=True),
+             "moe_router_force_load_balancing"),
+            (_cfg(moe_router_force_biased=1.0), _cfg(moe_router_force_biased=-1.0),
+             "moe_router_force_biased"),
+            (_cfg(), _cfg(moe_input_jitter_eps=0.1), "moe_input_jitter_eps")):
+        router = jax_ep.flax.TopKRouter(built, H, rngs=nnx.Rngs(3))
+        router.config = swapped
+        with pytest.raises(ValueError, match=f"MoEConfig.{field}: this module was built "
+                                             f"without it"):
+            router(x)
+    plain = jax_ep.flax.TopKRouter(_cfg(), H, rngs=nnx.Rngs(3))
+    for draw in _DRAWS.values():
+        router = jax_ep.flax.TopKRouter(_cfg(**draw), H, rngs=nnx.Rngs(3))
+        router.config = _cfg()
+        np.testing.assert_array_equal(router(x)[0], plain(x)[0])
+
+
 def np_qb_dual_update(scores, k, beta):
     """Megatron's qb_dual_update in numpy float64: (top-k indices of scores - beta, the column
     quantile: for expert e the (T*k/E + 1)-th largest of scores[:, e] - alpha, alpha each

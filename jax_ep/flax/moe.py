@@ -286,17 +286,33 @@ class _RouterState:
 
     def _draws(self):
         """(ForceBalanceStep i32[] or None, InputJitterStep i32[] or None, the forced bias
-        f32[E] of this call or None: moe_router_force_biased's)."""
-        force_step = _value(self.force_balance_step)
-        std = self.config.moe_router_force_biased
+        f32[E] of this call or None: moe_router_force_biased's). ValueError where the config
+        enables a draw whose state the module was not built with (a config swapped after
+        construction)."""
+        cfg = self.config
+        std = cfg.moe_router_force_biased
+        for field, on, state in (
+                ("moe_router_force_load_balancing", cfg.moe_router_force_load_balancing,
+                 self.force_balance_step),
+                ("moe_router_force_biased", std is not None, self.force_balance_step),
+                ("moe_router_force_biased", std is not None and std < 0, self.forced_bias),
+                ("moe_input_jitter_eps", cfg.moe_input_jitter_eps is not None,
+                 self.input_jitter_step)):
+            if on and state is None:
+                raise ValueError(f"MoEConfig.{field}: this module was built without it (its "
+                                 f"random draw state is made at construction); build the "
+                                 f"module with the config that sets it")
+        forcing = cfg.moe_router_force_load_balancing or std is not None
+        force_step = _value(self.force_balance_step) if forcing else None
         if std is None:
             forced = None
         elif std < 0:
             forced = _value(self.forced_bias)
         else:
             forced = std * jax.random.normal(force_biased_key(force_step),
-                                             (self.config.num_moe_experts,), jnp.float32)
-        return force_step, _value(self.input_jitter_step), forced
+                                             (cfg.num_moe_experts,), jnp.float32)
+        jitter = cfg.moe_input_jitter_eps is not None
+        return force_step, _value(self.input_jitter_step) if jitter else None, forced
 
     def _draw_keys(self, force_step, jitter_step, device):
         """(force balancing's random-logits key, the input jitter's key) of this call on
