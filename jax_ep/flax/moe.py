@@ -272,13 +272,13 @@ class _RouterState:
     def _init_draws(self, config: MoEConfig, rngs: nnx.Rngs):
         """The random draws' state: force_balance_step (ForceBalanceStep, with
         moe_router_force_load_balancing or moe_router_force_biased), forced_bias (ForcedBias
-        f32[E], with moe_router_force_biased < 0) and input_jitter_step (InputJitterStep, with
+        f32[E], a standard normal draw, with moe_router_force_biased < 0) and input_jitter_step (InputJitterStep, with
         moe_input_jitter_eps), each None where its feature is off; drawn from the params
         stream in that order."""
         std = config.moe_router_force_biased
         self.force_balance_step = _draw_counter(
             ForceBalanceStep, rngs, config.moe_router_force_load_balancing or std is not None)
-        self.forced_bias = (_replicated(ForcedBias, abs(std) * jax.random.normal(
+        self.forced_bias = (_replicated(ForcedBias, jax.random.normal(
             rngs.params(), (config.num_moe_experts,), jnp.float32))
             if std is not None and std < 0 else None)
         self.input_jitter_step = _draw_counter(InputJitterStep, rngs,
@@ -307,7 +307,7 @@ class _RouterState:
         if std is None:
             forced = None
         elif std < 0:
-            forced = _value(self.forced_bias)
+            forced = -std * _value(self.forced_bias)
         else:
             forced = std * jax.random.normal(force_biased_key(force_step),
                                              (cfg.num_moe_experts,), jnp.float32)
@@ -466,9 +466,9 @@ def force_biased_key(step):
 
 
 class ForcedBias(nnx.Variable):
-    """moe_router_force_biased std < 0: the layer's bias f32[E], normal(0, |std|) values drawn
-    at init from the params stream and added to the random logits of every call.
-    Non-trainable."""
+    """moe_router_force_biased std < 0: the layer's standard normal draw z f32[E], made at
+    init from the params stream; every call adds |std| * z (std read from the config) to the
+    random logits. Non-trainable."""
 
 
 class InputJitterStep(nnx.Variable):
@@ -944,8 +944,8 @@ class TopKRouter(_RouterState, nnx.Module):
     logits by random ones (plus the forced bias), route); `routing` alone applies none of them.
     The router keeps its own state, named as MoELayer's (force_balance_step, forced_bias,
     input_jitter_step; every __call__ adds 1 to each counter); the device index of their keys
-    is this device's over the manual mesh axes x varies over, inside shard_map (0 outside:
-    one draw over all the tokens).
+    is this device's over every manual mesh axis inside shard_map, as Megatron seeds each rank
+    (0 outside: one draw over all the tokens).
     """
 
     def __init__(self, config, hidden_size: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
@@ -1009,7 +1009,7 @@ class TopKRouter(_RouterState, nnx.Module):
         mask = _checked_padding_mask(padding_mask, x)
         tokens = x.reshape(-1, H)
         force_step, jitter_step, forced_bias = self._draws()
-        noise_key, jitter_key = self._draw_keys(force_step, jitter_step, _device_index(tokens))
+        noise_key, jitter_key = self._draw_keys(force_step, jitter_step, _device_index())
         logits = _forced_logits(self.gating(_jittered(tokens, jitter_key, self.config)),
                                 noise_key, forced_bias)
         self._advance_draws()
@@ -1035,11 +1035,11 @@ class TopKRouter(_RouterState, nnx.Module):
                      for a in (probs, routing_map))
 
 
-def _device_index(x):
-    """This device's index (i32[]) over the manual mesh axes x varies over, in the mesh's
-    order, inside shard_map; 0 outside (or where x varies over none)."""
-    varying = _ffi.varying_axes(x)
-    axes = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in varying)
+def _device_index():
+    """This device's index (i32[]) over every manual mesh axis, in the mesh's order, inside
+    shard_map (Megatron seeds each rank's draws by its rank); 0 outside."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in mesh.axis_names if a in mesh.manual_axes)
     return jax.lax.axis_index(axes) if axes else 0
 
 

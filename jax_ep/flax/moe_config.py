@@ -104,8 +104,9 @@ class MoEConfig:
         f32[E] of normal(0, |std|) values that every device shares, so some experts get more
         tokens than others. std > 0: a new bias per call (key `force_biased_key` of the
         layer's `ForceBalanceStep` counter, no device index); std < 0: one bias per layer,
-        drawn at init (the layer's `ForcedBias` variable). The gradient passes straight
-        through to the router weights.
+        |std| times the standard normal draw made at init (the layer's `ForcedBias`
+        variable). The gradient passes straight through to the router weights (none to the
+        bias).
       moe_input_jitter_eps: None, or eps >= 0: while training (not deterministic) the
         router's input is multiplied by noise uniform in [1 - eps, 1 + eps] (Switch
         Transformer's jitter), a new draw per layer, call and device (the layer's

@@ -99,8 +99,8 @@ def apply_biased_logits(logits, key, bias):
     """Megatron's apply_biased_logits (moe_router_force_biased), with its random state as
     explicit values: apply_random_logits(logits, key) plus bias [E] (Megatron's normal(0,
     |std|) draw, the same on every rank), cast to logits' dtype; the gradient passes straight
-    through to `logits`."""
-    return apply_random_logits(logits, key) + bias.astype(logits.dtype)
+    through to `logits`, none to `bias` (a draw, as Megatron's RandomSTEShared)."""
+    return apply_random_logits(logits, key) + jax.lax.stop_gradient(bias).astype(logits.dtype)
 
 
 def router_gating_linear(inp, weight, bias, router_dtype):
