@@ -55,6 +55,8 @@ __all__ = [
     "exclusive_cumsum",
     "exchange_rows",
     "PEER_TIMEOUT_ENV",
+    "MAX_PEER_TIMEOUT_S",
+    "peer_timeout_s",
     "peer_unavailable",
     "axis_rank_and_size",
     "exchange_blocks",
@@ -80,6 +82,7 @@ COMBINE_NAME = "ep_combine"
 
 PEER_TIMEOUT_ENV = "JAX_EP_PEER_TIMEOUT_S"
 DEFAULT_PEER_TIMEOUT_S = 60.0
+MAX_PEER_TIMEOUT_S = 1e6  # about 11.6 days
 _peer_op_ids = itertools.count(1)
 # Platforms with a peer handler: XLA:CPU always, CUDA GPUs when the CUDA handlers were built.
 _PEER_PLATFORMS = ("cpu", "gpu", "cuda") if _ffi.WITH_CUDA else ("cpu",)
@@ -364,7 +367,7 @@ def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, ax
     others = tuple(a for a in mesh.axis_names if a not in axes and sizes[a] > 1)
     rank = jax.lax.axis_index(axes if len(axes) > 1 else axes[0])
     group = jax.lax.axis_index(others) if others else jnp.zeros((), jnp.int32)
-    timeout_s = float(os.environ.get(PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S))
+    timeout_s = peer_timeout_s()
     i32 = jnp.int32
     out, recv_counts = _ffi.call(
         "jax_ep_peer_exchange",
@@ -377,6 +380,21 @@ def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, ax
         timeout_ms=max(1, round(timeout_s * 1000)), num_recv=out_rows, gather=gather,
         axis=str(axis_name))
     return checkpoint_name(out, name), recv_counts
+
+
+def peer_timeout_s() -> float:
+    """The peer meetings' bound in seconds: JAX_EP_PEER_TIMEOUT_S (default 60), a number in
+    (0, MAX_PEER_TIMEOUT_S]; anything else is a ValueError naming the variable (the handlers
+    keep their deadlines in int64 nanoseconds, so the bound is capped well inside them)."""
+    text = os.environ.get(PEER_TIMEOUT_ENV, str(DEFAULT_PEER_TIMEOUT_S))
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_PEER_TIMEOUT_S:
+        raise ValueError(f"{PEER_TIMEOUT_ENV}: expected seconds in (0, {MAX_PEER_TIMEOUT_S:g}], "
+                         f"got {text!r}")
+    return value
 
 
 def _compact(transport, size):

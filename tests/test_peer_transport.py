@@ -501,6 +501,21 @@ def test_ranks_that_cannot_all_meet_fail_within_the_bound(monkeypatch):
            ep_mesh(NUM_RANKS), x, idx, w).block_until_ready()
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e7", "soon"])
+def test_a_bad_peer_timeout_is_refused_naming_the_variable(monkeypatch, value):
+    # JAX_EP_PEER_TIMEOUT_S outside (0, 1e6] seconds (or not a number) would overflow the
+    # handlers' int64-nanosecond deadlines or fail every meeting at once: refused at trace time
+    monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, value)
+    T, K, E = 4, 2, 16
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 10)
+    with pytest.raises(ValueError, match=r"JAX_EP_PEER_TIMEOUT_S: expected seconds in \(0, "
+                                         r"1e\+06\], got '" + value):
+        run_ep(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                               transport="peer")[0], ep_mesh(NUM_RANKS), x, idx, w)
+    monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1e6")  # the largest bound is taken
+    assert transport.peer_timeout_s() == 1e6
+
+
 def test_a_program_that_expects_more_devices_fails_with_who_arrived(monkeypatch):
     # The op called with num_devices=8 on a 4-device mesh: 4/8 arrive, the bound expires.
     monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1")
