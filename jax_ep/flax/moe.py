@@ -270,19 +270,15 @@ class _RouterState:
             self.qb_beta = self.qb_beta_accum = self.qb_beta_count = None
 
     def _init_draws(self, config: MoEConfig, rngs: nnx.Rngs):
-        """The random draws' state: force_balance_step (ForceBalanceStep, with
-        moe_router_force_load_balancing or moe_router_force_biased), forced_bias (ForcedBias
-        f32[E], a standard normal draw, with moe_router_force_biased < 0) and input_jitter_step (InputJitterStep, with
-        moe_input_jitter_eps), each None where its feature is off; drawn from the params
-        stream in that order."""
-        std = config.moe_router_force_biased
-        self.force_balance_step = _draw_counter(
-            ForceBalanceStep, rngs, config.moe_router_force_load_balancing or std is not None)
+        """The random draws' state (`_draw_switches`): force_balance_step (ForceBalanceStep),
+        forced_bias (ForcedBias f32[E], a standard normal draw) and input_jitter_step
+        (InputJitterStep), each None where its feature is off; drawn from the params stream
+        in that order."""
+        forcing, per_layer_bias, jitter = _draw_switches(config)
+        self.force_balance_step = _draw_counter(ForceBalanceStep, rngs, forcing)
         self.forced_bias = (_replicated(ForcedBias, jax.random.normal(
-            rngs.params(), (config.num_moe_experts,), jnp.float32))
-            if std is not None and std < 0 else None)
-        self.input_jitter_step = _draw_counter(InputJitterStep, rngs,
-                                               config.moe_input_jitter_eps is not None)
+            rngs.params(), (config.num_moe_experts,), jnp.float32)) if per_layer_bias else None)
+        self.input_jitter_step = _draw_counter(InputJitterStep, rngs, jitter)
 
     def _draws(self):
         """(ForceBalanceStep i32[] or None, InputJitterStep i32[] or None, the forced bias
@@ -291,27 +287,24 @@ class _RouterState:
         construction)."""
         cfg = self.config
         std = cfg.moe_router_force_biased
+        forcing, per_layer_bias, jitter = _draw_switches(cfg)
         for field, on, state in (
-                ("moe_router_force_load_balancing", cfg.moe_router_force_load_balancing,
-                 self.force_balance_step),
-                ("moe_router_force_biased", std is not None, self.force_balance_step),
-                ("moe_router_force_biased", std is not None and std < 0, self.forced_bias),
-                ("moe_input_jitter_eps", cfg.moe_input_jitter_eps is not None,
-                 self.input_jitter_step)):
+                ("moe_router_force_biased" if std is not None
+                 else "moe_router_force_load_balancing", forcing, self.force_balance_step),
+                ("moe_router_force_biased", per_layer_bias, self.forced_bias),
+                ("moe_input_jitter_eps", jitter, self.input_jitter_step)):
             if on and state is None:
                 raise ValueError(f"MoEConfig.{field}: this module was built without it (its "
                                  f"random draw state is made at construction); build the "
                                  f"module with the config that sets it")
-        forcing = cfg.moe_router_force_load_balancing or std is not None
         force_step = _value(self.force_balance_step) if forcing else None
         if std is None:
             forced = None
-        elif std < 0:
+        elif per_layer_bias:
             forced = -std * _value(self.forced_bias)
         else:
             forced = std * jax.random.normal(force_biased_key(force_step),
                                              (cfg.num_moe_experts,), jnp.float32)
-        jitter = cfg.moe_input_jitter_eps is not None
         return force_step, _value(self.input_jitter_step) if jitter else None, forced
 
     def _draw_keys(self, force_step, jitter_step, device):
@@ -482,6 +475,15 @@ def input_jitter_key(step, device):
     """The router input jitter's key of call `step` on token device `device`
     (InputJitterStep)."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(43), step), device)
+
+
+def _draw_switches(config: MoEConfig):
+    """Which random draws `config` turns on: (the random logits: moe_router_force_load_balancing
+    or moe_router_force_biased; a per-layer forced bias: moe_router_force_biased < 0; the input
+    jitter: moe_input_jitter_eps)."""
+    std = config.moe_router_force_biased
+    return (config.moe_router_force_load_balancing or std is not None,
+            std is not None and std < 0, config.moe_input_jitter_eps is not None)
 
 
 def _draw_counter(kind, rngs, enabled):

@@ -13,7 +13,6 @@ JAX_EP_CUDA_EMU build).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -208,7 +207,7 @@ def test_peer_meeting_that_cannot_fill_times_out(rng, monkeypatch):
             (jax.ShapeDtypeStruct((4, 2), src.dtype), jax.ShapeDtypeStruct((4,), i32)),
             src, zeros, zeros, zeros, zeros, jnp.stack([rank, 0]).astype(i32),
             jnp.zeros((0,), i32), op_id=next(tp._peer_op_ids), num_ranks=4, num_devices=8,
-            timeout_ms=round(float(os.environ[tp.PEER_TIMEOUT_ENV]) * 1000), num_recv=4,
+            timeout_ms=round(tp.peer_timeout_s() * 1000), num_recv=4,
             gather=False, axis="ep")
 
     src = np.ones((16, 2), np.float32)
