@@ -39,14 +39,40 @@ WITH_CUDA_EMU: bool = _jax_ep_cuda_emu is not None
 
 
 def _register_all() -> None:
+    """Registers the targets whose handlers are one capsule. The targets with an instantiate
+    stage ({stage: capsule}) wait for `_register_stateful`: XLA refuses a handler whose state
+    type it does not know yet, and JAX (0.10) registers what it holds for a backend not yet
+    started targets first, types after, so those are registered once the backends run."""
     modules = [_jax_ep] + ([_jax_ep_cuda_emu] if WITH_CUDA_EMU else [])
     for module in modules:
         for platform, targets in module.registrations().items():
-            for name, capsule in targets.items():
-                jax.ffi.register_ffi_target(name, capsule, platform=platform)
+            for name, handler in targets.items():
+                if isinstance(handler, dict):
+                    _stateful.append((module, platform, name, handler))
+                else:
+                    jax.ffi.register_ffi_target(name, handler, platform=platform)
 
 
+_stateful: list = []  # (module, platform, target name, {stage: capsule}) not registered yet
+_stateful_lock = threading.Lock()
 _register_all()
+_STATEFUL_TARGETS = frozenset(name for _, _, name, _ in _stateful)
+
+
+def _register_stateful() -> None:
+    """Registers the state types, then the targets with an instantiate stage (once, after the
+    backends have started: called when such a target is first traced)."""
+    with _stateful_lock:
+        if not _stateful:
+            return
+        jax.devices()  # the backends run (they do already when a program is traced)
+        for module in dict.fromkeys(m for m, _, _, _ in _stateful):
+            for platform, types in module.state_types().items():
+                for name, registration in types.items():
+                    jax.ffi.register_ffi_type(name, registration, platform=platform)
+        for _, platform, name, bundle in _stateful:
+            jax.ffi.register_ffi_target(name, bundle, platform=platform)
+        _stateful.clear()
 
 
 def emulated_cuda_launch_counts(reset: bool = False) -> dict[str, int]:
@@ -161,5 +187,7 @@ def call(target: str, results, *args, cuda_twin: bool = True, **attrs):
     typed = [_varying_result(r, axes, args[0]) for r in ([results] if single else results)]
     if handlers() == "cuda_emu" and cuda_twin:
         target += EMULATED_CUDA_SUFFIX
+    if target in _STATEFUL_TARGETS:
+        _register_stateful()
     fn = jax.ffi.ffi_call(target, typed[0] if single else typed, vmap_method="sequential")
     return fn(*args, **attrs)

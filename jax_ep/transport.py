@@ -28,7 +28,6 @@ layouts, packing and reductions around the wire, "alltoall" the XLA reference op
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from functools import partial
@@ -83,7 +82,6 @@ COMBINE_NAME = "ep_combine"
 PEER_TIMEOUT_ENV = "JAX_EP_PEER_TIMEOUT_S"
 DEFAULT_PEER_TIMEOUT_S = 60.0
 MAX_PEER_TIMEOUT_S = 1e6  # about 11.6 days
-_peer_op_ids = itertools.count(1)
 # Platforms with a peer handler: XLA:CPU always, CUDA GPUs when the CUDA handlers were built.
 _PEER_PLATFORMS = ("cpu", "gpu", "cuda") if _ffi.WITH_CUDA else ("cpu",)
 
@@ -376,7 +374,7 @@ def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, ax
         src, row_map.astype(i32), send_offsets.astype(i32), send_counts.astype(i32),
         dest_offsets.astype(i32), jnp.stack([rank, group]).astype(i32),
         recv_rows.astype(i32) if gather else jnp.zeros((0,), i32),
-        op_id=next(_peer_op_ids), num_ranks=num_ranks, num_devices=mesh.size,
+        num_ranks=num_ranks, num_devices=mesh.size,
         timeout_ms=max(1, round(timeout_s * 1000)), num_recv=out_rows, gather=gather,
         axis=str(axis_name))
     return checkpoint_name(out, name), recv_counts

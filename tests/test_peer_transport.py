@@ -337,6 +337,63 @@ def test_scan_and_remat_meet_by_occurrence():
                  run_ep(body("all_to_all"), mesh, x, idx, w))
 
 
+def test_a_python_loop_over_a_checkpointed_layer_meets_per_instruction():
+    # One jax.checkpoint-ed layer called from a Python loop is traced once and lowered once
+    # (JAX caches both), so its exchanges are alike in every layer: the same attributes, and in
+    # the backward recomputes that depend only on their saved inputs, which XLA may run in any
+    # order. The devices meet per instruction (the FFI instantiate state), never per
+    # attribute. Compared bitwise with all_to_all, several runs.
+    T, K, E, L = 8, 2, 16, 4
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 12)
+    x = np.tile(x, (1, 4))  # H = 16
+    scales = np.linspace(-1.5, 1.5, L * NUM_RANKS).astype(np.float32).reshape(L * NUM_RANKS, 1)
+
+    def body(t):
+        def f(x, i, w, s):
+            @jax.checkpoint
+            def layer(h, scale):
+                rx, _, _, handle = jax_ep.dispatch(h, i, w, num_experts=E, axis_name=AXIS,
+                                                   transport=t)
+                return jnp.tanh(jax_ep.combine(rx * scale, handle)[0])
+
+            def loss(x, s):
+                for l in range(L):
+                    x = layer(x, s[l])
+                return jax.lax.psum(jnp.sum(x ** 2), AXIS), x
+            (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, s)
+            return out, *grads
+        return f
+
+    mesh = ep_mesh(NUM_RANKS)
+    text = _hlo(body("peer"), mesh, x, idx, w, scales)
+    calls = re.findall(r"custom-call\(.*custom_call_target=\"jax_ep_peer_exchange\"", text)
+    # per layer: the dispatch's counts and rows, the combine, and in the backward the
+    # recompute's dispatch and the combine's and dispatch's transposes
+    assert len(calls) >= 5 * L, len(calls)
+    for _ in range(3):
+        _assert_same(run_ep(body("peer"), mesh, x, idx, w, scales),
+                     run_ep(body("all_to_all"), mesh, x, idx, w, scales))
+
+
+def test_one_exchange_in_rank_dependent_branches_does_not_meet_across_them(monkeypatch):
+    # Ranks 0-3 take one branch of a cond, ranks 4-7 the other; both run the same traced
+    # exchange, with the same attributes. They are two instructions, so neither meeting fills
+    # and every rank fails within the bound (a meeting per attribute would pair them and
+    # return rows of the wrong branch).
+    monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1")
+    T, K, E = 4, 2, 16
+    x, idx, w = _routing(NUM_RANKS, T, K, E, 13)
+
+    def f(x, i, w):
+        def exchange(h):
+            return jax_ep.dispatch(h, i, w, num_experts=E, axis_name=AXIS, transport="peer")[0]
+        low = jax.lax.axis_index(AXIS) < NUM_RANKS // 2
+        return jax.lax.cond(low, exchange, lambda h: exchange(h * 2), x)
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"devices arrived"):
+        jax.block_until_ready(run_ep(f, ep_mesh(NUM_RANKS), x, idx, w))
+
+
 def test_two_groups_on_a_data_ep_mesh():
     # A (data, ep) = (2, 4) mesh: each data group exchanges among its own 4 ranks.
     T, K, E = 5, 2, 8
@@ -526,7 +583,7 @@ def test_a_program_that_expects_more_devices_fails_with_who_arrived(monkeypatch)
         out, _ = _ffi.call("jax_ep_peer_exchange",
                            (jax.ShapeDtypeStruct((2, 2), jnp.float32),
                             jax.ShapeDtypeStruct((4,), jnp.int32)),
-                           src, z, z, z, z, coords, jnp.zeros((0,), jnp.int32), op_id=987654,
+                           src, z, z, z, z, coords, jnp.zeros((0,), jnp.int32),
                            num_ranks=4, num_devices=8, timeout_ms=1000, num_recv=2,
                            gather=False, axis="ep")
         return out

@@ -1,5 +1,6 @@
 // The nanobind module jax_ep._jax_ep: registrations() returns {platform: {target: capsule}}
-// with the CPU handlers always and the CUDA handlers when the build found nvcc.
+// with the CPU handlers always and the CUDA handlers when the build found nvcc, and
+// state_types() the state types of the targets with an instantiate stage.
 #include <nanobind/nanobind.h>
 
 #include "registrations.h"
@@ -7,9 +8,11 @@
 namespace nb = nanobind;
 
 JAX_EP_DECLARE_HANDLERS(Cpu)
+JAX_EP_DECLARE_STATEFUL(Cpu)
 JAX_EP_CPU_ONLY_TARGETS(JAX_EP_DECLARE_HANDLER, Cpu)
 #ifdef JAX_EP_WITH_CUDA
 JAX_EP_DECLARE_HANDLERS(Cuda)
+JAX_EP_DECLARE_STATEFUL(Cuda)
 #endif
 
 namespace jax_ep {
@@ -20,9 +23,21 @@ namespace {
 
 nb::dict Registrations() {
   nb::dict out;
-  out["cpu"] = jax_ep::TargetDict(JAX_EP_CPU_HANDLER_ROWS);
+  out["cpu"] = jax_ep::TargetDict(JAX_EP_CPU_HANDLER_ROWS, JAX_EP_STATEFUL_ROWS(Cpu));
 #ifdef JAX_EP_WITH_CUDA
-  out["CUDA"] = jax_ep::TargetDict(JAX_EP_HANDLER_ROWS(Cuda, JAX_EP_AS_IS));
+  out["CUDA"] =
+      jax_ep::TargetDict(JAX_EP_HANDLER_ROWS(Cuda, JAX_EP_AS_IS), JAX_EP_STATEFUL_ROWS(Cuda));
+#else
+  out["CUDA"] = nb::dict();
+#endif
+  return out;
+}
+
+nb::dict StateTypes() {
+  nb::dict out;
+  out["cpu"] = jax_ep::StateTypeDict(JAX_EP_STATEFUL_ROWS(Cpu), "_cpu");
+#ifdef JAX_EP_WITH_CUDA
+  out["CUDA"] = jax_ep::StateTypeDict(JAX_EP_STATEFUL_ROWS(Cuda), "_cuda");
 #else
   out["CUDA"] = nb::dict();
 #endif
@@ -34,7 +49,11 @@ nb::dict Registrations() {
 NB_MODULE(_jax_ep, m) {
   m.doc() = "jax_ep XLA FFI handlers (CPU and, when built, CUDA)";
   m.def("registrations", &Registrations,
-        "{platform: {target name: FFI handler capsule}} for jax.ffi.register_ffi_target");
+        "{platform: {target name: FFI handler capsule, or {stage: capsule} for a target with "
+        "an instantiate stage}} for jax.ffi.register_ffi_target");
+  m.def("state_types", &StateTypes,
+        "{platform: {state type name: {'type_id': capsule, 'type_info': capsule}}} for "
+        "jax.ffi.register_ffi_type, registered before the targets");
   m.def("cpu_fp8_loops", &jax_ep::CpuFp8Loops,
         "Which loops the CPU FP8 cast handlers run: 'avx512' or 'portable' (JAX_EP_CPU_SIMD=0)");
 #ifdef JAX_EP_WITH_CUDA

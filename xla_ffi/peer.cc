@@ -12,9 +12,10 @@
 //   [0, R)): the receiver's own permutation fused into the copy, the layout never written.
 //   recv_counts[p] = the rows that came from rank p (the counts travel in the same call).
 //   coords = (rank on the axis, index of the group along the other mesh axes). Attributes:
-//   op_id (the call's id in its program), num_ranks (P), num_devices (every device running the
-//   program), timeout_ms (the bound of the wait for the peers), num_recv (R), gather, axis
-//   (its name, for messages).
+//   num_ranks (P), num_devices (every device running the program), timeout_ms (the bound of the
+//   wait for the peers), num_recv (R), gather, axis (its name, for messages). The calls that
+//   meet are the same instruction's on every device (its instantiate stage's peer::Site,
+//   peer_meeting.h).
 //
 // Never blocking: XLA:CPU runs the thunks of every device's program on one thread pool shared
 // by all devices (as many threads as cores), so a handler that waited for its peers could hold
@@ -36,17 +37,22 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "common.h"
 #include "cpu_util.h"
+#include "ffi_state.h"
 #include "peer_checks.h"
 #include "peer_meeting.h"
 
 namespace jax_ep {
 namespace {
+
+struct CpuHandler {};
+using CpuSite = peer::Site<CpuHandler>;
 
 // What one device shows its peers for the length of an exchange.
 struct CpuSide {
@@ -75,7 +81,7 @@ struct CpuSide {
 using Attrs = PeerAttrs;
 
 std::string Where(const Attrs& a, const CpuSide& side) {
-  return "peer transport (axis '" + std::string(a.axis) + "', op " + std::to_string(a.op_id) +
+  return "peer transport (axis '" + std::string(a.axis) + "', site " + std::to_string(a.site) +
          ", rank " + std::to_string(side.rank) + " of group " + std::to_string(side.group) +
          " on device " + std::to_string(side.device) + "): ";
 }
@@ -258,13 +264,23 @@ class CompletionThreads {
   }
 
   void Run(std::function<void()> task) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    tasks_.push_back(std::move(task));
-    if (tasks_.size() > waiting_) {
-      std::thread([this] { Work(); }).detach();
-    } else {
-      ready_.notify_one();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (tasks_.size() < waiting_) {
+        tasks_.push_back(std::move(task));
+        ready_.notify_one();
+        return;
+      }
+      try {
+        std::thread([this] { Work(); }).detach();
+        tasks_.push_back(std::move(task));
+        return;
+      } catch (const std::system_error&) {
+        // No thread can be started (the process is out of threads): complete the future on
+        // this thread, which may stall this device's successor thunks but never aborts.
+      }
     }
+    task();
   }
 
  private:
@@ -309,13 +325,10 @@ struct Completion {
   }
 };
 
-// The open meetings of the process, keyed by (run id, op id). A call that runs several times
-// in one execution (a loop, scan over layers, a remat replay) runs once per occurrence on every
-// device, in the same order, so each device joins the oldest meeting of its key it has not
-// joined yet: the n-th occurrence on one device meets the n-th on the others.
+// The open meetings of the process, keyed by (run id, site): peer_meeting.h says why.
 class Rendezvous {
  public:
-  using Key = peer::MeetingQueues<Meeting>::Key;  // (run id, op id)
+  using Key = peer::MeetingQueues<Meeting>::Key;  // (run id, site number)
 
   static Rendezvous& Global() {
     static Rendezvous* rendezvous = new Rendezvous();  // never destroyed: calls may run late
@@ -430,13 +443,13 @@ void RunExchange(ffi::ThreadPool& pool, Meeting& meeting, int64_t P, int32_t cal
   }
 }
 
-ffi::Future PeerExchangeCpu(ffi::ThreadPool pool, ffi::RunId run_id, int32_t device, Any src,
-                            I32 row_map, I32 send_offsets, I32 send_counts, I32 dest_offsets,
-                            I32 coords, I32 recv_rows, int64_t op_id, int64_t num_ranks,
-                            int64_t num_devices, int64_t timeout_ms, int64_t num_recv,
-                            bool gather, std::string_view axis, AnyOut out,
+ffi::Future PeerExchangeCpu(ffi::ThreadPool pool, ffi::RunId run_id, int32_t device,
+                            CpuSite* site, Any src, I32 row_map, I32 send_offsets,
+                            I32 send_counts, I32 dest_offsets, I32 coords, I32 recv_rows,
+                            int64_t num_ranks, int64_t num_devices, int64_t timeout_ms,
+                            int64_t num_recv, bool gather, std::string_view axis, AnyOut out,
                             I32Out recv_counts) {
-  const Attrs a{op_id, num_ranks, num_devices, timeout_ms, num_recv, gather, axis};
+  const Attrs a{site->number, num_ranks, num_devices, timeout_ms, num_recv, gather, axis};
   auto me = std::make_unique<CpuSide>();
   me->device = device;
   me->error = CheckSide(a, src, row_map, send_offsets, send_counts, dest_offsets, coords,
@@ -467,7 +480,7 @@ ffi::Future PeerExchangeCpu(ffi::ThreadPool pool, ffi::RunId run_id, int32_t dev
     return future;
   }
   Completion late;
-  auto meeting = Rendezvous::Global().Join({run_id.run_id, op_id}, std::move(me),
+  auto meeting = Rendezvous::Global().Join({run_id.run_id, site->number}, std::move(me),
                                            int(num_devices), std::chrono::milliseconds(timeout_ms),
                                            &late);
   if (!late.error.empty()) late.Run();
@@ -475,14 +488,24 @@ ffi::Future PeerExchangeCpu(ffi::ThreadPool pool, ffi::RunId run_id, int32_t dev
   return future;
 }
 
+XLA_FFI_TypeInfo cpu_site_type_info = xla::ffi::MakeTypeInfo<CpuSite>();
+
 }  // namespace
 }  // namespace jax_ep
+
+extern "C" const jax_ep::FfiStateType JaxEpPeerExchangeStateCpu{&jax_ep::CpuSite::id,
+                                                                 &jax_ep::cpu_site_type_info};
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeInstantiateCpu,
+                              jax_ep::peer::InstantiateSite<jax_ep::CpuHandler>,
+                              xla::ffi::Ffi::BindInstantiate());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeCpu, jax_ep::PeerExchangeCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Ctx<xla::ffi::RunId>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Ctx<xla::ffi::State<jax_ep::CpuSite>>()
                                   .Arg<jax_ep::Any>()        // src [M, ...]
                                   .Arg<jax_ep::I32>()        // row_map [S]
                                   .Arg<jax_ep::I32>()        // send_offsets [P]
@@ -490,7 +513,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeCpu, jax_ep::PeerExchangeCpu,
                                   .Arg<jax_ep::I32>()        // dest_offsets [P]
                                   .Arg<jax_ep::I32>()        // coords [2]: rank, group
                                   .Arg<jax_ep::I32>()        // recv_rows [N]
-                                  .Attr<int64_t>("op_id")
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_devices")
                                   .Attr<int64_t>("timeout_ms")

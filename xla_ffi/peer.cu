@@ -38,11 +38,13 @@
 // recv_counts entry 0); where blocks overlap the lowest rank's row wins. Every checked-in
 // caller (jax_ep/transport.py) builds its blocks from one plan, so none of these arise there.
 #include "cuda_common.cuh"
+#include "ffi_state.h"
 #include "peer_checks.h"
 #include "peer_meeting.h"
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -51,6 +53,9 @@
 
 namespace jax_ep {
 namespace {
+
+struct CudaHandler {};
+using CudaSite = peer::Site<CudaHandler>;
 
 constexpr int kThreads = 256;
 // The most devices one exchange holds: every participant's pointers travel in one kernel
@@ -276,8 +281,8 @@ class CurrentDevice {
 
 // ----------------------------------------------------------------------------- the handler
 
-// What one device shows its peers for the length of an exchange (host memory on its handler's
-// stack: read by peers only between the two meetings).
+// What one device shows its peers for the length of an exchange (host memory owned by the
+// meeting: read by peers between the two meetings, kept until the last of them lets go).
 struct CudaSide {
   int32_t device = 0;
   PeerOperands operands{};
@@ -288,7 +293,7 @@ struct CudaSide {
 };
 
 std::string Where(const PeerAttrs& a, int32_t device) {
-  return "peer transport (axis '" + std::string(a.axis) + "', op " + std::to_string(a.op_id) +
+  return "peer transport (axis '" + std::string(a.axis) + "', site " + std::to_string(a.site) +
          ", device " + std::to_string(device) + "): ";
 }
 
@@ -301,7 +306,7 @@ std::string DescribeArrived(const peer::Meeting& meeting) {
 }
 
 const CudaSide& SideAt(const peer::Meeting& meeting, size_t i) {
-  return *static_cast<const CudaSide*>(meeting.published[i]);
+  return *static_cast<const CudaSide*>(meeting.published[i].get());
 }
 
 // "" when every side's checks held and all send rows of one dtype and width; else what is wrong.
@@ -353,29 +358,31 @@ ffi::Error ReadFromPeers(const peer::Meeting& meeting, size_t me_index, const Pe
   });
 }
 
-// Step 4: this stream waits until every participant's kernel has read its peers; releases
-// every participant's events.
+// Step 4: this stream waits until every participant's kernel has read its peers; with
+// `release`, every participant's events are released (not after a failed second meeting: a
+// peer may still be issuing its waits on them).
 ffi::Error WaitForReaders(const std::vector<ExchangeEvents*>& events, int32_t device,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, bool release) {
   ffi::Error result = ffi::Error::Success();
   for (ExchangeEvents* e : events) {
     if (e->device != device && result.success()) {
       result = CheckCuda(cudaStreamWaitEvent(stream, e->done, 0),
                          "cudaStreamWaitEvent (a peer done reading)");
     }
-    EventPool::Global().Release(e);
+    if (release) EventPool::Global().Release(e);
   }
   return result;
 }
 
-ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t device, Any src,
-                            I32 row_map, I32 send_offsets, I32 send_counts, I32 dest_offsets,
-                            I32 coords, I32 recv_rows, int64_t op_id, int64_t num_ranks,
-                            int64_t num_devices, int64_t timeout_ms, int64_t num_recv,
-                            bool gather, std::string_view axis, AnyOut out,
+ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t device,
+                            CudaSite* site, Any src, I32 row_map, I32 send_offsets,
+                            I32 send_counts, I32 dest_offsets, I32 coords, I32 recv_rows,
+                            int64_t num_ranks, int64_t num_devices, int64_t timeout_ms,
+                            int64_t num_recv, bool gather, std::string_view axis, AnyOut out,
                             I32Out recv_counts) {
-  const PeerAttrs a{op_id, num_ranks, num_devices, timeout_ms, num_recv, gather, axis};
-  CudaSide me;
+  const PeerAttrs a{site->number, num_ranks, num_devices, timeout_ms, num_recv, gather, axis};
+  auto side = std::make_shared<CudaSide>();
+  CudaSide& me = *side;
   me.device = device;
   me.error = PeerShapeError(a, src, row_map, send_offsets, send_counts, dest_offsets, coords,
                             recv_rows, out, recv_counts);
@@ -411,11 +418,11 @@ ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t devi
   }
 
   const auto bound = std::chrono::milliseconds(timeout_ms);
-  const peer::Rendezvous::Key key{run_id.run_id, op_id};
+  const peer::Rendezvous::Key key{run_id.run_id, site->number};
   auto& rendezvous = peer::Rendezvous::Global();
   std::string error;
   auto meeting = rendezvous.Arrive(
-      key, device, int(num_devices), &me, bound,
+      key, device, int(num_devices), side, bound,
       [](const peer::Meeting& m) { return DescribeArrived(m); }, &error);
   if (!meeting) {
     pool.Return(me.events);
@@ -427,7 +434,7 @@ ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t devi
   size_t me_index = 0;
   for (size_t i = 0; i < meeting->published.size(); ++i) {
     events.push_back(SideAt(*meeting, i).events);
-    if (meeting->published[i] == &me) me_index = i;
+    if (meeting->published[i] == side) me_index = i;
   }
   const std::string wrong = CheckSides(*meeting, me);
   ffi::Error read = ffi::Error::Success();
@@ -437,10 +444,13 @@ ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t devi
   }
   // Recorded on every path: the peers wait on it after the second meeting.
   ffi::Error recorded = CheckCuda(cudaEventRecord(me.events->done, stream), "cudaEventRecord (done)");
-  if (!rendezvous.Depart(key, meeting, 10 * bound, &error)) {
+  const bool departed = rendezvous.Depart(key, meeting, 10 * bound, &error);
+  // Even when the second meeting failed, this stream waits for the peers' kernels enqueued so
+  // far (a late peer's own kernel is not covered: the call fails, and the program with it).
+  ffi::Error waited = WaitForReaders(events, device, stream, departed);
+  if (!departed) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, Where(a, device) + error);
   }
-  ffi::Error waited = WaitForReaders(events, device, stream);
   if (!wrong.empty()) return ffi::Error::InvalidArgument(Where(a, device) + wrong);
   for (ffi::Error* err : {&read, &recorded, &waited}) {
     if (err->failure()) return std::move(*err);
@@ -448,8 +458,17 @@ ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t devi
   return ffi::Error::Success();
 }
 
+XLA_FFI_TypeInfo cuda_site_type_info = xla::ffi::MakeTypeInfo<CudaSite>();
+
 }  // namespace
 }  // namespace jax_ep
+
+extern "C" const jax_ep::FfiStateType JaxEpPeerExchangeStateCuda{&jax_ep::CudaSite::id,
+                                                                  &jax_ep::cuda_site_type_info};
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeInstantiateCuda,
+                              jax_ep::peer::InstantiateSite<jax_ep::CudaHandler>,
+                              xla::ffi::Ffi::BindInstantiate());
 
 // Not command-buffer compatible (no ffi::Traits::kCmdBufferCompatible): it blocks on the host.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeCuda, jax_ep::PeerExchangeCuda,
@@ -457,6 +476,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeCuda, jax_ep::PeerExchangeCuda,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::RunId>()
                                   .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Ctx<xla::ffi::State<jax_ep::CudaSite>>()
                                   .Arg<jax_ep::Any>()        // src [M, ...]
                                   .Arg<jax_ep::I32>()        // row_map [S]
                                   .Arg<jax_ep::I32>()        // send_offsets [P]
@@ -464,7 +484,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPeerExchangeCuda, jax_ep::PeerExchangeCuda,
                                   .Arg<jax_ep::I32>()        // dest_offsets [P]
                                   .Arg<jax_ep::I32>()        // coords [2]: rank, group
                                   .Arg<jax_ep::I32>()        // recv_rows [N]
-                                  .Attr<int64_t>("op_id")
                                   .Attr<int64_t>("num_ranks")
                                   .Attr<int64_t>("num_devices")
                                   .Attr<int64_t>("timeout_ms")

@@ -14,7 +14,7 @@
 namespace jax_ep {
 
 struct PeerAttrs {
-  int64_t op_id, num_ranks, num_devices, timeout_ms;
+  int64_t site, num_ranks, num_devices, timeout_ms;  // site: the instruction's Site number
   int64_t num_recv;  // R, rows of the receive layout the senders' dest_offsets index
   bool gather;       // out = rows recv_rows of that layout, instead of the layout itself
   std::string_view axis;

@@ -1,15 +1,23 @@
 // The host-side meetings of the peer exchange: the devices of one process that run one SPMD
-// program meet at each exchange. MeetingQueues is the occurrence rule both handlers follow;
-// Rendezvous is the blocking meeting of the CUDA handler (peer.cu: publish a pointer, wait for
-// everyone, meet again once every receiver has read its peers). The CPU handler's meeting never
-// blocks (peer.cc says why) and keeps its own table on MeetingQueues.
+// program meet at each exchange. Site is the per-instruction state both handlers key their
+// meetings by; MeetingQueues is the occurrence rule both follow; Rendezvous is the blocking
+// meeting of the CUDA handler (peer.cu: publish its side, wait for everyone, meet again once
+// every receiver has read its peers). The CPU handler's meeting never blocks (peer.cc says why)
+// and keeps its own table on MeetingQueues.
 //
-// XLA's FFI gives a handler the run id (one per execution, the same on every device) and the
-// device ordinal, but nothing that names the instruction: the op id is a static attribute
-// from Python, and a call that runs several times in one execution (a loop, scan over layers,
-// a remat replay) runs once per occurrence on every device, in the same order. So a meeting is
-// keyed by (run id, op id), and each device joins the oldest meeting of that key it has not
-// joined yet: the n-th occurrence on one device meets the n-th on the others.
+// Which calls meet: XLA's FFI gives a handler the run id (one per execution, the same on every
+// device) and the device ordinal, and a state per instruction made by the handler's instantiate
+// stage. XLA instantiates a custom call once per instruction of a compiled program, and every
+// device that runs the program executes the instruction with that one state (checked on
+// XLA:CPU, tests/test_peer_transport.py; XLA:GPU keeps it in the instruction's thunk, which
+// the devices share). So the Site made there names the instruction alike on every device and
+// apart from every other instruction of the process: a layer traced once but placed several
+// times in the program (a Python loop over one jax.checkpoint-ed function, the call sites of
+// one nested jit) is several instructions, several sites, whatever order XLA runs them in. A
+// meeting is keyed by (run id, site), and an instruction that runs several times in one
+// execution (a loop body: scan over layers) runs once per iteration on every device, in order,
+// so each device joins the oldest meeting of that key it has not joined yet: the n-th
+// occurrence on one device meets the n-th on the others.
 //
 // Nothing waits forever: a meeting that does not fill within its bound fails, every waiting
 // device returns an error naming who did not arrive, and a device that arrives later fails
@@ -17,6 +25,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -28,6 +37,8 @@
 #include <utility>
 #include <vector>
 
+#include "xla/ffi/api/ffi.h"
+
 namespace jax_ep::peer {
 
 using Clock = std::chrono::steady_clock;
@@ -35,7 +46,30 @@ using Clock = std::chrono::steady_clock;
 // How long a failed meeting stays to fail its late arrivals at once.
 constexpr std::chrono::seconds kFailedMeetingLifetime{120};
 
-// The open meetings of each key (run id, op id), oldest first. M has `bool Has(int32_t device)`.
+// The FFI state of one peer-exchange instruction (see the header comment): `number` is unique
+// in the process. Tag gives each handler (CPU, CUDA, emulated CUDA) its own state type, since
+// XLA registers a state type once per type id.
+template <typename Tag>
+struct Site {
+  static xla::ffi::TypeId id;  // set by XLA's type registry (jax.ffi.register_ffi_type)
+  int64_t number = 0;
+};
+
+template <typename Tag>
+xla::ffi::TypeId Site<Tag>::id = {};
+
+// The instantiate stage of a handler keyed by Site<Tag>: a site with the next number.
+template <typename Tag>
+xla::ffi::ErrorOr<std::unique_ptr<Site<Tag>>> InstantiateSite() {
+  static std::atomic<int64_t> next{1};
+  auto site = std::make_unique<Site<Tag>>();
+  site->number = next.fetch_add(1);
+  xla::ffi::ErrorOr<std::unique_ptr<Site<Tag>>> made(std::move(site));
+  return made;
+}
+
+// The open meetings of each key (run id, site number), oldest first. M has
+// `bool Has(int32_t device)`.
 // Not thread-safe: the owner holds its lock around every call.
 template <typename M>
 class MeetingQueues {
@@ -78,13 +112,15 @@ class MeetingQueues {
   std::map<Key, std::deque<std::shared_ptr<M>>> open_;
 };
 
-// One exchange of the blocking rendezvous: `size` devices, each publishing one pointer.
+// One exchange of the blocking rendezvous: `size` devices, each publishing its side. The
+// meeting owns the sides, so a side stays alive while any device still holds the meeting (a
+// device that gives up at the second meeting returns while a slower peer may still read it).
 struct Meeting {
   explicit Meeting(int size) : size(size) {}
 
   const int size;
   std::vector<int32_t> devices;       // device ordinals, in arrival order
-  std::vector<const void*> published;  // what each of them published
+  std::vector<std::shared_ptr<const void>> published;  // what each of them published
   int done = 0;                        // devices that finished reading their peers
   int left = 0;                        // devices that passed the second meeting
   bool failed = false;
@@ -99,7 +135,7 @@ struct Meeting {
 // The process-wide table of open meetings of the blocking rendezvous.
 class Rendezvous {
  public:
-  using Key = MeetingQueues<Meeting>::Key;  // (run id, op id)
+  using Key = MeetingQueues<Meeting>::Key;  // (run id, site number)
 
   static Rendezvous& Global() {
     static Rendezvous* rendezvous = new Rendezvous();  // never destroyed: handlers may run late
@@ -110,7 +146,8 @@ class Rendezvous {
   // devices have arrived. Returns the meeting, or null with *error set (timed out: the
   // arrived devices are listed by `describe_missing`, given them; or the meeting had failed).
   template <typename DescribeMissing>
-  std::shared_ptr<Meeting> Arrive(Key key, int32_t device, int size, const void* mine,
+  std::shared_ptr<Meeting> Arrive(Key key, int32_t device, int size,
+                                  std::shared_ptr<const void> mine,
                                   Clock::duration bound, DescribeMissing describe_missing,
                                   std::string* error) {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -130,7 +167,7 @@ class Rendezvous {
       return nullptr;
     }
     meeting->devices.push_back(device);
-    meeting->published.push_back(mine);
+    meeting->published.push_back(std::move(mine));
     if (int(meeting->devices.size()) == size) changed_.notify_all();
     const Clock::time_point deadline = Clock::now() + bound;
     const bool full = changed_.wait_until(lock, deadline, [&] {

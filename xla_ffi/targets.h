@@ -17,3 +17,10 @@
   X("jax_ep_logfmt_encode", JaxEpLogfmtEncode, __VA_ARGS__)            \
   X("jax_ep_logfmt_decode", JaxEpLogfmtDecode, __VA_ARGS__)            \
   X("jax_ep_peer_exchange", JaxEpPeerExchange, __VA_ARGS__)
+
+// The targets among those whose handlers also have an FFI instantiate stage, which makes a
+// state per instruction (peer_meeting.h's Site): X(target name, handler symbol stem, ...).
+// Each such file also defines <stem>Instantiate<suffix> (the stage's handler) and
+// <stem>State<suffix> (a jax_ep::FfiStateType, ffi_state.h).
+#define JAX_EP_STATEFUL_TARGETS(X, ...) \
+  X("jax_ep_peer_exchange", JaxEpPeerExchange, __VA_ARGS__)

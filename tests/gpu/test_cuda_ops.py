@@ -33,9 +33,10 @@ if jax.devices()[0].platform != "gpu" and not EMULATED:
 GPU = jax.devices()[0]
 CPU = jax.devices("cpu")[0]
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-# Every FFI target, from the table both nanobind modules register (X("name", Stem, ...)).
-TARGETS = re.findall(r'X\("(\w+)"', (Path(__file__).resolve().parents[2] / "xla_ffi" /
-                                      "targets.h").read_text())
+# Every FFI target, from the table both nanobind modules register (X("name", Stem, ...); the
+# stateful targets' table names some of them again).
+TARGETS = sorted(set(re.findall(r'X\("(\w+)"', (Path(__file__).resolve().parents[2] /
+                                                "xla_ffi" / "targets.h").read_text())))
 
 
 # ----------------------------------------------------------------------------- helpers

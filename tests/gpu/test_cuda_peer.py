@@ -206,7 +206,7 @@ def test_peer_meeting_that_cannot_fill_times_out(rng, monkeypatch):
             "jax_ep_peer_exchange",
             (jax.ShapeDtypeStruct((4, 2), src.dtype), jax.ShapeDtypeStruct((4,), i32)),
             src, zeros, zeros, zeros, zeros, jnp.stack([rank, 0]).astype(i32),
-            jnp.zeros((0,), i32), op_id=next(tp._peer_op_ids), num_ranks=4, num_devices=8,
+            jnp.zeros((0,), i32), num_ranks=4, num_devices=8,
             timeout_ms=round(tp.peer_timeout_s() * 1000), num_recv=4,
             gather=False, axis="ep")
 

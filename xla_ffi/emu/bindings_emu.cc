@@ -30,6 +30,7 @@
 namespace nb = nanobind;
 
 JAX_EP_DECLARE_HANDLERS(Cuda)
+JAX_EP_DECLARE_STATEFUL(Cuda)
 
 namespace {
 
@@ -182,7 +183,14 @@ XLA_FFI_Error* OnHost(XLA_FFI_CallFrame* frame) {
 
 nb::dict Registrations() {
   nb::dict out;
-  out["cpu"] = jax_ep::TargetDict(JAX_EP_HANDLER_ROWS(Cuda, JAX_EP_ON_HOST), "_cuda_emu");
+  out["cpu"] = jax_ep::TargetDict(JAX_EP_HANDLER_ROWS(Cuda, JAX_EP_ON_HOST),
+                                  JAX_EP_STATEFUL_ROWS(Cuda), "_cuda_emu");
+  return out;
+}
+
+nb::dict StateTypes() {
+  nb::dict out;
+  out["cpu"] = jax_ep::StateTypeDict(JAX_EP_STATEFUL_ROWS(Cuda), "_cuda_emu");
   return out;
 }
 
@@ -200,6 +208,9 @@ NB_MODULE(_jax_ep_cuda_emu, m) {
   m.doc() = "jax_ep's CUDA handlers compiled for the CUDA emulator, on the CPU platform";
   m.def("registrations", &Registrations,
         "{'cpu': {'<CUDA target>_cuda_emu': FFI handler capsule}} for jax.ffi.register_ffi_target");
+  m.def("state_types", &StateTypes,
+        "{'cpu': {state type name: {'type_id': capsule, 'type_info': capsule}}} for "
+        "jax.ffi.register_ffi_type, registered before the targets");
   m.def("launch_counts", &LaunchCounts, nb::arg("reset") = false,
         "{kernel instance: launches} the emulator ran since the start or the last reset; "
         "reset=True zeroes them after reading");
