@@ -20,8 +20,8 @@ from jax_ep import _jax_ep
 
 __all__ = ["EMULATED_CUDA_SUFFIX", "WITH_CUDA", "WITH_CUDA_EMU", "call",
            "emulated_cuda_launch_counts", "handlers",
-           "make_varying", "trace_platform", "use_handlers", "vary_like", "vary_together",
-           "varying_axes"]
+           "make_varying", "register_stateful_targets", "trace_platform", "use_handlers",
+           "vary_like", "vary_together", "varying_axes"]
 
 WITH_CUDA: bool = bool(_jax_ep.with_cuda)
 EMULATED_CUDA_SUFFIX = "_cuda_emu"
@@ -40,39 +40,53 @@ WITH_CUDA_EMU: bool = _jax_ep_cuda_emu is not None
 
 def _register_all() -> None:
     """Registers the targets whose handlers are one capsule. The targets with an instantiate
-    stage ({stage: capsule}) wait for `_register_stateful`: XLA refuses a handler whose state
-    type it does not know yet, and JAX (0.10) registers what it holds for a backend not yet
-    started targets first, types after, so those are registered once the backends run."""
+    stage ({stage: capsule}) wait for `register_stateful_targets`: XLA refuses a handler whose
+    state type it does not know yet, and for a backend that has not started JAX (0.10) holds
+    both and registers the targets before the types when it starts."""
     modules = [_jax_ep] + ([_jax_ep_cuda_emu] if WITH_CUDA_EMU else [])
     for module in modules:
         for platform, targets in module.registrations().items():
             for name, handler in targets.items():
                 if isinstance(handler, dict):
-                    _stateful.append((module, platform, name, handler))
+                    _stateful.setdefault((module, platform), {})[name] = handler
                 else:
                     jax.ffi.register_ffi_target(name, handler, platform=platform)
 
 
-_stateful: list = []  # (module, platform, target name, {stage: capsule}) not registered yet
+# {(module, platform): {target name: {stage: capsule}}} not registered yet
+_stateful: dict = {}
 _stateful_lock = threading.Lock()
 _register_all()
-_STATEFUL_TARGETS = frozenset(name for _, _, name, _ in _stateful)
+_STATEFUL_TARGETS = frozenset(name for targets in _stateful.values() for name in targets)
 
 
-def _register_stateful() -> None:
-    """Registers the state types, then the targets with an instantiate stage (once, after the
-    backends have started: called when such a target is first traced)."""
+def register_stateful_targets() -> None:
+    """Registers the targets with an instantiate stage (the peer exchange), each platform's
+    state types first. It starts JAX's backends if they have not started; `call` runs it when
+    it first traces such a target, and importing jax_ep once they run. A process that runs a
+    peer program it did not trace (a deserialized executable) calls it first."""
     with _stateful_lock:
         if not _stateful:
             return
         jax.devices()  # the backends run (they do already when a program is traced)
-        for module in dict.fromkeys(m for m, _, _, _ in _stateful):
-            for platform, types in module.state_types().items():
-                for name, registration in types.items():
-                    jax.ffi.register_ffi_type(name, registration, platform=platform)
-        for _, platform, name, bundle in _stateful:
-            jax.ffi.register_ffi_target(name, bundle, platform=platform)
-        _stateful.clear()
+        for (module, platform), targets in list(_stateful.items()):
+            for name, registration in module.state_types()[platform].items():
+                jax.ffi.register_ffi_type(name, registration, platform=platform)
+            for name, bundle in targets.items():
+                jax.ffi.register_ffi_target(name, bundle, platform=platform)
+            del _stateful[(module, platform)]
+
+
+def _backends_started() -> bool:
+    try:  # a private JAX helper; without it the registration waits for the first trace
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:
+        return False
+    return backends_are_initialized()
+
+
+if _backends_started():
+    register_stateful_targets()
 
 
 def emulated_cuda_launch_counts(reset: bool = False) -> dict[str, int]:
@@ -188,6 +202,6 @@ def call(target: str, results, *args, cuda_twin: bool = True, **attrs):
     if handlers() == "cuda_emu" and cuda_twin:
         target += EMULATED_CUDA_SUFFIX
     if target in _STATEFUL_TARGETS:
-        _register_stateful()
+        register_stateful_targets()
     fn = jax.ffi.ffi_call(target, typed[0] if single else typed, vmap_method="sequential")
     return fn(*args, **attrs)

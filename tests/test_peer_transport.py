@@ -342,7 +342,8 @@ def test_a_python_loop_over_a_checkpointed_layer_meets_per_instruction():
     # (JAX caches both), so its exchanges are alike in every layer: the same attributes, and in
     # the backward recomputes that depend only on their saved inputs, which XLA may run in any
     # order. The devices meet per instruction (the FFI instantiate state), never per
-    # attribute. Compared bitwise with all_to_all, several runs.
+    # attribute. Compared bitwise with all_to_all, several runs. (XLA:CPU has not been seen to
+    # reorder them, so this guards the result; the cond test below guards the key.)
     T, K, E, L = 8, 2, 16, 4
     x, idx, w = _routing(NUM_RANKS, T, K, E, 12)
     x = np.tile(x, (1, 4))  # H = 16
@@ -376,10 +377,10 @@ def test_a_python_loop_over_a_checkpointed_layer_meets_per_instruction():
 
 
 def test_one_exchange_in_rank_dependent_branches_does_not_meet_across_them(monkeypatch):
-    # Ranks 0-3 take one branch of a cond, ranks 4-7 the other; both run the same traced
-    # exchange, with the same attributes. They are two instructions, so neither meeting fills
-    # and every rank fails within the bound (a meeting per attribute would pair them and
-    # return rows of the wrong branch).
+    # Ranks 0-3 take one branch of a cond, ranks 4-7 the other; both branches run the same
+    # exchange code with the same attributes. They are two instructions, so neither meeting
+    # fills and every rank fails within the bound (meetings keyed by anything the two share
+    # would pair them and return rows of the other branch).
     monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1")
     T, K, E = 4, 2, 16
     x, idx, w = _routing(NUM_RANKS, T, K, E, 13)

@@ -32,7 +32,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -250,60 +249,6 @@ struct Meeting {
   }
 };
 
-// Threads that complete the devices' futures. Completing a future runs that device's next
-// thunks on the completing thread, up to its next asynchronous step, and those may block (an
-// XLA:CPU all-reduce waits for every device's thread): so every device's future completes on
-// a thread of its own, never on XLA's pool nor on the thread completing another's. The pool
-// grows by a thread whenever the queued tasks outnumber the waiting threads, so no task ever
-// waits for a thread that is busy (a busy one may be blocked until this very task has run).
-class CompletionThreads {
- public:
-  static CompletionThreads& Global() {
-    static CompletionThreads* threads = new CompletionThreads();  // never destroyed
-    return *threads;
-  }
-
-  void Run(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (tasks_.size() < waiting_) {
-        tasks_.push_back(std::move(task));
-        ready_.notify_one();
-        return;
-      }
-      try {
-        std::thread([this] { Work(); }).detach();
-        tasks_.push_back(std::move(task));
-        return;
-      } catch (const std::system_error&) {
-        // No thread can be started (the process is out of threads): complete the future on
-        // this thread, which may stall this device's successor thunks but never aborts.
-      }
-    }
-    task();
-  }
-
- private:
-  void Work() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      ++waiting_;
-      ready_.wait(lock, [&] { return !tasks_.empty(); });
-      --waiting_;
-      std::function<void()> task = std::move(tasks_.front());
-      tasks_.pop_front();
-      lock.unlock();
-      task();
-      lock.lock();
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable ready_;
-  std::deque<std::function<void()>> tasks_;
-  size_t waiting_ = 0;  // threads inside ready_.wait
-};
-
 // A device's future to complete with `error` (success when empty); never under the table's
 // lock (completing it runs the device's next thunks, which may call this handler again).
 struct Completion {
@@ -320,10 +265,67 @@ struct Completion {
   }
 
   // Runs on a thread of CompletionThreads.
-  void RunOnItsOwnThread() const {
-    CompletionThreads::Global().Run([c = *this]() mutable { c.Run(); });
-  }
+  void RunOnItsOwnThread() const;
 };
+
+// Threads that complete the devices' futures. Completing a future runs that device's next
+// thunks on the completing thread, up to its next asynchronous step, and those may block (an
+// XLA:CPU all-reduce waits for every device's thread): so every device's future completes on
+// a thread of its own, never on XLA's pool nor on the thread completing another's. The pool
+// grows by a thread whenever the queued tasks outnumber the waiting threads, so no task ever
+// waits for a thread that is busy (a busy one may be blocked until this very task has run).
+class CompletionThreads {
+ public:
+  static CompletionThreads& Global() {
+    static CompletionThreads* threads = new CompletionThreads();  // never destroyed
+    return *threads;
+  }
+
+  void Run(Completion task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (tasks_.size() < waiting_) {
+        tasks_.push_back(std::move(task));
+        ready_.notify_one();
+        return;
+      }
+      try {
+        std::thread([this] { Work(); }).detach();
+        tasks_.push_back(std::move(task));
+        return;
+      } catch (const std::system_error& e) {
+        // The process cannot start a thread: fail this device's call here (an error runs none
+        // of its successor thunks, so nothing waits on this thread) rather than run them.
+        task.code = ffi::ErrorCode::kResourceExhausted;
+        task.error = "peer transport: no thread to complete the exchange on (" +
+                     std::string(e.what()) + ")" + (task.error.empty() ? "" : "; " + task.error);
+      }
+    }
+    task.Run();
+  }
+
+ private:
+  void Work() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      ++waiting_;
+      ready_.wait(lock, [&] { return !tasks_.empty(); });
+      --waiting_;
+      Completion task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task.Run();
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<Completion> tasks_;
+  size_t waiting_ = 0;  // threads inside ready_.wait
+};
+
+void Completion::RunOnItsOwnThread() const { CompletionThreads::Global().Run(*this); }
 
 // The open meetings of the process, keyed by (run id, site): peer_meeting.h says why.
 class Rendezvous {
@@ -379,7 +381,12 @@ class Rendezvous {
                                                  : meeting.deadline);
           },
           [&](const Meeting& m) { return m.failed && now - m.failed_at > kFailedMeetingLifetime; });
-      for (const Completion& c : expired) c.RunOnItsOwnThread();
+      if (!expired.empty()) {  // completed outside the lock, then the table swept again
+        lock.unlock();
+        for (const Completion& c : expired) c.RunOnItsOwnThread();
+        lock.lock();
+        continue;
+      }
       if (next == Clock::time_point::max()) {
         deadlines_changed_.wait(lock);
       } else {

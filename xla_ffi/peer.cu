@@ -178,8 +178,9 @@ struct ExchangeEvents {
 // owner records it again only after it has been released, and cudaStreamWaitEvent waits for the
 // record current at its call, so a new record can never stand in for the one a peer waits on.
 // In the steady state each device has one pair; a second is made only while a device runs two
-// exchanges at once (XLA may run independent calls concurrently). The pairs of an exchange whose
-// second meeting failed are never reused (a peer may still be issuing waits on them).
+// exchanges at once (XLA may run independent calls concurrently). After a failed second meeting
+// every participant still issues its waits and releases, so a pair whose exchange failed
+// returns once the last of them (a late one too) has; a participant that never returns keeps it.
 class EventPool {
  public:
   static EventPool& Global() {
@@ -358,18 +359,17 @@ ffi::Error ReadFromPeers(const peer::Meeting& meeting, size_t me_index, const Pe
   });
 }
 
-// Step 4: this stream waits until every participant's kernel has read its peers; with
-// `release`, every participant's events are released (not after a failed second meeting: a
-// peer may still be issuing its waits on them).
+// Step 4: this stream waits until every participant's kernel has read its peers; releases
+// every participant's events.
 ffi::Error WaitForReaders(const std::vector<ExchangeEvents*>& events, int32_t device,
-                          cudaStream_t stream, bool release) {
+                          cudaStream_t stream) {
   ffi::Error result = ffi::Error::Success();
   for (ExchangeEvents* e : events) {
     if (e->device != device && result.success()) {
       result = CheckCuda(cudaStreamWaitEvent(stream, e->done, 0),
                          "cudaStreamWaitEvent (a peer done reading)");
     }
-    if (release) EventPool::Global().Release(e);
+    EventPool::Global().Release(e);
   }
   return result;
 }
@@ -446,8 +446,9 @@ ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t devi
   ffi::Error recorded = CheckCuda(cudaEventRecord(me.events->done, stream), "cudaEventRecord (done)");
   const bool departed = rendezvous.Depart(key, meeting, 10 * bound, &error);
   // Even when the second meeting failed, this stream waits for the peers' kernels enqueued so
-  // far (a late peer's own kernel is not covered: the call fails, and the program with it).
-  ffi::Error waited = WaitForReaders(events, device, stream, departed);
+  // far (a late peer's own kernel is not covered: the call fails, and the program with it),
+  // and releases the events: a pair returns to its pool only once every participant has.
+  ffi::Error waited = WaitForReaders(events, device, stream);
   if (!departed) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, Where(a, device) + error);
   }
