@@ -376,25 +376,6 @@ def test_a_python_loop_over_a_checkpointed_layer_meets_per_instruction():
                      run_ep(body("all_to_all"), mesh, x, idx, w, scales))
 
 
-def test_one_exchange_in_rank_dependent_branches_does_not_meet_across_them(monkeypatch):
-    # Ranks 0-3 take one branch of a cond, ranks 4-7 the other; both branches run the same
-    # exchange code with the same attributes. They are two instructions, so neither meeting
-    # fills and every rank fails within the bound (meetings keyed by anything the two share
-    # would pair them and return rows of the other branch).
-    monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1")
-    T, K, E = 4, 2, 16
-    x, idx, w = _routing(NUM_RANKS, T, K, E, 13)
-
-    def f(x, i, w):
-        def exchange(h):
-            return jax_ep.dispatch(h, i, w, num_experts=E, axis_name=AXIS, transport="peer")[0]
-        low = jax.lax.axis_index(AXIS) < NUM_RANKS // 2
-        return jax.lax.cond(low, exchange, lambda h: exchange(h * 2), x)
-
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"devices arrived"):
-        jax.block_until_ready(run_ep(f, ep_mesh(NUM_RANKS), x, idx, w))
-
-
 def test_two_groups_on_a_data_ep_mesh():
     # A (data, ep) = (2, 4) mesh: each data group exchanges among its own 4 ranks.
     T, K, E = 5, 2, 8
@@ -533,10 +514,13 @@ def test_a_bad_argument_on_one_rank_fails_every_rank_without_writing_out_of_boun
         jax.block_until_ready(run_ep(f, ep_mesh(P_), np.ones((P_, 1, 1, 2), np.float32), dest))
 
 
-def test_ranks_that_cannot_all_meet_fail_within_the_bound(monkeypatch):
-    # Only ranks 0-3 take the branch with the exchange: they wait for ranks 4-7, which never
-    # come, and fail after the bound (1 s) with the missing ranks named. No hang; the process
-    # keeps working.
+@pytest.mark.parametrize("other_branch", ["identity", "the same exchange"])
+def test_ranks_that_cannot_all_meet_fail_within_the_bound(monkeypatch, other_branch):
+    # Ranks 0-3 take the branch with the exchange, ranks 4-7 the other: they wait for each
+    # other, never meet, and fail after the bound (1 s) with the missing ranks named. No hang;
+    # the process keeps working. With the same exchange code in the other branch (the same
+    # attributes) the branches are still two instructions that never meet: meetings keyed by
+    # anything the two share would pair them and return rows of the other branch.
     monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1")
     T, K, E = 4, 2, 16
     x, idx, w = _routing(NUM_RANKS, T, K, E, 10)
@@ -546,11 +530,13 @@ def test_ranks_that_cannot_all_meet_fail_within_the_bound(monkeypatch):
             rx, _, _, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
                                           transport="peer")
             return jax_ep.combine(rx, h)[0]
-        return jax.lax.cond(jax.lax.axis_index(AXIS) < 4, exchange, lambda x: x, x)
+        other = (lambda x: x) if other_branch == "identity" else (lambda x: exchange(x * 2))
+        return jax.lax.cond(jax.lax.axis_index(AXIS) < 4, exchange, other, x)
 
     start = time.monotonic()
     with pytest.raises(jax.errors.JaxRuntimeError,
-                       match=r"peer transport \(axis 'ep'.*(missing rank\(s\) 4,5,6,7|gave up)"):
+                       match=r"peer transport \(axis 'ep'.*(missing rank\(s\) (4,5,6,7|0,1,2,3)"
+                             r"|gave up)"):
         jax.block_until_ready(run_ep(f, ep_mesh(NUM_RANKS), x, idx, w))
     assert time.monotonic() - start < 30
     # Still usable: the same exchange on every rank.
