@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jax_ep import deepep, low_latency, ops, transport as tp
@@ -148,17 +149,39 @@ def _token_bytes(hidden_bytes: int) -> int:
             + _NUM_MAX_SCALES * 4)
 
 
+@jax.tree_util.register_pytree_node_class
 class EventHandle:
-    """DeepEP's CUDA event handle; under XLA there is no event to hold."""
+    """DeepEP's CUDA event handle; under XLA there is no event to hold. A pytree without
+    leaves, so a method's whole result can leave `jit` or `shard_map`."""
+
+    def tree_flatten(self):
+        return (), None
+
+    @classmethod
+    def tree_unflatten(cls, aux_data, children):
+        del aux_data, children
+        return cls()
 
 
+@jax.tree_util.register_pytree_node_class
 class EventOverlap:
     """DeepEP's event wrapper. XLA orders every operation of the compiled program, so there is
-    nothing to wait for: `current_stream_wait()` and the `with` block do nothing."""
+    nothing to wait for: `current_stream_wait()` and the `with` block do nothing.
+
+    A pytree whose leaves are those of `event` and `extra_tensors` (none by default), so the
+    methods' results (which end in one) can be returned from `jit` and `shard_map` whole."""
 
     def __init__(self, event=None, extra_tensors=None):
         self.event = event
         self.extra_tensors = extra_tensors
+
+    def tree_flatten(self):
+        return (self.event, self.extra_tensors), None
+
+    @classmethod
+    def tree_unflatten(cls, aux_data, children):
+        del aux_data
+        return cls(*children)
 
     def current_stream_wait(self) -> None:
         """Does nothing (XLA already orders the program)."""
@@ -491,6 +514,27 @@ class Buffer:
             deepep.check_combine_rows(x, handle, "x")
             combined, combined_w = deepep.combine(x, handle, topk_weights=topk_weights)
         return combined, combined_w, EventOverlap()
+
+    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None,
+                           num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                           num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0, config=None,
+                           previous_event=None, async_finish: bool = False,
+                           allocate_on_comm_stream: bool = False):
+        """DeepEP's internode dispatch, which its `dispatch` calls when the group spans
+        nodes. `dispatch` here takes the two-hop path itself for a (node, local) `group` (one
+        node for a single axis), so this is the same call: same arguments and results."""
+        return self.dispatch(
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+            config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                          previous_event=None, async_finish: bool = False,
+                          allocate_on_comm_stream: bool = False):
+        """DeepEP's internode combine: `combine` (see `internode_dispatch`)."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event,
+                            async_finish, allocate_on_comm_stream)
 
     # -- low-latency mode ----------------------------------------------------------------
 

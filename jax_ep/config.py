@@ -13,7 +13,7 @@ import numpy as np
 from jax_ep.ops import GROUPED_MATMUL_IMPLS
 from jax_ep.transport import TRANSPORTS
 
-__all__ = ["BACKENDS", "ROUTER_DTYPES", "TokenDispatcherConfig"]
+__all__ = ["BACKENDS", "ROUTER_DTYPES", "CheckedAssignment", "TokenDispatcherConfig"]
 
 BACKENDS = ("deepep", "hybridep", "uccl_ep", "alltoall")
 ROUTER_DTYPES = ("fp32", "fp64", None)
@@ -35,8 +35,34 @@ def _positive_int(value, allow_none=False) -> bool:
     return _is_int(value) and value > 0
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenDispatcherConfig:
+class CheckedAssignment:
+    """Field assignment for a config dataclass, as on PyTorch's plain dataclasses
+    (`config.moe_router_topk = 4`), checked as construction is: the assignment builds the
+    config that would result (`dataclasses.replace`, so `__post_init__` checks and normalises
+    every field, and a bad value raises its ValueError leaving the config as it was), then
+    takes its fields. The class hashes by its fields (`unsafe_hash=True`), so an assigned
+    config keys jit's static arguments and the shared dispatcher by its new values; a module
+    built from it before the assignment keeps what it read then."""
+
+    def __setattr__(self, name, value):
+        fields = self.__dataclass_fields__
+        if "_checked" not in self.__dict__:  # the dataclass __init__ setting its fields
+            object.__setattr__(self, name, value)
+            return
+        if name not in fields:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r} (fields: "
+                                 f"{', '.join(fields)})")
+        checked = dataclasses.replace(self, **{name: value})
+        for field in fields:
+            object.__setattr__(self, field, getattr(checked, field))
+
+    def _finish_checks(self):
+        """Called last in __post_init__: assignments from now on are checked."""
+        object.__setattr__(self, "_checked", True)
+
+
+@dataclasses.dataclass(unsafe_hash=True)
+class TokenDispatcherConfig(CheckedAssignment):
     """Configuration for MoE token dispatch and combine backends.
 
     PyTorch fields (same names, same defaults):
@@ -44,7 +70,8 @@ class TokenDispatcherConfig:
         decides).
       moe_permute_fusion: run the local permute/unpermute as fused FFI kernels (True) or as
         XLA ops (False); results are identical.
-      moe_expert_capacity_factor: None = no token dropped; else, as Megatron's router with
+      moe_expert_capacity_factor: None (or a negative number, stored as None: Megatron's
+        rule, as MoEConfig's) = no token dropped; else, as Megatron's router with
         its default "probs" drop policy, each expert keeps at most ceil(T*K/E * factor) of a
         rank's T tokens, those with the highest probabilities (every backend; the drops are
         counted in the dispatch state's num_dropped), and deepep-family buffers shrink to
@@ -165,7 +192,11 @@ class TokenDispatcherConfig:
                      "dropless_buffer_factor"):
             f = getattr(self, name)
             is_real = isinstance(f, numbers.Real) and not isinstance(f, (bool, np.bool_))
+            if name == "moe_expert_capacity_factor" and is_real and f < 0 and f > -math.inf:
+                object.__setattr__(self, name, f := None)  # Megatron's rule: dropless
             _require(f is None or (is_real and math.isfinite(f) and f > 0), name,
+                     "None, a negative number (dropless) or a positive finite float"
+                     if name == "moe_expert_capacity_factor" else
                      "None or a positive finite float", f)
         for name in ("ragged_buffer_factor", "dropless_buffer_factor", "num_worst_tokens"):
             _require(getattr(self, name) is None or not self.moe_deepep_async_dispatch, name,
@@ -209,6 +240,7 @@ class TokenDispatcherConfig:
                 object.__setattr__(self, field.name, int(value))
             elif isinstance(value, np.floating):
                 object.__setattr__(self, field.name, float(value))
+        self._finish_checks()
 
     @property
     def backend(self) -> str:

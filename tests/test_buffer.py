@@ -55,6 +55,8 @@ SIGNATURES = {
     "low_latency_query_mask_buffer": [("mask_status", _EMPTY)],
     "low_latency_clean_mask_buffer": [],
 }
+SIGNATURES["internode_dispatch"] = SIGNATURES["dispatch"]
+SIGNATURES["internode_combine"] = SIGNATURES["combine"]
 STATIC_SIGNATURES = {
     "is_sm90_compiled": [],
     "capture": [],
@@ -489,6 +491,58 @@ def test_combine_bias_starts_the_sum_and_rounds_once(nodes, local):
     np.testing.assert_array_equal(db0, np.asarray(np.asarray(cot, jnp.bfloat16)))
     np.testing.assert_array_equal(db1, db0)
     np.testing.assert_array_equal(dy, dy_plain)
+
+
+@pytest.mark.parametrize("nodes,local", [(1, 4), (2, 2)])
+def test_internode_methods_and_whole_results_leave_shard_map(nodes, local):
+    """DeepEP's internode_dispatch / internode_combine are its dispatch / combine for a group
+    over nodes: the same results here, flat or (node, local). Every method's whole result,
+    EventOverlap included, goes through jax.tree.map and leaves shard_map and jit."""
+    num_ranks, T, H, K, E = nodes * local, 5, 16, 2, 8
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    group = AXIS if nodes == 1 else ("node", "local")
+    buf = jax_ep.Buffer(group)
+    mesh = ep_mesh(num_ranks) if nodes == 1 else jax.make_mesh(
+        (nodes, local), ("node", "local"), devices=jax.devices()[:num_ranks])
+
+    def body(x, idx, w):
+        layout = buf.get_dispatch_layout(idx, E)
+        per_rank, per_node, per_expert, in_rank, _ = layout
+        args = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                    is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                    topk_weights=w)
+        plain = buf.dispatch(x, **args)
+        inter = buf.internode_dispatch(x, **args)
+        y = plain[0] * 2.0
+        out = (layout, plain, inter, buf.combine(y, plain[4], topk_weights=plain[2]),
+               buf.internode_combine(y, inter[4], inter[2]), buf.capture())
+        return jax.tree.map(lambda a: a[None], out)  # the handles' scalars get a rank axis
+
+    spec = P(group)
+    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    sharded = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, idx, w)]
+    layout, plain, inter, combined, inter_combined, event = mapped(*sharded)
+    for out in (layout, plain, inter, combined, inter_combined):
+        assert type(out[-1]) is jax_ep.EventOverlap
+    assert type(event) is jax_ep.EventOverlap and event.event is None
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(inter), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(combined[:2], inter_combined[:2], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a token is sent once per rank that owns one of its experts; the copies come back
+    # doubled and summed
+    idx = np.asarray(idx)
+    owner = np.where(idx >= 0, idx // (E // num_ranks), -1)
+    copies = np.array([[len(set(row) - {-1})] for row in owner])
+    np.testing.assert_allclose(np.asarray(combined[0]).reshape(x.shape), 2 * copies * x,
+                               rtol=1e-6, atol=1e-6)
+    # an event with extra tensors carries them as leaves
+    extra = jax.jit(lambda a: jax_ep.EventOverlap(jax_ep.EventHandle(), (a, a + 1)))(
+        jnp.arange(3))
+    assert type(extra.event) is jax_ep.EventHandle
+    np.testing.assert_array_equal(np.asarray(extra.extra_tensors[1]), [1, 2, 3])
 
 
 def test_dispatch_without_topk_and_fp8_pair():

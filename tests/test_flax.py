@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import ops
-from jax_ep.flax import MoEConfig, MoEFlexTokenDispatcher, MoELayer, dense_forward, shard_params
+from jax_ep.flax import (MoEConfig, MoEFlexTokenDispatcher, MoELayer, dense_forward, shard_params,
+                         shared_dispatcher)
 
 BACKENDS = ("deepep", "uccl_ep", "alltoall", "hybridep")
 
@@ -39,8 +40,46 @@ def test_config_has_every_pytorch_field_with_its_default():
     assert fields[:len(PYTORCH_DEFAULTS)] == list(PYTORCH_DEFAULTS)
     for name, value in PYTORCH_DEFAULTS.items():
         assert getattr(cfg, name) == value, name
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.moe_router_topk = 4
+
+
+
+def test_config_fields_assign_as_on_the_pytorch_dataclass_and_are_checked():
+    cfg = jax_ep.TokenDispatcherConfig()
+    key = hash(cfg)
+    cfg.moe_router_topk = np.int64(4)  # checked and normalised as on construction
+    assert cfg == jax_ep.TokenDispatcherConfig(moe_router_topk=4) and hash(cfg) != key
+    assert type(cfg.moe_router_topk) is int
+    cfg.moe_flex_dispatcher_backend = "hybridep"
+    cfg.moe_expert_capacity_factor = -1.0  # Megatron's dropless, stored as None
+    assert cfg.moe_expert_capacity_factor is None and cfg.backend == "hybridep"
+    with pytest.raises(ValueError, match="TokenDispatcherConfig.moe_router_topk"):
+        cfg.moe_router_topk = 0
+    cfg.num_worst_tokens = 64
+    with pytest.raises(ValueError, match="dropless_buffer_factor"):
+        cfg.dropless_buffer_factor = 1.25  # conflicts between fields are checked too
+    assert cfg.moe_router_topk == 4 and cfg.dropless_buffer_factor is None
+    with pytest.raises(AttributeError, match="moe_router_tpok"):
+        cfg.moe_router_tpok = 2
+    moe = MoEConfig(num_moe_experts=8, moe_router_topk=2)
+    moe.moe_router_score_function = "sigmoid"
+    moe.moe_router_enable_expert_bias = True
+    assert moe == MoEConfig(num_moe_experts=8, moe_router_topk=2,
+                            moe_router_score_function="sigmoid",
+                            moe_router_enable_expert_bias=True)
+    with pytest.raises(ValueError, match="moe_router_enable_expert_bias"):
+        moe.moe_router_score_function = "softmax"
+    assert moe.moe_router_score_function == "sigmoid"
+    # an assigned config keys the shared dispatcher by its new values
+    shared = jax_ep.TokenDispatcherConfig(num_moe_experts=8)
+    first = shared_dispatcher(2, shared)
+    assert shared_dispatcher(2, shared) is first
+    shared.moe_router_topk = 3
+    assert shared_dispatcher(2, shared) is not first
+    assert shared_dispatcher(2, shared).config.moe_router_topk == 3
+    assert first.config.moe_router_topk == 2  # a module keeps the values it was built with
+    layer = MoELayer(moe, 16, 32, rngs=nnx.Rngs(0), expert_parallel_size=4)
+    moe.moe_router_topk = 4
+    assert layer.config.moe_router_topk == 2 and layer.dispatcher.config.moe_router_topk == 2
 
 
 @pytest.mark.parametrize("field,value", [
@@ -50,6 +89,7 @@ def test_config_has_every_pytorch_field_with_its_default():
     ("transport", "nvlink"), ("moe_deepep_num_sms", 0), ("moe_permute_fusion", 1),
     ("num_worst_tokens", -5), ("expert_axis_name", ""),
     ("moe_expert_capacity_factor", float("inf")), ("moe_expert_capacity_factor", float("nan")),
+    ("moe_expert_capacity_factor", float("-inf")), ("moe_expert_capacity_factor", "1.5"),
     ("moe_router_topk", 2.0), ("num_moe_experts", np.bool_(True)),
     ("ragged_buffer_factor", 0.0), ("ragged_buffer_factor", float("inf")),
     ("dropless_buffer_factor", 0.0), ("dropless_buffer_factor", -1.0),
@@ -64,6 +104,10 @@ def test_config_accepts_what_nemos_dataclass_accepts():
     # a plain dataclass) and the routing refuses it when traced
     assert jax_ep.TokenDispatcherConfig(moe_router_expert_pad_multiple=0) \
         .moe_router_expert_pad_multiple is None
+    # a negative capacity factor is dropless (Megatron's rule, as MoEConfig's)
+    for f in (-1.0, -1, np.float32(-0.5)):
+        assert jax_ep.TokenDispatcherConfig(moe_expert_capacity_factor=f) == \
+            jax_ep.TokenDispatcherConfig()
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=2, moe_router_topk=4)
     d = MoEFlexTokenDispatcher(2, [0, 1], cfg)
     with pytest.raises(ValueError, match="token_indices: top-k 4 exceeds num_moe_experts 2"):

@@ -187,7 +187,16 @@ def test_required_capacity(n, chunk, want):
     assert jax_ep.required_capacity(n, chunk) == want  # contract: available at the top level
 
 
-def test_pipeline_runtime_initializer_keeps_nemos_calls(monkeypatch):
+@pytest.fixture
+def hybridep_runtime():
+    """NeMo's tests reset the process-global HybridEP runtime around each test."""
+    from jax_ep.flax import reset_hybrid_ep_buffer
+    reset_hybrid_ep_buffer()
+    yield
+    reset_hybrid_ep_buffer()
+
+
+def test_pipeline_runtime_initializer_keeps_nemos_calls(monkeypatch, hybridep_runtime):
     """NeMo's HybridEPPipelineRuntimeInitializer: HybridEP's capacity rule (the combine chunk
     from HybridEP's environment variable), prepare() checking its argument and recording the
     largest capacity, resource_key shared and signature by configuration; the dispatcher
@@ -200,7 +209,9 @@ def test_pipeline_runtime_initializer_keeps_nemos_calls(monkeypatch):
     assert [initializer.required_capacity(n) for n in (1, 512, 513)] == [512, 512, 576]
     monkeypatch.setenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "128")
     assert initializer.required_capacity(513) == 640
+    assert initializer._resolve_group_capacity(513, None) == 640
     monkeypatch.delenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API")
+    assert initializer.capacity == 0
     initializer.prepare(num_tokens=513)
     initializer.prepare(num_tokens=32)
     assert initializer.capacity == 576
@@ -216,6 +227,45 @@ def test_pipeline_runtime_initializer_keeps_nemos_calls(monkeypatch):
     deepep = MoEFlexTokenDispatcher(2, [0, 1], dataclasses.replace(
         cfg, moe_flex_dispatcher_backend="deepep"))
     assert deepep.get_pipeline_runtime_initializers(16, jnp.bfloat16) == ()
+
+
+def test_pipeline_runtime_is_process_global(hybridep_runtime):
+    """NeMo's runtime tests: the capacity is the process's, grown by any initializer of the
+    same signature; another signature (other experts, or a dispatcher whose HybridEP settings
+    changed after a prepare) raises RuntimeError until reset_hybrid_ep_buffer()."""
+    from jax_ep.flax import (HybridEPPipelineRuntimeInitializer, MoEFlexTokenDispatcher,
+                             reset_hybrid_ep_buffer)
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_flex_dispatcher_backend="hybridep")
+
+    def initializer(config):
+        return HybridEPPipelineRuntimeInitializer(
+            MoEFlexTokenDispatcher(2, [0, 1], config), 16, jnp.bfloat16)
+
+    first, second = initializer(cfg), initializer(cfg)
+    assert first.signature == second.signature
+    for who, tokens, want in [(first, 160, 512), (second, 320, 512), (second, 513, 576),
+                              (first, 32, 576)]:
+        who.prepare(num_tokens=tokens)
+        assert first.capacity == second.capacity == want
+    incompatible = initializer(dataclasses.replace(cfg, num_moe_experts=16))
+    with pytest.raises(RuntimeError, match="process-global buffer"):
+        incompatible.prepare(num_tokens=160)
+    assert first.capacity == 576  # the failed prepare changed nothing
+    for setting, value in [("moe_hybridep_permute_fusion", True),
+                           ("moe_hybridep_compact_routing", True),
+                           ("moe_hybridep_num_sms_preprocessing", 12),
+                           ("moe_hybridep_num_blocks_permute", 16),
+                           ("moe_hybridep_num_blocks_unpermute", 16)]:
+        changed = initializer(cfg)
+        changed.manager.config = dataclasses.replace(cfg, **{setting: value})
+        with pytest.raises(RuntimeError, match="process-global buffer"):
+            changed.prepare(num_tokens=160)
+    reset_hybrid_ep_buffer()
+    assert first.capacity == 0
+    incompatible.prepare(num_tokens=32)
+    assert incompatible.capacity == 512
+    with pytest.raises(RuntimeError, match="reset_hybrid_ep_buffer"):
+        first.prepare(num_tokens=32)
 
 
 def test_bad_inputs():

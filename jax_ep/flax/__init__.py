@@ -2,7 +2,8 @@
 and router, and a ready MoE layer."""
 
 from jax_ep.flax.dispatcher import (DispatchState, HybridEPPipelineRuntimeInitializer,
-                                    MoEFlexTokenDispatcher, shared_dispatcher)
+                                    MoEFlexTokenDispatcher, reset_hybrid_ep_buffer,
+                                    shared_dispatcher)
 from jax_ep.flax.moe import (
     AuxLossTracker,
     ExpertBias,
@@ -48,6 +49,7 @@ __all__ = [
     "gate_up_from_etp",
     "gate_up_to_etp",
     "pad_expert_blocks",
+    "reset_hybrid_ep_buffer",
     "shard_params",
     "shard_state",
     "shared_dispatcher",

@@ -9,6 +9,7 @@ under `nnx.jit`, `nnx.grad` and `nnx.remat`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from functools import partial
@@ -22,7 +23,7 @@ from jax_ep._checks import as_int32_ids, check_positive, check_top_k, unroute_in
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "HybridEPPipelineRuntimeInitializer", "MoEFlexTokenDispatcher",
-           "shared_dispatcher"]
+           "reset_hybrid_ep_buffer", "shared_dispatcher"]
 
 _ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64, None: None}
 
@@ -107,7 +108,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         if config.num_moe_experts % num_local_experts:
             raise ValueError(f"num_local_experts: {num_local_experts} does not divide "
                              f"num_moe_experts={config.num_moe_experts}")
-        self.config = config
+        self.config = copy.deepcopy(config)  # the values at construction (fields assign)
         self.num_local_experts = int(num_local_experts)
         self.local_expert_indices = _check_local_expert_indices(
             local_expert_indices, self.num_local_experts, config.num_moe_experts)
@@ -503,12 +504,25 @@ class MoEFlexTokenDispatcher(nnx.Module):
         return y, dropped
 
 
+# NeMo's process-global HybridEP runtime (fused_a2a's signature and initialized capacity):
+# one record per process, whatever the number of dispatchers.
+_HYBRIDEP_RUNTIME = {"signature": None, "capacity": 0}
+
+
+def reset_hybrid_ep_buffer() -> None:
+    """NeMo's `fused_a2a.reset_hybrid_ep_buffer`: forget the process's HybridEP runtime (its
+    signature and capacity), so an initializer of another configuration may prepare."""
+    _HYBRIDEP_RUNTIME.update(signature=None, capacity=0)
+
+
 class HybridEPPipelineRuntimeInitializer:
     """NeMo's HybridEP pipeline initializer, for code that prepares one before a pipeline
     step. HybridEP keeps one process-global buffer sized by a token capacity and JIT-compiles
     its kernels for it; under XLA each compiled program sizes its own buffers, so there is
-    nothing to allocate or compile ahead: `prepare` checks its argument and records the
-    largest capacity asked for (`capacity`), and `required_capacity` is HybridEP's rule.
+    nothing to allocate or compile ahead. What NeMo's keeps is kept: the process-global
+    record of the configuration served (`signature`) and of the largest capacity prepared
+    (`capacity`), shared by every initializer of the process, and the RuntimeError when an
+    initializer of another configuration prepares (`reset_hybrid_ep_buffer()` clears it).
 
     manager: the MoEFlexTokenDispatcher (NeMo's _HybridEPManager's place); hidden_dim, dtype:
     the dispatched rows' width and dtype."""
@@ -519,7 +533,6 @@ class HybridEPPipelineRuntimeInitializer:
         self.manager = manager
         self.hidden_dim = check_positive(hidden_dim, "hidden_dim")
         self.dtype = jnp.dtype(dtype)
-        self.capacity = 0
 
     @property
     def resource_key(self):
@@ -529,7 +542,8 @@ class HybridEPPipelineRuntimeInitializer:
     @property
     def signature(self):
         """The configuration a HybridEP buffer would serve: experts, local experts, hidden
-        size, dtype and the dispatcher's HybridEP settings."""
+        size, dtype and the dispatcher's HybridEP settings (read when asked, so a dispatcher
+        given another config after `prepare` no longer matches)."""
         cfg = self.manager.config
         return (cfg.num_moe_experts, self.manager.num_local_experts, self.hidden_dim,
                 self.dtype.name, cfg.moe_hybridep_permute_fusion,
@@ -537,13 +551,32 @@ class HybridEPPipelineRuntimeInitializer:
                 cfg.moe_hybridep_num_sms_preprocessing, cfg.moe_hybridep_num_blocks_permute,
                 cfg.moe_hybridep_num_blocks_unpermute)
 
+    @property
+    def capacity(self) -> int:
+        """The process's prepared capacity (0 before any `prepare`)."""
+        return _HYBRIDEP_RUNTIME["capacity"]
+
+    def _resolve_group_capacity(self, num_tokens, device=None) -> int:
+        """NeMo's: the largest required capacity over the EP group. Every rank of the group
+        runs the same compiled program with the same shapes, so it is this rank's."""
+        del device
+        return self.required_capacity(check_positive(num_tokens, "num_tokens"))
+
     def prepare(self, num_tokens, device=None):
         """num_tokens: the largest micro-batch's token count (a positive int; ValueError
-        naming it otherwise); device: accepted, unused. Records the capacity; allocates
-        nothing."""
-        check_positive(num_tokens, "num_tokens")
-        del device
-        self.capacity = max(self.capacity, self.required_capacity(num_tokens))
+        naming it otherwise); device: accepted, unused. Raises RuntimeError when the process
+        already serves another signature (NeMo's process-global buffer); else records the
+        signature and grows the process's capacity to this call's. Allocates nothing."""
+        capacity = self._resolve_group_capacity(num_tokens, device)
+        signature, served = self.signature, _HYBRIDEP_RUNTIME["signature"]
+        if served is not None and served != signature:
+            raise RuntimeError(
+                f"HybridEPPipelineRuntimeInitializer.prepare: the process-global buffer serves "
+                f"the HybridEP configuration {served}, this initializer's is {signature}; "
+                f"build every HybridEP dispatcher of the process alike, or call "
+                f"reset_hybrid_ep_buffer() first")
+        _HYBRIDEP_RUNTIME.update(signature=signature,
+                                 capacity=max(_HYBRIDEP_RUNTIME["capacity"], capacity))
 
 
 _SHARED: dict = {}
@@ -557,7 +590,7 @@ def shared_dispatcher(num_local_experts, config, ep_group=None):
                                       ep_group)
     if not config.moe_share_token_dispatcher:
         return make()
-    key = (config, num_local_experts, ep_group)
+    key = (copy.deepcopy(config), num_local_experts, ep_group)  # keyed by today's values
     if key not in _SHARED:
         _SHARED[key] = make()
     return _SHARED[key]

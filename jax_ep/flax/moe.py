@@ -14,6 +14,7 @@ inside your own `jax.shard_map` that binds the expert axis. With
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from functools import partial
@@ -591,7 +592,7 @@ class MoELayer(_RouterState, nnx.Module):
                              f"{config.expert_tensor_parallel_size} must divide "
                              f"ffn_hidden_size={F}")
         config.check_glu_interleave(F)
-        self.config = config
+        self.config = copy.deepcopy(config)  # the values at construction (fields assign)
         self.dispatch_config = dcfg
         self.mesh = mesh
         self.data_axis = data_axis if mesh is not None and data_axis in mesh.axis_names else None
@@ -954,7 +955,7 @@ class TopKRouter(_RouterState, nnx.Module):
                  sow_aux: bool = False, deterministic: bool = False):
         config = _as_moe_config(config)
         E, H = config.num_moe_experts, check_positive(hidden_size, "hidden_size")
-        self.config = config
+        self.config = copy.deepcopy(config)  # the values at construction (fields assign)
         self.weight = nnx.Param(jax.nn.initializers.normal(H ** -0.5)(
             rngs.params(), (E, H), param_dtype))
         self.bias = (nnx.Param(jnp.zeros((E,), param_dtype)) if config.add_bias_linear

@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 
-from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
+from jax_ep.config import ROUTER_DTYPES, CheckedAssignment, TokenDispatcherConfig
 from jax_ep.flax.activations import GatedActivation, activation_name
 
 __all__ = ["AUX_LOSS_TYPES", "DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig",
@@ -44,8 +44,8 @@ def _real(value, minimum=0.0, strict=False):
     return ok and (value > minimum if strict else value >= minimum)
 
 
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
+@dataclasses.dataclass(unsafe_hash=True)
+class MoEConfig(CheckedAssignment):
     """Megatron-Core MoE configuration (field names and defaults of TransformerConfig).
 
       num_moe_experts E (required), moe_router_topk K.
@@ -272,6 +272,7 @@ class MoEConfig:
                  "add_bias_linear", "a bool, False with a shared expert (Megatron's rule: "
                  "the shared expert has no bias)", self.add_bias_linear)
         self.dispatcher_config()  # the merged dispatcher config must be valid too
+        self._finish_checks()
 
     def _check_activation(self):
         _require(isinstance(self.gated_linear_unit, bool), "gated_linear_unit", "a bool",
