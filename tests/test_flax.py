@@ -1041,3 +1041,18 @@ def test_capacity_drop_keeps_invalid_ids_for_dispatch_to_count(bad, backend, ext
     routed = (idx >= 0) & (idx < E)
     want = x * np.where(routed, w, 0.0).sum(axis=1, keepdims=True)  # the bad slot adds nothing
     np.testing.assert_allclose(back, want, rtol=1e-5, atol=1e-5)
+
+
+def test_initialize_metadata_views_probs_per_destination_rank():
+    """NeMo's MoEFlexTokenDispatcher._initialize_metadata: [T, E] probs as [T, tp*ep, L]."""
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8)
+    d = MoEFlexTokenDispatcher(2, [0, 1], cfg)
+    probs = np.arange(3 * 8, dtype=np.float32).reshape(3, 8)
+    got = np.asarray(d._initialize_metadata(3, probs))
+    assert got.shape == (3, 4, 2)
+    for t in range(3):
+        for p in range(4):  # rank p's experts 2p, 2p + 1
+            np.testing.assert_array_equal(got[t, p], probs[t, 2 * p:2 * p + 2])
+    np.testing.assert_array_equal(np.asarray(d._initialize_metadata(3, probs.ravel())), got)
+    with pytest.raises(ValueError, match="probs: expected num_local_tokens"):
+        d._initialize_metadata(4, probs)

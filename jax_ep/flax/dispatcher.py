@@ -122,6 +122,20 @@ class MoEFlexTokenDispatcher(nnx.Module):
     def backend(self):
         return self.config.moe_flex_dispatcher_backend
 
+    def _initialize_metadata(self, num_local_tokens, probs):
+        """NeMo's: probs [num_local_tokens, E] (float) viewed per destination of the TPxEP
+        group, [num_local_tokens, tp_size * ep_size, L]; each rank's L columns repeated
+        tp_size times (tp_size is 1 here, so [T, P, L], rank p's experts p*L .. p*L + L - 1).
+        A ValueError names probs when it does not hold num_local_tokens * E elements."""
+        want = num_local_tokens * self.config.num_moe_experts
+        if jnp.size(probs) != want:
+            raise ValueError(f"probs: expected num_local_tokens * num_moe_experts = {want} "
+                             f"elements, got shape {tuple(jnp.shape(probs))}")
+        L = self.num_local_experts
+        per_rank = jnp.reshape(probs, (num_local_tokens, self.ep_size, 1, L))
+        return jnp.broadcast_to(per_rank, (num_local_tokens, self.ep_size, self.tp_size, L)) \
+            .reshape(num_local_tokens, self.tp_size * self.ep_size, L)
+
     @property
     def _local_impl(self):
         return "ffi" if self.config.moe_permute_fusion else "xla"
