@@ -1570,9 +1570,11 @@ def test_pad_expert_input_to_capacity_pads_the_gemm_and_changes_no_value(backend
     np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
     assert_param_grads_close(g1, g0, rtol=1e-5, atol=2e-6)
-    np.testing.assert_array_equal(np.asarray(c1), np.asarray(c0))  # the router's kept slots
     # 6 tokens per device, K=2, E=8, factor 0.5: cap = ceil(6*2/8*0.5) = 1, C = 4 * 1 rows for
-    # each of the L = 2 local experts.
+    # each of the L = 2 local experts. The counts are Megatron's padded map's: cap slots per
+    # expert on each of the 8 devices (the unpadded run counts the kept slots, fewer).
+    np.testing.assert_array_equal(np.asarray(c1), np.full(E, 8 * 1))
+    assert int(np.asarray(c0).sum()) < 8 * E
     assert seen1 and all(seen == ("blocks", 2 * 4) for seen in seen1), seen1
     assert seen0 and all(kind == "grouped" and rows != 2 * 4 for kind, rows in seen0), seen0
 
@@ -1586,6 +1588,9 @@ ROUTER_MODULE_CASES = {
                                 moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.1),
     "seq_aux_capacity": dict(moe_router_load_balancing_type="seq_aux_loss",
                              moe_aux_loss_coeff=0.1, moe_expert_capacity_factor=1.0),
+    # Megatron's test_token_dropping with pad: the map is each expert's capacity mask
+    "aux_capacity_pad": dict(moe_aux_loss_coeff=0.1, moe_expert_capacity_factor=1.0,
+                             moe_pad_expert_input_to_capacity=True),
 }
 
 
@@ -1604,6 +1609,10 @@ def test_topk_router_module_matches_megatron(name):
     B, S = 2, 6
     x = jax.random.normal(jax.random.key(2), (B, S, H))
     probs, routing_map = router(x)
+    if c.moe_pad_expert_input_to_capacity:  # every expert exactly its capacity of tokens
+        capacity = routing.get_capacity(B * S * K, E, c.moe_expert_capacity_factor)
+        np.testing.assert_array_equal(np.asarray(routing_map).sum(0), capacity)
+        assert int(np.asarray(routing_map).sum()) == B * S * K * c.moe_expert_capacity_factor
     W = np.asarray(router.weight[...], np.float64)
     logits = np.asarray(x, np.float64).reshape(-1, H) @ W.T
     bias = None if router.expert_bias is None else np.asarray(router.expert_bias[...])

@@ -103,12 +103,20 @@ def _routed(logits, cfg: MoEConfig, expert_bias, training):
     return probs.astype(jnp.float32), ids, dropped
 
 
-def _tokens_per_expert(ids, valid, num_experts):
+def _tokens_per_expert(ids, valid, cfg: MoEConfig):
     """ids i32[T,K] (-1: dropped), valid bool[T] or None (False: padding) -> i32[E]: the slots
-    each expert got, dropped slots and padding tokens counting nowhere."""
+    each expert got, dropped slots and padding tokens counting nowhere. With
+    moe_pad_expert_input_to_capacity, each expert's column of Megatron's padded routing map
+    (apply_router_token_dropping's capacity mask): min(capacity, T) for every expert, the
+    filler tokens included, as Megatron's router counts them."""
+    E = cfg.num_moe_experts
+    if cfg.moe_pad_expert_input_to_capacity:
+        capacity = deepep.expert_capacity(ids.shape[0], cfg.moe_router_topk, E,
+                                          cfg.moe_expert_capacity_factor)
+        return jnp.full((E,), min(capacity, ids.shape[0]), jnp.int32)
     counted = ids >= 0 if valid is None else (ids >= 0) & valid[:, None]
-    return jnp.zeros((num_experts,), jnp.int32).at[
-        jnp.where(counted, ids, num_experts).reshape(-1)].add(1, mode="drop")
+    return jnp.zeros((E,), jnp.int32).at[jnp.where(counted, ids, E).reshape(-1)].add(
+        1, mode="drop")
 
 
 def _sum_over(axes, *values):
@@ -731,15 +739,14 @@ class MoELayer(_RouterState, nnx.Module):
             y = _linear(y, latent[1], latent[3])
         if shared is not None:
             y = y + _shared_expert(tokens, shared, cfg.gated_activation(shared=True))
-        E = cfg.num_moe_experts
-        counts = _tokens_per_expert(ids, valid, E)
+        counts = _tokens_per_expert(ids, valid, cfg)
         counts, dropped = _sum_over(axes, counts, dropped + dropped_per_expert.sum())
         aux = _aux(cfg, balancing, z, counts, dropped)
         if overflow is not None:
             aux["buffer_overflow"] = overflow
         if not isinstance(dcfg.expert_axis_name, str):
             aux.update(zip(("rows_across_nodes", "flat_rows_across_nodes"), _sum_over(
-                axes, *_rows_across_nodes(ids, E, dcfg.expert_axis_name))))
+                axes, *_rows_across_nodes(ids, cfg.num_moe_experts, dcfg.expert_axis_name))))
         return y.reshape(x.shape), aux, (tracked, quantile)
 
     def _padded_experts(self, weighted_experts, num_tokens, rows, tokens_per_expert, probs):
@@ -995,12 +1002,16 @@ class TopKRouter(_RouterState, nnx.Module):
         tracker = self._tracker()
         balancing, z, tracked = _losses(logits, seq_len, cfg, (), tracker=tracker, valid=valid)
         self._track(tracked, tracker)
-        counts = _tokens_per_expert(ids, valid, E)
+        counts = _tokens_per_expert(ids, valid, cfg)
         self._count_tokens(counts)
         aux = _aux(cfg, balancing, z, counts, dropped.sum())
         if self.sow_aux:
             self.sow(nnx.Intermediate, "router_aux", aux)
         routing_map, dense = ops.indices_to_multihot(ids, probs, num_experts=E, impl="xla")
+        if cfg.moe_pad_expert_input_to_capacity:  # Megatron: the map is the capacity mask
+            dense, routing_map = routing.apply_router_token_dropping(
+                dense, routing_map, cfg.moe_router_topk, cfg.moe_expert_capacity_factor,
+                cfg.moe_token_drop_policy, pad_to_capacity=True)
         dense = dense.astype(logits.dtype)
         if not self.deterministic:  # Megatron attaches its losses while training only
             dense = MoEAuxLossAutoScaler.apply(dense, aux["aux_loss"])
