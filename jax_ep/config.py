@@ -50,6 +50,10 @@ class CheckedAssignment:
             object.__setattr__(self, name, value)
             return
         if name not in fields:
+            prop = getattr(type(self), name, None)
+            if isinstance(prop, property) and prop.fset is not None:
+                prop.fset(self, value)  # a property standing for a PyTorch field
+                return
             raise AttributeError(f"{type(self).__name__} has no field {name!r} (fields: "
                                  f"{', '.join(fields)})")
         checked = dataclasses.replace(self, **{name: value})

@@ -69,6 +69,20 @@ def test_config_fields_assign_as_on_the_pytorch_dataclass_and_are_checked():
     with pytest.raises(ValueError, match="moe_router_enable_expert_bias"):
         moe.moe_router_score_function = "softmax"
     assert moe.moe_router_score_function == "sigmoid"
+    # Megatron's moe_token_dispatcher_type, read from and written to token_dispatcher
+    assert moe.moe_token_dispatcher_type == "flex"
+    moe.moe_token_dispatcher_type = "alltoall"
+    assert moe.token_dispatcher.moe_flex_dispatcher_backend == "alltoall"
+    assert moe.moe_token_dispatcher_type == "alltoall"
+    moe.moe_token_dispatcher_type = "allgather"
+    assert moe.moe_token_dispatcher_type == "alltoall"
+    moe.moe_token_dispatcher_type = "flex"
+    assert moe.token_dispatcher.moe_flex_dispatcher_backend == "deepep"
+    moe.token_dispatcher = jax_ep.TokenDispatcherConfig(moe_flex_dispatcher_backend="hybridep")
+    moe.moe_token_dispatcher_type = "flex"  # a flex backend already set stays
+    assert moe.token_dispatcher.moe_flex_dispatcher_backend == "hybridep"
+    with pytest.raises(ValueError, match="moe_token_dispatcher_type"):
+        moe.moe_token_dispatcher_type = "nccl"
     # an assigned config keys the shared dispatcher by its new values
     shared = jax_ep.TokenDispatcherConfig(num_moe_experts=8)
     first = shared_dispatcher(2, shared)
@@ -80,6 +94,24 @@ def test_config_fields_assign_as_on_the_pytorch_dataclass_and_are_checked():
     layer = MoELayer(moe, 16, 32, rngs=nnx.Rngs(0), expert_parallel_size=4)
     moe.moe_router_topk = 4
     assert layer.config.moe_router_topk == 2 and layer.dispatcher.config.moe_router_topk == 2
+
+
+@pytest.mark.parametrize("module", ["router", "layer"])
+def test_megatron_router_methods(module):
+    """Megatron's get_aux_loss_coeff(type) (0 for a type not configured) and
+    set_layer_number, on TopKRouter and MoELayer."""
+    cfg = MoEConfig(num_moe_experts=8, moe_router_topk=2,
+                    moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                    moe_aux_loss_coeff=[0.5, 2.0])
+    m = (jax_ep.flax.TopKRouter(cfg, 16, rngs=nnx.Rngs(0)) if module == "router"
+         else MoELayer(cfg, 16, 32, rngs=nnx.Rngs(0), expert_parallel_size=4))
+    assert [m.get_aux_loss_coeff(k) for k in ("aux_loss", "seq_aux_loss", "global_aux_loss")] \
+        == [0.5, 2.0, 0.0]
+    assert m.layer_number is None
+    m.set_layer_number(3)
+    assert m.layer_number == 3
+    with pytest.raises(ValueError, match="layer_number"):
+        m.set_layer_number(0)
 
 
 @pytest.mark.parametrize("field,value", [

@@ -256,6 +256,19 @@ class _RouterState:
     (global_tokens_per_expert f32[E], ga_steps f32[], or None), quantile balancing's bias and
     trackers, and the random draws' counters and forced bias (`_init_draws`)."""
 
+    layer_number = None  # Megatron's, set by set_layer_number
+
+    def get_aux_loss_coeff(self, aux_loss_type: str) -> float:
+        """Megatron's router method: the coefficient of load-balancing loss aux_loss_type
+        (`MoEConfig.aux_loss_coeff`; 0 for a type not configured)."""
+        return self.config.aux_loss_coeff(aux_loss_type)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Megatron's: records the layer's 1-based number as `layer_number` (Megatron names
+        its logged losses by it; here the losses come back in aux, so nothing else reads
+        it)."""
+        self.layer_number = check_positive(layer_number, "layer_number")
+
     def _init_router_state(self, config: MoEConfig):
         E = config.num_moe_experts
         if config.moe_router_enable_expert_bias:

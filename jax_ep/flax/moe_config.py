@@ -363,6 +363,25 @@ class MoEConfig(CheckedAssignment):
         kind = self.moe_router_load_balancing_type
         return (kind,) if isinstance(kind, str) else kind
 
+    @property
+    def moe_token_dispatcher_type(self) -> str:
+        """Megatron's dispatcher choice, read from token_dispatcher: "alltoall" for the
+        alltoall backend, else "flex". Assigning "alltoall" or "allgather" sets that backend
+        (as MoEConfig.from_dict reads the field), "flex" the deepep backend unless a flex one
+        is set already."""
+        backend = self.token_dispatcher.moe_flex_dispatcher_backend
+        return "alltoall" if backend == "alltoall" else "flex"
+
+    @moe_token_dispatcher_type.setter
+    def moe_token_dispatcher_type(self, kind: str) -> None:
+        _require(kind in _DISPATCHER_TYPES, "moe_token_dispatcher_type",
+                 f"one of {tuple(_DISPATCHER_TYPES)}", kind)
+        backend = _DISPATCHER_TYPES[kind] or (
+            "deepep" if self.moe_token_dispatcher_type == "alltoall"
+            else self.token_dispatcher.moe_flex_dispatcher_backend)
+        self.token_dispatcher = dataclasses.replace(self.token_dispatcher,
+                                                    moe_flex_dispatcher_backend=backend)
+
     def aux_loss_coeff(self, kind: str) -> float:
         """The coefficient of load-balancing loss `kind` (Megatron's get_aux_loss_coeff): the
         coefficient at kind's index of a list type, moe_aux_loss_coeff when the type is the
