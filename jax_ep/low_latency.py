@@ -21,6 +21,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep import _ffi, ops, reference, transport as tp
 from jax_ep._checks import (
@@ -90,8 +91,10 @@ class LowLatencyHandle:
     def __getitem__(self, index):
         """DeepEP's 5-tuple handle (src_info, layout_range, num_max_dispatch_tokens_per_rank,
         hidden, num_experts), by int index or slice (tuple unpacking works too): src_info
-        i32[L,P*Tmax]; layout_range in DeepEP's layout, int64 [L,P] = begin << 32 | count,
-        which needs jax_enable_x64 (else a ValueError: use handle.layout_range, i32[L,P,2])."""
+        i32[L,P*Tmax]; layout_range in DeepEP's layout, int64 [L,P] = begin << 32 | count:
+        a jax array under jax_enable_x64; without it a numpy int64 array where the handle's
+        arrays are concrete (a handle returned from jit, read on the host), and a ValueError
+        inside a traced function (use handle.layout_range there, i32[L,P,2])."""
         positions = range(len(self))[index]
         if isinstance(positions, range):
             return tuple(self._deepep_item(i) for i in positions)
@@ -104,11 +107,16 @@ class LowLatencyHandle:
         name = _DEEPEP_HANDLE[position]
         if name != "layout_range":
             return getattr(self, name)
-        if not jax.config.jax_enable_x64:
-            raise ValueError("handle[1]: DeepEP's packed layout_range (int64 begin << 32 | "
-                             "count) needs jax_enable_x64; enable it (jax.config.update("
-                             "'jax_enable_x64', True)) or use handle.layout_range, i32[L,P,2] "
-                             "of (begin, count)")
+        if not jax.config.jax_enable_x64:  # on the host, numpy holds the int64
+            try:
+                pairs = np.asarray(self.layout_range).astype(np.int64)
+            except jax.errors.TracerArrayConversionError:
+                raise ValueError("handle[1]: DeepEP's packed layout_range (int64 begin << 32 "
+                                 "| count) needs jax_enable_x64 inside a traced function; "
+                                 "enable it (jax.config.update('jax_enable_x64', True)), read "
+                                 "handle[1] outside, or use handle.layout_range, i32[L,P,2] "
+                                 "of (begin, count)") from None
+            return (pairs[..., 0] << 32) | pairs[..., 1]
         begin, count = self.layout_range[..., 0], self.layout_range[..., 1]
         return (begin.astype(jnp.int64) << 32) | count.astype(jnp.int64)
 

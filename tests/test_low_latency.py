@@ -336,9 +336,28 @@ def test_handle_packed_layout_needs_x64():
     idx, _ = random_routing(rng, num_ranks * T, K, E)
     x = rng.standard_normal((num_ranks * T, 128)).astype(np.float32)
     msg = (r"^handle\[1\]: DeepEP's packed layout_range \(int64 begin << 32 \| count\) needs "
-           r"jax_enable_x64; enable it .* or use handle.layout_range, i32\[L,P,2\]")
+           r"jax_enable_x64 inside a traced function; enable it .* read handle\[1\] outside, "
+           r"or use handle.layout_range, i32\[L,P,2\]")
     with pytest.raises(ValueError, match=msg):
         _handle_as_deepep_tuple(num_ranks, x, idx, tmax, E, {})
+    # a handle returned from the program and read on the host: numpy's int64, no x64 needed
+    with jax.enable_x64(True):
+        packed = _handle_as_deepep_tuple(num_ranks, x, idx, tmax, E, {})[2]
+    trees = {}
+
+    def whole_handle(x, i):
+        _, _, h = jax_ep.low_latency_dispatch(
+            x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E, axis_name=AXIS)
+        leaves, trees["handle"] = jax.tree.flatten(h)
+        return [jnp.asarray(a)[None] for a in leaves]  # a rank axis on every leaf
+
+    leaves = run_ep(whole_handle, ep_mesh(num_ranks), x, idx)
+    L = E // num_ranks
+    for rank in range(num_ranks):
+        h = jax.tree.unflatten(trees["handle"], [np.asarray(a)[rank] for a in leaves])
+        host = h[1]
+        assert isinstance(host, np.ndarray) and host.dtype == np.int64
+        np.testing.assert_array_equal(host, packed[rank * L:(rank + 1) * L])
 
     seen = {}
 
