@@ -13,7 +13,7 @@ import numpy as np
 from jax_ep.ops import GROUPED_MATMUL_IMPLS
 from jax_ep.transport import TRANSPORTS
 
-__all__ = ["BACKENDS", "ROUTER_DTYPES", "CheckedAssignment", "TokenDispatcherConfig"]
+__all__ = ["BACKENDS", "ROUTER_DTYPES", "TokenDispatcherConfig"]
 
 BACKENDS = ("deepep", "hybridep", "uccl_ep", "alltoall")
 ROUTER_DTYPES = ("fp32", "fp64", None)
@@ -35,38 +35,8 @@ def _positive_int(value, allow_none=False) -> bool:
     return _is_int(value) and value > 0
 
 
-class CheckedAssignment:
-    """Field assignment for a config dataclass, as on PyTorch's plain dataclasses
-    (`config.moe_router_topk = 4`), checked as construction is: the assignment builds the
-    config that would result (`dataclasses.replace`, so `__post_init__` checks and normalises
-    every field, and a bad value raises its ValueError leaving the config as it was), then
-    takes its fields. The class hashes by its fields (`unsafe_hash=True`), so an assigned
-    config keys jit's static arguments and the shared dispatcher by its new values; a module
-    built from it before the assignment keeps what it read then."""
-
-    def __setattr__(self, name, value):
-        fields = self.__dataclass_fields__
-        if "_checked" not in self.__dict__:  # the dataclass __init__ setting its fields
-            object.__setattr__(self, name, value)
-            return
-        if name not in fields:
-            prop = getattr(type(self), name, None)
-            if isinstance(prop, property) and prop.fset is not None:
-                prop.fset(self, value)  # a property standing for a PyTorch field
-                return
-            raise AttributeError(f"{type(self).__name__} has no field {name!r} (fields: "
-                                 f"{', '.join(fields)})")
-        checked = dataclasses.replace(self, **{name: value})
-        for field in fields:
-            object.__setattr__(self, field, getattr(checked, field))
-
-    def _finish_checks(self):
-        """Called last in __post_init__: assignments from now on are checked."""
-        object.__setattr__(self, "_checked", True)
-
-
-@dataclasses.dataclass(unsafe_hash=True)
-class TokenDispatcherConfig(CheckedAssignment):
+@dataclasses.dataclass(frozen=True)
+class TokenDispatcherConfig:
     """Configuration for MoE token dispatch and combine backends.
 
     PyTorch fields (same names, same defaults):
@@ -244,7 +214,6 @@ class TokenDispatcherConfig(CheckedAssignment):
                 object.__setattr__(self, field.name, int(value))
             elif isinstance(value, np.floating):
                 object.__setattr__(self, field.name, float(value))
-        self._finish_checks()
 
     @property
     def backend(self) -> str:

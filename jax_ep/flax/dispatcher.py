@@ -9,7 +9,6 @@ under `nnx.jit`, `nnx.grad` and `nnx.remat`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from functools import partial
@@ -108,7 +107,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         if config.num_moe_experts % num_local_experts:
             raise ValueError(f"num_local_experts: {num_local_experts} does not divide "
                              f"num_moe_experts={config.num_moe_experts}")
-        self.config = copy.deepcopy(config)  # the values at construction (fields assign)
+        self.config = config
         self.num_local_experts = int(num_local_experts)
         self.local_expert_indices = _check_local_expert_indices(
             local_expert_indices, self.num_local_experts, config.num_moe_experts)
@@ -604,7 +603,7 @@ def shared_dispatcher(num_local_experts, config, ep_group=None):
                                       ep_group)
     if not config.moe_share_token_dispatcher:
         return make()
-    key = (copy.deepcopy(config), num_local_experts, ep_group)  # keyed by today's values
+    key = (config, num_local_experts, ep_group)
     if key not in _SHARED:
         _SHARED[key] = make()
     return _SHARED[key]

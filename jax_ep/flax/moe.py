@@ -14,7 +14,6 @@ inside your own `jax.shard_map` that binds the expert axis. With
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 from functools import partial
@@ -106,9 +105,10 @@ def _routed(logits, cfg: MoEConfig, expert_bias, training):
 def _tokens_per_expert(ids, valid, cfg: MoEConfig):
     """ids i32[T,K] (-1: dropped), valid bool[T] or None (False: padding) -> i32[E]: the slots
     each expert got, dropped slots and padding tokens counting nowhere. With
-    moe_pad_expert_input_to_capacity, each expert's column of Megatron's padded routing map
-    (apply_router_token_dropping's capacity mask): min(capacity, T) for every expert, the
-    filler tokens included, as Megatron's router counts them."""
+    moe_pad_expert_input_to_capacity instead each expert's column of Megatron's padded routing
+    map (apply_router_token_dropping's capacity mask): min(capacity, T) for every expert, its
+    filler tokens counted whatever they are (padding ones too), as Megatron's router counts
+    that map."""
     E = cfg.num_moe_experts
     if cfg.moe_pad_expert_input_to_capacity:
         capacity = deepep.expert_capacity(ids.shape[0], cfg.moe_router_topk, E,
@@ -613,7 +613,7 @@ class MoELayer(_RouterState, nnx.Module):
                              f"{config.expert_tensor_parallel_size} must divide "
                              f"ffn_hidden_size={F}")
         config.check_glu_interleave(F)
-        self.config = copy.deepcopy(config)  # the values at construction (fields assign)
+        self.config = config
         self.dispatch_config = dcfg
         self.mesh = mesh
         self.data_axis = data_axis if mesh is not None and data_axis in mesh.axis_names else None
@@ -975,7 +975,7 @@ class TopKRouter(_RouterState, nnx.Module):
                  sow_aux: bool = False, deterministic: bool = False):
         config = _as_moe_config(config)
         E, H = config.num_moe_experts, check_positive(hidden_size, "hidden_size")
-        self.config = copy.deepcopy(config)  # the values at construction (fields assign)
+        self.config = config
         self.weight = nnx.Param(jax.nn.initializers.normal(H ** -0.5)(
             rngs.params(), (E, H), param_dtype))
         self.bias = (nnx.Param(jnp.zeros((E,), param_dtype)) if config.add_bias_linear

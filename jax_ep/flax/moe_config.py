@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 
-from jax_ep.config import ROUTER_DTYPES, CheckedAssignment, TokenDispatcherConfig
+from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
 from jax_ep.flax.activations import GatedActivation, activation_name
 
 __all__ = ["AUX_LOSS_TYPES", "DROP_POLICIES", "LOAD_BALANCING_TYPES", "MoEConfig",
@@ -44,8 +44,8 @@ def _real(value, minimum=0.0, strict=False):
     return ok and (value > minimum if strict else value >= minimum)
 
 
-@dataclasses.dataclass(unsafe_hash=True)
-class MoEConfig(CheckedAssignment):
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
     """Megatron-Core MoE configuration (field names and defaults of TransformerConfig).
 
       num_moe_experts E (required), moe_router_topk K.
@@ -238,7 +238,7 @@ class MoEConfig(CheckedAssignment):
         z = self.moe_z_loss_coeff
         _require(z is None or _real(z), "moe_z_loss_coeff", "None or a float >= 0", z)
         f = self.moe_expert_capacity_factor
-        if isinstance(f, (int, float)) and not isinstance(f, bool) and f < 0:
+        if _real(f, -math.inf) and f < 0:
             object.__setattr__(self, "moe_expert_capacity_factor", f := None)  # Megatron: dropless
         _require(f is None or _real(f, strict=True), "moe_expert_capacity_factor",
                  "None, a negative number (dropless) or a positive finite float", f)
@@ -272,7 +272,6 @@ class MoEConfig(CheckedAssignment):
                  "add_bias_linear", "a bool, False with a shared expert (Megatron's rule: "
                  "the shared expert has no bias)", self.add_bias_linear)
         self.dispatcher_config()  # the merged dispatcher config must be valid too
-        self._finish_checks()
 
     def _check_activation(self):
         _require(isinstance(self.gated_linear_unit, bool), "gated_linear_unit", "a bool",
@@ -366,21 +365,11 @@ class MoEConfig(CheckedAssignment):
     @property
     def moe_token_dispatcher_type(self) -> str:
         """Megatron's dispatcher choice, read from token_dispatcher: "alltoall" for the
-        alltoall backend, else "flex". Assigning "alltoall" or "allgather" sets that backend
-        (as MoEConfig.from_dict reads the field), "flex" the deepep backend unless a flex one
-        is set already."""
+        alltoall backend, else "flex" (MoEConfig.from_dict reads Megatron's field into the
+        backend; the config is frozen, so set it there or with dataclasses.replace on
+        token_dispatcher)."""
         backend = self.token_dispatcher.moe_flex_dispatcher_backend
         return "alltoall" if backend == "alltoall" else "flex"
-
-    @moe_token_dispatcher_type.setter
-    def moe_token_dispatcher_type(self, kind: str) -> None:
-        _require(kind in _DISPATCHER_TYPES, "moe_token_dispatcher_type",
-                 f"one of {tuple(_DISPATCHER_TYPES)}", kind)
-        backend = _DISPATCHER_TYPES[kind] or (
-            "deepep" if self.moe_token_dispatcher_type == "alltoall"
-            else self.token_dispatcher.moe_flex_dispatcher_backend)
-        self.token_dispatcher = dataclasses.replace(self.token_dispatcher,
-                                                    moe_flex_dispatcher_backend=backend)
 
     def aux_loss_coeff(self, kind: str) -> float:
         """The coefficient of load-balancing loss `kind` (Megatron's get_aux_loss_coeff): the
