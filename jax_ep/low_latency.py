@@ -107,7 +107,9 @@ class LowLatencyHandle:
         name = _DEEPEP_HANDLE[position]
         if name != "layout_range":
             return getattr(self, name)
-        if not jax.config.jax_enable_x64:  # on the host, numpy holds the int64
+        if jax.config.jax_enable_x64:
+            pairs = self.layout_range.astype(jnp.int64)
+        else:  # on the host, numpy holds the int64
             try:
                 pairs = np.asarray(self.layout_range).astype(np.int64)
             except jax.errors.TracerArrayConversionError:
@@ -116,9 +118,7 @@ class LowLatencyHandle:
                                  "enable it (jax.config.update('jax_enable_x64', True)), read "
                                  "handle[1] outside, or use handle.layout_range, i32[L,P,2] "
                                  "of (begin, count)") from None
-            return (pairs[..., 0] << 32) | pairs[..., 1]
-        begin, count = self.layout_range[..., 0], self.layout_range[..., 1]
-        return (begin.astype(jnp.int64) << 32) | count.astype(jnp.int64)
+        return (pairs[..., 0] << 32) | pairs[..., 1]
 
 
 # The fields DeepEP's low-latency handle tuple holds, in its order.
