@@ -268,6 +268,46 @@ def test_pipeline_runtime_is_process_global(hybridep_runtime):
         first.prepare(num_tokens=32)
 
 
+def test_pipeline_runtime_prepares_atomically(hybridep_runtime, monkeypatch):
+    """Two threads preparing different signatures at once (pipeline stages): exactly one is
+    served, the other raises. The record's read is slowed so that, without the lock, both
+    would read "nothing served" and both succeed."""
+    import threading
+    import time
+    from jax_ep.flax import HybridEPPipelineRuntimeInitializer, MoEFlexTokenDispatcher
+    from jax_ep.flax import dispatcher as dispatcher_module
+
+    class SlowRecord(dict):
+        def __getitem__(self, key):
+            value = super().__getitem__(key)
+            time.sleep(0.05)
+            return value
+    record = SlowRecord(dispatcher_module._HYBRIDEP_RUNTIME)
+    monkeypatch.setattr(dispatcher_module, "_HYBRIDEP_RUNTIME", record)
+    initializers = [HybridEPPipelineRuntimeInitializer(MoEFlexTokenDispatcher(
+        2, [0, 1], jax_ep.TokenDispatcherConfig(num_moe_experts=experts,
+                                                moe_flex_dispatcher_backend="hybridep")),
+        16, jnp.bfloat16) for experts in (8, 16)]
+    start, outcomes = threading.Barrier(2), {}
+
+    def prepare(i):
+        start.wait()
+        try:
+            initializers[i].prepare(num_tokens=160)
+            outcomes[i] = "served"
+        except RuntimeError as err:
+            outcomes[i] = str(err)
+    threads = [threading.Thread(target=prepare, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    served = [i for i in range(2) if outcomes[i] == "served"]
+    assert len(served) == 1, outcomes
+    assert "process-global buffer" in outcomes[1 - served[0]]
+    assert dict.__getitem__(record, "signature") == initializers[served[0]].signature
+
+
 def test_bad_inputs():
     mesh = ep_mesh(2)
     x = np.zeros((8, 8), np.float32)

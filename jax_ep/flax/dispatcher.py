@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from functools import partial
 
 import jax
@@ -518,14 +519,17 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
 
 # NeMo's process-global HybridEP runtime (fused_a2a's signature and initialized capacity):
-# one record per process, whatever the number of dispatchers.
+# one record per process, whatever the number of dispatchers; the lock makes each prepare's
+# check-and-update one step when threads (e.g. pipeline stages) prepare at once.
 _HYBRIDEP_RUNTIME = {"signature": None, "capacity": 0}
+_HYBRIDEP_RUNTIME_LOCK = threading.Lock()
 
 
 def reset_hybrid_ep_buffer() -> None:
     """NeMo's `fused_a2a.reset_hybrid_ep_buffer`: forget the process's HybridEP runtime (its
     signature and capacity), so an initializer of another configuration may prepare."""
-    _HYBRIDEP_RUNTIME.update(signature=None, capacity=0)
+    with _HYBRIDEP_RUNTIME_LOCK:
+        _HYBRIDEP_RUNTIME.update(signature=None, capacity=0)
 
 
 class HybridEPPipelineRuntimeInitializer:
@@ -581,15 +585,17 @@ class HybridEPPipelineRuntimeInitializer:
         already serves another signature (NeMo's process-global buffer); else records the
         signature and grows the process's capacity to this call's. Allocates nothing."""
         capacity = self._resolve_group_capacity(num_tokens, device)
-        signature, served = self.signature, _HYBRIDEP_RUNTIME["signature"]
-        if served is not None and served != signature:
-            raise RuntimeError(
-                f"HybridEPPipelineRuntimeInitializer.prepare: the process-global buffer serves "
-                f"the HybridEP configuration {served}, this initializer's is {signature}; "
-                f"build every HybridEP dispatcher of the process alike, or call "
-                f"reset_hybrid_ep_buffer() first")
-        _HYBRIDEP_RUNTIME.update(signature=signature,
-                                 capacity=max(_HYBRIDEP_RUNTIME["capacity"], capacity))
+        signature = self.signature
+        with _HYBRIDEP_RUNTIME_LOCK:
+            served = _HYBRIDEP_RUNTIME["signature"]
+            if served is not None and served != signature:
+                raise RuntimeError(
+                    f"HybridEPPipelineRuntimeInitializer.prepare: the process-global buffer "
+                    f"serves the HybridEP configuration {served}, this initializer's is "
+                    f"{signature}; build every HybridEP dispatcher of the process alike, or "
+                    f"call reset_hybrid_ep_buffer() first")
+            _HYBRIDEP_RUNTIME.update(signature=signature,
+                                     capacity=max(_HYBRIDEP_RUNTIME["capacity"], capacity))
 
 
 _SHARED: dict = {}
