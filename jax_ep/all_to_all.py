@@ -5,7 +5,7 @@
 Built on `jax_ep.transport`: the splits become an `ExchangePlan` (one all_gather of the P
 input splits, as every dispatch does), the rows move with `transport="auto"` (padded
 all_to_all on CPU, ragged_all_to_all on GPU/TPU). The VJP is the same exchange with the
-splits swapped.
+splits swapped: the forward's count matrix transposed, so the backward exchanges no counts.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
       x: [S, ...] any dtype; rows grouped by destination rank: input_splits[0] rows for rank
         0 first, then rank 1, ... (rows past sum(input_splits) are not sent).
       output_splits: i32[P], rows received from each source rank (as in PyTorch, it must
-        agree with the senders' input_splits; the receive layout is computed from the
-        exchanged input_splits, so a disagreeing output_splits cannot misplace rows - it is
-        the input_splits of the backward exchange).
+        agree with the senders' input_splits; it is checked for shape only: the receive
+        layout both ways comes from the exchanged input_splits, so a disagreeing
+        output_splits cannot misplace rows).
       input_splits: i32[P], rows sent to each destination rank; each <= S.
       num_recv: rows of the result (default P*S, the worst case).
     Returns [num_recv, ...] in x.dtype, rows grouped by source rank ascending, zero rows past
@@ -45,38 +45,37 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
     num_send = x.shape[0]
     num_recv = num_ranks * num_send if num_recv is None else check_positive(
         num_recv, "num_recv", allow_zero=True)
-    return _exchange(x, jnp.asarray(output_splits, jnp.int32),
-                     jnp.asarray(input_splits, jnp.int32), axis_name, num_recv, num_send)
+    return tp.named(_exchange(x, jnp.asarray(output_splits, jnp.int32),
+                              jnp.asarray(input_splits, jnp.int32), axis_name, num_recv,
+                              num_send), tp.DISPATCH_NAME)
 
 
-def _rows(x, input_splits, axis_name, num_recv, capacity):
-    """x [S, ...] -> [num_recv, ...]: blocks of input_splits rows to each rank, no block
-    longer than `capacity`."""
+def _rows(x, count_matrix, axis_name, num_recv, capacity):
+    """x [S, ...] -> [num_recv, ...]: blocks of count_matrix[rank] rows to each rank (i32[P_src,
+    P_dst], every rank's splits), no block longer than `capacity`."""
     rank, _ = tp.axis_rank_and_size(axis_name)
-    transport = tp.resolve_transport("auto")
-    count_matrix = tp.exchange_counts(input_splits, axis_name, transport)
     plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
     row_map = jnp.arange(x.shape[0], dtype=jnp.int32)
     return tp.send_rows(x, row_map, plan, num_recv=num_recv, capacity=capacity,
-                        axis_name=axis_name, transport=transport, impl="ffi")
+                        axis_name=axis_name, transport=tp.resolve_transport("auto"), impl="ffi")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _exchange(x, output_splits, input_splits, axis_name, num_recv, num_send):
-    # A block is at most S = num_send rows both ways (a source sends <= its S rows).
-    return _rows(x, input_splits, axis_name, num_recv, num_send)
+    return _exchange_fwd(x, output_splits, input_splits, axis_name, num_recv, num_send)[0]
 
 
 def _exchange_fwd(x, output_splits, input_splits, axis_name, num_recv, num_send):
-    return _exchange(x, output_splits, input_splits, axis_name, num_recv, num_send), (
-        output_splits, input_splits)
+    del output_splits  # the layout comes from the exchanged input_splits
+    count_matrix = tp.exchange_counts(input_splits, axis_name, tp.resolve_transport("auto"))
+    # A block is at most S = num_send rows both ways (a source sends <= its S rows).
+    return _rows(x, count_matrix, axis_name, num_recv, num_send), count_matrix
 
 
-def _exchange_bwd(axis_name, num_recv, num_send, residuals, d_out):
-    output_splits, input_splits = residuals
-    # The cotangent rows are grouped by source like the output: send them back with the
-    # splits swapped, into the S rows of x.
-    return _rows(d_out, output_splits, axis_name, num_send, num_send), None, None
+def _exchange_bwd(axis_name, num_recv, num_send, count_matrix, d_out):
+    # The cotangent rows are grouped by source like the output: each goes back to its source
+    # with the forward's counts transposed (no second count exchange), into the S rows of x.
+    return _rows(d_out, count_matrix.T, axis_name, num_send, num_send), None, None
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)

@@ -115,9 +115,10 @@ def _reduce_back_fp32(y, handle):
     return internode.reduce_back(y.astype(jnp.float32), handle).astype(y.dtype)
 
 
-_combine_rows = tp.with_transpose(internode.reduce_back, internode.send_tokens)
-_combine_rows_fp32 = tp.with_transpose(_reduce_back_fp32, internode.send_tokens)
-_sent_rows = tp.with_transpose(internode.send_tokens, internode.reduce_back)
+_combine_rows = tp.with_transpose(internode.reduce_back, internode.send_tokens, tp.COMBINE_NAME)
+_combine_rows_fp32 = tp.with_transpose(_reduce_back_fp32, internode.send_tokens,
+                                       tp.COMBINE_NAME)
+_sent_rows = tp.with_transpose(internode.send_tokens, internode.reduce_back, tp.DISPATCH_NAME)
 _sent_rows_fp8 = tp.with_fp8_wire(internode.send_tokens, internode.reduce_back)
 
 
@@ -137,8 +138,8 @@ def _rows_summed_to(y, handle, dtype):
     """internode.reduce_back(y, handle, dtype=dtype): the fp32 sums cast to dtype once; the
     cotangent goes back in y's dtype."""
     return tp.with_transpose(partial(internode.reduce_back, dtype=dtype),
-                             lambda d_out, h: internode.send_tokens(d_out.astype(y.dtype), h))(
-        y, handle)
+                             lambda d_out, h: internode.send_tokens(d_out.astype(y.dtype), h),
+                             tp.COMBINE_NAME)(y, handle)
 
 
 def _dispatch_weights(topk_weights, handle):
@@ -344,7 +345,8 @@ def combine_with_bias(y, handle, bias, *, topk_weights=None, name="y"):
         check_float(b, "bias" if len(biases) == 1 else f"bias[{i}]")
         b = jnp.asarray(b).astype(jnp.float32)
         total = b if total is None else total + b
-    summed = _biased_rows(*_ffi.vary_together(y, total), handle)  # e.g. a replicated bias
+    y, total = _ffi.vary_together(y, total)  # e.g. a replicated bias
+    summed = tp.named(_biased_rows(y, total, handle), tp.COMBINE_NAME)
     return summed, _combined_weights(topk_weights, handle)
 
 

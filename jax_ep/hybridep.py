@@ -227,10 +227,10 @@ def _unpermute_probs(d_permuted_probs, h):
     return d_probs.reshape(r.num_tokens, num_ranks * num_local)
 
 
-_dispatch_rows = tp.with_transpose(_send_permuted, _return_unpermuted)
+_dispatch_rows = tp.with_transpose(_send_permuted, _return_unpermuted, tp.DISPATCH_NAME)
 _dispatch_rows_fp8 = tp.with_fp8_wire(_send_permuted, _return_unpermuted)
-_dispatch_probs = tp.with_transpose(_permute_probs, _unpermute_probs)
-_combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted)
+_dispatch_probs = tp.with_transpose(_permute_probs, _unpermute_probs, tp.DISPATCH_NAME)
+_combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted, tp.COMBINE_NAME)
 
 
 def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_experts, axis_name,

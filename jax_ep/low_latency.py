@@ -154,7 +154,7 @@ def _sum_back(y, h):
     return ops.unpermute(_return(y, h), h.send_token, num_tokens=h.num_tokens, impl=h.impl)
 
 
-_ll_rows = tp.with_transpose(_send, _sum_back)
+_ll_rows = tp.with_transpose(_send, _sum_back, tp.DISPATCH_NAME)
 _ll_rows_fp8 = tp.with_fp8_wire(_send, _sum_back)
 
 
@@ -179,7 +179,7 @@ def _return_transpose(d_back, h):
     return d_y.reshape((num_local, -1) + d_back.shape[1:])
 
 
-_returned = tp.with_transpose(_return, _return_transpose)
+_returned = tp.with_transpose(_return, _return_transpose, tp.COMBINE_NAME)
 
 
 @jax.custom_vjp
@@ -199,7 +199,7 @@ def _ll_combine_rows(y, slot_weights, h, use_logfmt):
     the wire with use_logfmt) and summed per source token with its weight slot_weights f32[P*C]
     (ops.unpermute). Differentiable in y and slot_weights, to any order: each piece's VJP is
     another piece (the return's is the dispatch-direction exchange, unpermute's a gather)."""
-    back = _returned_logfmt(y, h) if use_logfmt else _returned(y, h)
+    back = tp.named(_returned_logfmt(y, h), tp.COMBINE_NAME) if use_logfmt else _returned(y, h)
     out = ops.unpermute(back, h.send_token, num_tokens=h.num_tokens, probs=slot_weights,
                         impl=h.impl)
     return out.astype(y.dtype)
@@ -237,8 +237,11 @@ def _plan(topk_idx, num_experts, tmax, axis_name, transport, impl):
     send_token = jnp.where(slot >= 0, jnp.take(slot_token, jnp.clip(slot, 0)), -1)
     counts = tp.exchange_rows(send_counts, axis_name, transport, tp.COUNTS_NAME)  # [P_src, L]
     send_sizes, recv_sizes = send_counts.sum(axis=1), counts.sum(axis=1)
+    # the receivers' src_info: dispatch traffic, named so (a remat policy saving "ep_dispatch"
+    # keeps the whole dispatch)
     src_token = tp.exchange_blocks(send_token, send_sizes, recv_sizes, capacity=capacity,
-                                   axis_name=axis_name, transport=transport, name="ep_src_info")
+                                   axis_name=axis_name, transport=transport,
+                                   name=tp.DISPATCH_NAME)
     recv_counts = counts.T  # [L, P_src]
     begin = tp.exclusive_cumsum(recv_counts, axis=1)
     # Output row (l, i) <- row (begin of expert l in source p's block) + j of wire block p.

@@ -44,6 +44,7 @@ __all__ = [
     "BACKENDS",
     "TRANSPORTS",
     "check_backend",
+    "named",
     "with_transpose",
     "with_fp8_wire",
     "fp8_cast_back",
@@ -77,6 +78,7 @@ _IMPL_OF_BACKEND = {"deepep": "ffi", "uccl_ep": "ffi", "alltoall": "xla"}
 COUNTS_NAME = "ep_counts"
 DISPATCH_NAME = "ep_dispatch"
 COMBINE_NAME = "ep_combine"
+_REVERSED = {DISPATCH_NAME: COMBINE_NAME, COMBINE_NAME: DISPATCH_NAME}
 
 
 PEER_TIMEOUT_ENV = "JAX_EP_PEER_TIMEOUT_S"
@@ -178,11 +180,21 @@ def exchange_rows(x, axis_name, transport, name):
     return out
 
 
-def with_transpose(forward, transpose):
+def named(value, name):
+    """`checkpoint_name` on every leaf of value (None: value unchanged). Exchanges wrapped in a
+    `jax.custom_vjp` name their results with this outside the wrapper: a remat policy sees
+    only the names of the equations it partial-evaluates, never those inside a custom_vjp."""
+    return value if name is None else checkpoint_name(value, name)
+
+
+def with_transpose(forward, transpose, name=None):
     """A map rows -> forward(rows, handle) that is linear in rows, with `jax.custom_vjp` so its
     VJP is transpose(cotangent, handle) (e.g. a dispatch and the combine that returns its
     rows); the handle gets no cotangent. The transpose is itself such a map, whose VJP is
-    forward, so gradients of gradients work; it is the result's `adjoint` attribute."""
+    forward, so gradients of gradients work; it is the result's `adjoint` attribute.
+    name: the checkpoint name of the map's results (DISPATCH_NAME or COMBINE_NAME, the
+    adjoint's the other one), so `save_only_these_names` saves them instead of re-running the
+    exchange in the backward."""
 
     @jax.custom_vjp
     def linear(rows, handle):
@@ -196,8 +208,14 @@ def with_transpose(forward, transpose):
                   lambda handle, d_out: (adjoint(d_out, handle), None))
     adjoint.defvjp(lambda rows, handle: (adjoint(rows, handle), handle),
                    lambda handle, d_out: (linear(d_out, handle), None))
-    linear.adjoint = adjoint
-    return linear
+
+    def named_linear(rows, handle):
+        return named(linear(rows, handle), name)
+
+    def named_adjoint(rows, handle):
+        return named(adjoint(rows, handle), _REVERSED.get(name))
+    named_linear.adjoint = named_adjoint
+    return named_linear
 
 
 FP8_PAIR_NO_GRAD = (
@@ -214,7 +232,7 @@ def fp8_cast_back(codes, scales, use_ue8m0, dtype, impl):
     return rows.reshape(codes.shape)
 
 
-def with_fp8_wire(send, transpose):
+def with_fp8_wire(send, transpose, name=DISPATCH_NAME):
     """A dispatch of rows that moves them as FP8 on the wire, with a straight-through gradient.
 
     Returns rows_fp8(x, handle, round_scale, use_ue8m0, cast_back): x [T,H] f32/bf16/f16 is
@@ -224,7 +242,8 @@ def with_fp8_wire(send, transpose):
     pair (codes [...,H], scales [...,G]) or, with cast_back, the rows cast back to x.dtype
     [...,H]. Backward (cast_back only): transpose(cotangent in x.dtype, handle), the backward
     of the same dispatch without FP8 - the cast counts as the identity. The pair has no
-    gradient (JAX would type its cotangent FP8), so differentiating it raises.
+    gradient (JAX would type its cotangent FP8), so differentiating it raises. The results
+    carry the checkpoint name `name` (see `with_transpose`).
     """
 
     def _forward(x, handle, round_scale, use_ue8m0, cast_back):
@@ -250,7 +269,10 @@ def with_fp8_wire(send, transpose):
         return straight_through(d_out, handle), None
 
     rows_fp8.defvjp(_fwd, _bwd)
-    return rows_fp8
+
+    def named_rows_fp8(x, handle, round_scale, use_ue8m0, cast_back):
+        return named(rows_fp8(x, handle, round_scale, use_ue8m0, cast_back), name)
+    return named_rows_fp8
 
 
 class ExchangePlan(NamedTuple):

@@ -17,6 +17,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import deepep, hybridep, ops, transport
 from jax_ep._checks import as_int32_ids, check_positive, check_top_k, unroute_invalid_experts
@@ -468,7 +469,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
         def choose(y, dropped, hidden, probs, indices, params):
             """The bounded path's y, or the worst case's where any device dropped."""
-            overflow = jax.lax.psum(dropped, axes) > 0
+            # named as the counts are: a remat policy saving "ep_counts" keeps the branch taken
+            overflow = checkpoint_name(jax.lax.psum(dropped, axes) > 0, transport.COUNTS_NAME)
             y, dropped = jax.lax.cond(overflow, partial(path, worst), lambda *_: (y, dropped),
                                       hidden, probs, indices, params)
             return (y, overflow.astype(jnp.int32), dropped), overflow
