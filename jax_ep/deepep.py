@@ -390,7 +390,8 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
     static and the same on every rank, so a chunk that is empty here (T < chunks) is empty on
     every rank: it sends and receives nothing, and it issues no collective (its output is
     zero rows; jax 0.11's Shardy pass crashed compiling the gradient of an empty chunk's
-    FFI dispatch).
+    FFI dispatch). With one rank there is nothing to overlap: `chunks` is ignored and the
+    tokens go through one dispatch -> local_kernel -> combine, bitwise the unchunked path.
     """
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     num_experts = num_local_experts * num_ranks
@@ -399,7 +400,7 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
     topk_idx, _ = unroute_invalid_experts(topk_idx, num_experts)
     if topk_weights is None:
         topk_weights = jnp.ones(topk_idx.shape, jnp.float32)
-    bounds = chunk_bounds(x.shape[0], chunks)
+    bounds = chunk_bounds(x.shape[0], chunks if num_ranks > 1 else 1)
     counts = jnp.stack([
         ops.get_dispatch_layout(topk_idx[s:e], num_experts=num_experts, num_ranks=num_ranks,
                                 impl=impl)[0] for s, e in bounds])
@@ -415,5 +416,6 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
                                         count_matrix=count_matrix[:, i])
         recv_x, recv_w = _dispatch_rows(x[s:e], topk_weights[s:e], handle)
         y = local_kernel(recv_x, handle.recv_topk_idx, recv_w)
+        check_combine_rows(y, handle, "local_kernel's result")
         outputs.append(_combine_rows(y, handle))
     return jnp.concatenate(outputs, axis=0)

@@ -317,6 +317,37 @@ def test_chunked_forward_equals_unchunked(chunks, T):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_forward_on_one_rank_is_the_unchunked_path(backend):
+    """P = 1 (axolotl's single-rank path): chunks are ignored, bitwise equal to unchunked
+    dispatch -> kernel -> combine, whose kernel sees all T rows at once."""
+    T, H, F, K, E = 13, 8, 16, 2, 8
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    idx, w = random_routing(rng, T, K, E)
+    w_in = rng.standard_normal((E, H, F)).astype(np.float32) / 3
+    w_out = rng.standard_normal((E, F, H)).astype(np.float32) / 3
+    seen = []
+
+    def kernel(rx, ri, rw):
+        seen.append(rx.shape[0])
+        return local_experts(rx, ri, rw, w_in, w_out)
+
+    def chunked(x, idx, w):
+        return deepep.dispatch_chunked_forward(x, idx, w, kernel, num_local_experts=E,
+                                               axis_name=AXIS, chunks=3, backend=backend)
+
+    def whole(x, idx, w):
+        rx, ri, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                        backend=backend)
+        return jax_ep.combine(kernel(rx, ri, rw), h)[0]
+
+    mesh = ep_mesh(1)
+    got = np.asarray(run_ep(chunked, mesh, x, idx, w))
+    assert len(seen) == 1
+    np.testing.assert_array_equal(got, np.asarray(run_ep(whole, mesh, x, idx, w)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chunks,T", [(2, 1), (3, 2)])  # leading chunks empty on every rank
 def test_chunked_forward_gradients_with_empty_chunks(backend, chunks, T):
     num_ranks, H, F, K, E = 4, 8, 8, 2, 8
@@ -527,6 +558,20 @@ def test_bad_inputs_raise_at_trace_time(kwargs, match):
     kwargs = dict(axis_name=AXIS) | kwargs
     with pytest.raises(ValueError, match=match):
         run_ep(lambda x, i, w: jax_ep.dispatch(x, i, w, **kwargs)[0], mesh, x, idx, w)
+
+
+@pytest.mark.parametrize("kernel,match", [
+    (lambda rx, ri, rw: rx.astype(jnp.int32), "local_kernel's result: expected float"),
+    (lambda rx, ri, rw: rx[:-1], "local_kernel's result: expected"),
+])
+def test_chunked_forward_names_a_bad_kernel_result(kernel, match):
+    mesh = ep_mesh(2)
+    rng = np.random.default_rng(12)
+    idx, w = random_routing(rng, 8, 2, 4)
+    x = rng.standard_normal((8, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match=match):
+        run_ep(lambda x, i, w: deepep.dispatch_chunked_forward(
+            x, i, w, kernel, num_local_experts=2, axis_name=AXIS, chunks=2), mesh, x, idx, w)
 
 
 def test_integer_rows_dispatch_as_data_and_combines_name_y():
