@@ -597,8 +597,9 @@ class Buffer:
 
 
 class UCCLBuffer(Buffer):
-    """UCCL-EP's DeepEP-compatible buffer (backend "uccl_ep"); `is_intranode` follows the
-    group: a single expert axis is intranode, a (node, local) pair is not."""
+    """UCCL-EP's DeepEP-compatible buffer (backend "uccl_ep") with NeMo's intranode detection:
+    a single expert axis (every rank on one node) sets `is_intranode` True and
+    `num_rdma_bytes` 0 (NVLink only); for a (node, local) pair both stay as given."""
 
     backend = "uccl_ep"
 
@@ -607,10 +608,15 @@ class UCCLBuffer(Buffer):
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, is_intranode: bool = False,
                  use_fabric: bool = False, enable_shrink: bool = False, comm=None):
-        super().__init__(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
-                         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
-                         explicitly_destroy, isinstance(group, str), use_fabric, enable_shrink,
-                         comm)
+        if isinstance(group, str):
+            is_intranode, num_rdma_bytes = True, 0
+        super().__init__(group=group, num_nvl_bytes=num_nvl_bytes,
+                         num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
+                         num_qps_per_rank=num_qps_per_rank,
+                         allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode,
+                         allow_mnnvl=allow_mnnvl, explicitly_destroy=explicitly_destroy,
+                         is_intranode=is_intranode, use_fabric=use_fabric,
+                         enable_shrink=enable_shrink, comm=comm)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False,

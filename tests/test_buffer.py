@@ -148,6 +148,23 @@ def test_inert_pieces():
     assert not jax_ep.UCCLBuffer(("node", "local")).is_intranode
 
 
+def test_uccl_buffer_detects_intranode_as_nemo(monkeypatch):
+    """NeMo's UCCLBuffer: every rank on one node (a single expert axis) -> is_intranode True
+    and num_rdma_bytes 0 (NVLink only); a (node, local) pair keeps what the caller gave. The
+    arguments reach Buffer.__init__ by keyword (NeMo's test patches it with **kwargs)."""
+    one = jax_ep.UCCLBuffer(AXIS, num_nvl_bytes=1024, num_rdma_bytes=2048)
+    assert (one.is_intranode, one.num_nvl_bytes, one.num_rdma_bytes) == (True, 1024, 0)
+    pair = jax_ep.UCCLBuffer(("node", "local"), num_rdma_bytes=2048)
+    assert (pair.is_intranode, pair.num_rdma_bytes) == (False, 2048)
+    assert jax_ep.UCCLBuffer(("node", "local"), is_intranode=True).is_intranode
+    seen = {}
+    monkeypatch.setattr(jax_ep.Buffer, "__init__",
+                        lambda self, **kwargs: seen.update(kwargs))
+    jax_ep.UCCLBuffer(AXIS, 1024, 2048)
+    assert (seen["group"], seen["num_nvl_bytes"], seen["num_rdma_bytes"],
+            seen["is_intranode"]) == (AXIS, 1024, 0, True)
+
+
 def test_deepep_init_keywords_and_positional_order():
     """use_fabric / enable_shrink / comm (DeepEP's tests and newest Buffer) are accepted after
     the SPEC's nine parameters and kept as attributes; the 9th positional is is_intranode."""
