@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_ep import _ffi
 from jax_ep import transport as tp
 from jax_ep._checks import check_positive, check_shape
 
@@ -45,9 +46,14 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
     num_send = x.shape[0]
     num_recv = num_ranks * num_send if num_recv is None else check_positive(
         num_recv, "num_recv", allow_zero=True)
-    return tp.named(_exchange(x, jnp.asarray(output_splits, jnp.int32),
-                              jnp.asarray(input_splits, jnp.int32), axis_name, num_recv,
-                              num_send), tp.DISPATCH_NAME)
+    output_splits = jnp.asarray(output_splits, jnp.int32)
+    input_splits = jnp.asarray(input_splits, jnp.int32)
+    # the rows move per rank: typed as varying over the axis (and the splits' axes), so a
+    # replicated x gets its cotangent summed over them
+    rank, _ = tp.axis_rank_and_size(axis_name)
+    x = _ffi.vary_like(x, rank, output_splits, input_splits)
+    return tp.named(_exchange(x, output_splits, input_splits, axis_name, num_recv, num_send),
+                    tp.DISPATCH_NAME)
 
 
 def _rows(x, count_matrix, axis_name, num_recv, capacity):

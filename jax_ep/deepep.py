@@ -345,7 +345,7 @@ def combine_with_bias(y, handle, bias, *, topk_weights=None, name="y"):
         check_float(b, "bias" if len(biases) == 1 else f"bias[{i}]")
         b = jnp.asarray(b).astype(jnp.float32)
         total = b if total is None else total + b
-    y, total = _ffi.vary_together(y, total)  # e.g. a replicated bias
+    y, total = _ffi.vary_together(*(tp.vary_with_handle(a, handle) for a in (y, total)))
     summed = tp.named(_biased_rows(y, total, handle), tp.COMBINE_NAME)
     return summed, _combined_weights(topk_weights, handle)
 

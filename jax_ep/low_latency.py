@@ -199,7 +199,10 @@ def _ll_combine_rows(y, slot_weights, h, use_logfmt):
     the wire with use_logfmt) and summed per source token with its weight slot_weights f32[P*C]
     (ops.unpermute). Differentiable in y and slot_weights, to any order: each piece's VJP is
     another piece (the return's is the dispatch-direction exchange, unpermute's a gather)."""
-    back = tp.named(_returned_logfmt(y, h), tp.COMBINE_NAME) if use_logfmt else _returned(y, h)
+    if use_logfmt:
+        back = tp.named(_returned_logfmt(tp.vary_with_handle(y, h), h), tp.COMBINE_NAME)
+    else:
+        back = _returned(y, h)
     out = ops.unpermute(back, h.send_token, num_tokens=h.num_tokens, probs=slot_weights,
                         impl=h.impl)
     return out.astype(y.dtype)

@@ -171,7 +171,7 @@ def indices_to_multihot(topk_idx, topk_probs, *, num_experts, impl="ffi"):
     if impl == "xla" or topk_idx.size == 0:
         return _typed_like_ffi(reference.indices_to_multihot(
             topk_idx, topk_probs, num_experts=num_experts), topk_idx, topk_probs)
-    return _multihot(topk_idx, topk_probs, num_experts)
+    return _multihot(*_ffi.vary_together(topk_idx, topk_probs), num_experts)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -295,9 +295,12 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
             out = out + (dropped,)
         return _typed_like_ffi(out, tokens, routing_map, probs)
     has_probs = probs is not None
+    # one type for the operands inside shard_map: the custom_vjp's cotangents take it, and a
+    # replicated operand gets its cotangent summed over the axes by the cast's transpose
+    tokens, routing_map, probs = _ffi.vary_together(
+        tokens, routing_map, probs if has_probs else jnp.zeros(routing_map.shape, jnp.float32))
     permuted, permuted_probs, sorted_indices, tokens_per_expert, dropped = _permute(
-        tokens, routing_map, probs if has_probs else jnp.zeros(routing_map.shape, jnp.float32),
-        num_out_tokens, pad, bool(drop_and_pad), has_probs)
+        tokens, routing_map, probs, num_out_tokens, pad, bool(drop_and_pad), has_probs)
     out = (permuted, permuted_probs if has_probs else None, sorted_indices, tokens_per_expert)
     return out + (dropped,) if return_num_dropped else out
 
@@ -327,7 +330,8 @@ def _permute_bwd(num_out_tokens, pad_multiple, drop_and_pad, has_probs, residual
     num_tokens = routing_map.shape[0]
     d_tokens = _unpermute_unweighted(d_permuted, sorted_indices, num_tokens)
     if not has_probs:
-        return d_tokens, None, jnp.zeros(routing_map.shape, jnp.float32)
+        return d_tokens, None, _ffi.vary_like(jnp.zeros(routing_map.shape, jnp.float32),
+                                              routing_map)
     # Row r of the permuted buffer belongs to the expert whose block contains it.
     row_expert = search(jnp.cumsum(tokens_per_expert), jnp.arange(num_out_tokens))
     token = jnp.where(sorted_indices >= 0, sorted_indices, num_tokens)
@@ -356,8 +360,8 @@ def unpermute(permuted, sorted_indices, *, num_tokens, probs=None, impl="ffi"):
             permuted, sorted_indices, num_tokens=num_tokens, probs=probs),
             permuted, sorted_indices, probs)
     if probs is None:
-        return _unpermute_unweighted(permuted, sorted_indices, num_tokens)
-    return _unpermute_weighted(permuted, sorted_indices, probs, num_tokens)
+        return _unpermute_unweighted(*_ffi.vary_together(permuted, sorted_indices), num_tokens)
+    return _unpermute_weighted(*_ffi.vary_together(permuted, sorted_indices, probs), num_tokens)
 
 
 def _unpermute_ffi(permuted, sorted_indices, probs, num_tokens):
@@ -481,7 +485,8 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
             x_fp8, scales, use_ue8m0=use_ue8m0, dtype=dtype), x_fp8, scales)
     if x_fp8.size == 0:
         return _ffi.vary_like(jnp.zeros(x_fp8.shape, dtype), x_fp8, scales)
-    out = _cast_back(reference.pad_to_fp8_blocks(x_fp8), scales, use_ue8m0, jnp.dtype(dtype))
+    x_fp8, scales = _ffi.vary_together(reference.pad_to_fp8_blocks(x_fp8), scales)
+    out = _cast_back(x_fp8, scales, use_ue8m0, jnp.dtype(dtype))
     return out[:, :hidden]
 
 

@@ -187,6 +187,14 @@ def named(value, name):
     return value if name is None else checkpoint_name(value, name)
 
 
+def vary_with_handle(rows, handle):
+    """rows typed as varying over every manual mesh axis a leaf of handle varies over (inside
+    shard_map): what the exchange's results vary over, so its custom_vjp's cotangent has the
+    rows' type, and rows replicated over an axis get their cotangent summed over it (the
+    cast's transpose)."""
+    return _ffi.vary_like(rows, *jax.tree.leaves(handle))
+
+
 def with_transpose(forward, transpose, name=None):
     """A map rows -> forward(rows, handle) that is linear in rows, with `jax.custom_vjp` so its
     VJP is transpose(cotangent, handle) (e.g. a dispatch and the combine that returns its
@@ -210,10 +218,10 @@ def with_transpose(forward, transpose, name=None):
                    lambda handle, d_out: (linear(d_out, handle), None))
 
     def named_linear(rows, handle):
-        return named(linear(rows, handle), name)
+        return named(linear(vary_with_handle(rows, handle), handle), name)
 
     def named_adjoint(rows, handle):
-        return named(adjoint(rows, handle), _REVERSED.get(name))
+        return named(adjoint(vary_with_handle(rows, handle), handle), _REVERSED.get(name))
     named_linear.adjoint = named_adjoint
     return named_linear
 
@@ -271,7 +279,8 @@ def with_fp8_wire(send, transpose, name=DISPATCH_NAME):
     rows_fp8.defvjp(_fwd, _bwd)
 
     def named_rows_fp8(x, handle, round_scale, use_ue8m0, cast_back):
-        return named(rows_fp8(x, handle, round_scale, use_ue8m0, cast_back), name)
+        return named(rows_fp8(vary_with_handle(x, handle), handle, round_scale, use_ue8m0,
+                              cast_back), name)
     return named_rows_fp8
 
 
