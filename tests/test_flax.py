@@ -925,6 +925,45 @@ def test_remat_gives_the_same_gradients():
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-6, atol=1e-7)
 
 
+def test_scanned_layers_match_the_unrolled_stack():
+    """Flax's scanned-layers pattern: 3 layers made by nnx.vmap (a leading layer axis on every
+    param) and applied by nnx.scan give the loss and the stacked gradients of the same layers
+    applied one by one in a Python loop."""
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2)
+    mesh, num_layers = _mesh(), 3
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return MoELayer(cfg, 16, 32, rngs=rngs, mesh=mesh)
+
+    def scanned(layers, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(layer, h):
+            return h + layer(h)[0]
+        return jnp.mean(body(layers, x) ** 2)
+
+    def unrolled(layers, x):
+        graphdef, state = nnx.split(layers)
+        h = x
+        for i in range(num_layers):
+            h = h + nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))(h)[0]
+        return jnp.mean(h ** 2)
+
+    with jax.set_mesh(mesh):
+        layers = make(nnx.Rngs(0))
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 4, 16)),
+                           NamedSharding(mesh, P(("data", "expert"))))
+        (got, g1), (want, g2) = (nnx.jit(nnx.value_and_grad(f))(layers, x)
+                                 for f in (scanned, unrolled))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(g1, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(g2, nnx.Param))):
+        assert a[...].shape[0] == num_layers, path
+        np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-5,
+                                   atol=1e-7, err_msg=str(path))
+
+
 def test_shared_dispatcher_and_inside_user_shard_map():
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
                                        expert_axis_name=AXIS)
