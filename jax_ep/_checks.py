@@ -20,8 +20,13 @@ __all__ = [
     "check_rank",
     "check_routing",
     "check_shape",
+    "check_whole_bytes",
     "unroute_invalid_experts",
 ]
+
+# The largest size, count or multiple the kernels take: their block arithmetic is int64, so
+# products of two such values cannot overflow.
+MAX_INT32 = 2**31 - 1
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 FP8_OUTPUTS = ("pair", "cast_back")
@@ -39,6 +44,26 @@ def check_shape(x, shape: tuple, name: str) -> None:
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(jnp.shape(x))}")
 
 
+def bit_width(dtype) -> int:
+    """Bits per element of dtype (4 for int4 / uint4 / float4_e2m1fn, which XLA stores two to
+    a byte although their numpy itemsize is 1)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits
+    return dtype.itemsize * 8
+
+
+def check_whole_bytes(x, name: str) -> None:
+    """ValueError naming `name` for a sub-byte dtype: the FFI handlers move whole bytes per
+    element, and XLA packs these two to a byte (a row would be read at twice its size)."""
+    if bit_width(x.dtype) < 8:
+        raise ValueError(f"{name}: {x.dtype} packs two values per byte, which jax_ep's kernels do "
+                         f"not move; cast to int8 / uint8 / float8 (or pack pairs into bytes) "
+                         f"first")
+
+
 def check_float(x, name: str) -> None:
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise ValueError(f"{name}: expected float32, bfloat16 or float16, got {x.dtype}")
@@ -50,12 +75,16 @@ def check_float_weights(x, name: str) -> None:
         raise ValueError(f"{name}: expected a float array, got {x.dtype}")
 
 
-def check_positive(value, name: str, *, allow_zero: bool = False) -> int:
+def check_positive(value, name: str, *, allow_zero: bool = False, upper: int | None = None):
+    """value as an int after checking it is one, > 0 (or >= 0 with allow_zero) and, with
+    `upper`, at most that."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name}: expected an int, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}: expected an int {bound}, got {value}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name}: expected an int <= {upper}, got {value}")
     return int(value)
 
 

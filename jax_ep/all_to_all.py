@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import _ffi
 from jax_ep import transport as tp
-from jax_ep._checks import check_positive, check_shape
+from jax_ep._checks import check_positive, check_shape, check_whole_bytes
 
 __all__ = ["all_to_all_single", "all_to_all_single_equal"]
 
@@ -41,8 +41,12 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     if jnp.ndim(x) < 1:
         raise ValueError(f"x: expected at least one dimension, got shape {jnp.shape(x)}")
-    check_shape(output_splits, (num_ranks,), "output_splits")
-    check_shape(input_splits, (num_ranks,), "input_splits")
+    check_whole_bytes(x, "x")
+    for splits, name in ((output_splits, "output_splits"), (input_splits, "input_splits")):
+        check_shape(splits, (num_ranks,), name)
+        if not jnp.issubdtype(jnp.result_type(splits), jnp.integer):
+            raise ValueError(f"{name}: expected integer row counts, got "
+                             f"{jnp.result_type(splits)}")
     num_send = x.shape[0]
     num_recv = num_ranks * num_send if num_recv is None else check_positive(
         num_recv, "num_recv", allow_zero=True)

@@ -10,6 +10,7 @@ from typing import Literal
 
 import numpy as np
 
+from jax_ep._checks import MAX_INT32
 from jax_ep.ops import GROUPED_MATMUL_IMPLS
 from jax_ep.transport import TRANSPORTS
 
@@ -195,8 +196,10 @@ class TokenDispatcherConfig:
         for name in ("moe_router_expert_pad_multiple", "moe_hybridep_num_sms_preprocessing",
                      "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
                      "num_worst_tokens", "num_permuted_tokens"):
-            _require(_positive_int(getattr(self, name), allow_none=True), name,
-                     "None or a positive int", getattr(self, name))
+            value = getattr(self, name)
+            _require(_positive_int(value, allow_none=True) and (value is None or
+                                                                 value <= MAX_INT32),
+                     name, f"None or a positive int <= {MAX_INT32}", value)
         axis = self.expert_axis_name
         if isinstance(axis, list):
             axis = tuple(axis)

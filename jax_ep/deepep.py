@@ -29,11 +29,13 @@ import jax.numpy as jnp
 from jax_ep import _ffi, internode, ops, transport as tp
 from jax_ep._checks import (
     check_float,
+    check_float_weights,
     check_fp8_dispatch,
     check_positive,
     check_rank,
     check_routing,
     check_shape,
+    check_whole_bytes,
     unroute_invalid_experts,
 )
 from jax_ep.internode import DispatchHandle, InternodeHandle
@@ -221,6 +223,7 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
                                    hierarchical=hierarchical,
                                    num_worst_rdma_tokens=num_worst_rdma_tokens)
     check_rank(x, 2, "x")
+    check_whole_bytes(x, "x")
     if handle is None:
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch: topk_idx and num_experts are required without a handle")
@@ -253,9 +256,15 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
     elif not isinstance(handle, HANDLES):
         raise ValueError(f"handle: expected the DispatchHandle of a dispatch, got "
                          f"{type(handle).__name__}")
-    elif x.shape[0] != handle.num_tokens:
-        raise ValueError(f"x: expected {handle.num_tokens} rows to match the handle, got "
-                         f"shape {x.shape}")
+    else:
+        if x.shape[0] != handle.num_tokens:
+            raise ValueError(f"x: expected {handle.num_tokens} rows to match the handle, got "
+                             f"shape {x.shape}")
+        if topk_weights is not None:
+            check_shape(topk_weights, (handle.num_tokens, handle.recv_topk_idx.shape[1]),
+                        "topk_weights")
+            check_float_weights(topk_weights, "topk_weights")
+            topk_weights = topk_weights.astype(jnp.float32)
     if use_fp8:
         recv_x = _sent_rows_fp8(x, handle, bool(round_scale), bool(use_ue8m0),
                                 fp8_output == "cast_back")
@@ -396,7 +405,12 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     num_experts = num_local_experts * num_ranks
     impl = check_backend(backend)
+    check_rank(x, 2, "x")
+    check_float(x, "x")
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
+    if topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_idx: expected {x.shape[0]} rows to match x {x.shape}, got "
+                         f"shape {topk_idx.shape}")
     topk_idx, _ = unroute_invalid_experts(topk_idx, num_experts)
     if topk_weights is None:
         topk_weights = jnp.ones(topk_idx.shape, jnp.float32)

@@ -37,6 +37,7 @@ from jax_ep._checks import (
     check_rank,
     check_routing,
     check_shape,
+    check_whole_bytes,
 )
 from jax_ep._index import search
 
@@ -274,6 +275,7 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         raise ValueError("routing_map / topk_idx: pass exactly one of them (dense or compact "
                          "routing)")
     check_rank(x, 2, "x")
+    check_whole_bytes(x, "x")
     if probs is not None:
         check_float_weights(probs, "probs")
     _, num_ranks = tp.axis_rank_and_size(axis_name)
@@ -294,6 +296,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         check_shape(topk_idx, (num_tokens, topk_idx.shape[1]), "topk_idx")
     else:
         check_shape(routing_map, (num_tokens, num_experts), "routing_map")
+        if routing_map.dtype != jnp.bool_:
+            raise ValueError(f"routing_map: expected bool, got {routing_map.dtype}")
     if probs is not None:
         check_shape(probs, (topk_idx if compact else routing_map).shape, "probs")
     if num_tokens == 0:

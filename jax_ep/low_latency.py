@@ -32,6 +32,7 @@ from jax_ep._checks import (
     check_rank,
     check_routing,
     check_shape,
+    check_whole_bytes,
     unroute_invalid_experts,
 )
 from jax_ep._index import segment_of
@@ -297,6 +298,7 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
     if use_fp8:
         check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
     check_rank(x, 2, "x")
+    check_whole_bytes(x, "x")
     tmax = check_positive(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
     if x.shape[0] > tmax:
         raise ValueError(f"x: {x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank "

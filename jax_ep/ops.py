@@ -23,6 +23,7 @@ import numpy as np
 
 from jax_ep import _ffi, reference
 from jax_ep._checks import (
+    MAX_INT32,
     as_int32_ids,
     check_experts,
     check_float,
@@ -30,6 +31,7 @@ from jax_ep._checks import (
     check_rank,
     check_routing,
     check_shape,
+    check_whole_bytes,
 )
 from jax_ep._index import search
 from jax_ep.reference import SendLayout
@@ -208,6 +210,7 @@ def gather_rows(x, row_idx, *, impl="ffi"):
     check_rank(row_idx, 1, "row_idx")
     if jnp.ndim(x) < 1:
         raise ValueError(f"x: expected at least one dimension, got shape {jnp.shape(x)}")
+    check_whole_bytes(x, "x")
     row_idx = as_int32_ids(row_idx, x.shape[0], "row_idx")
     if impl == "xla":
         return _typed_like_ffi(reference.gather_rows(x, row_idx), x, row_idx)
@@ -283,8 +286,10 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
     if probs is not None:
         check_shape(probs, routing_map.shape, "probs")
         probs = probs.astype(jnp.float32)
-    num_out_tokens = check_positive(num_out_tokens, "num_out_tokens", allow_zero=True)
-    pad = 0 if pad_multiple is None else check_positive(pad_multiple, "pad_multiple")
+    num_out_tokens = check_positive(num_out_tokens, "num_out_tokens", allow_zero=True,
+                                    upper=MAX_INT32)
+    pad = 0 if pad_multiple is None else check_positive(pad_multiple, "pad_multiple",
+                                                        upper=MAX_INT32)
     if impl == "xla" or tokens.size == 0 or routing_map.size == 0 or num_out_tokens == 0:
         out = reference.permute(tokens, routing_map, probs, num_out_tokens=num_out_tokens,
                                 pad_multiple=pad_multiple, drop_and_pad=drop_and_pad)
@@ -636,7 +641,17 @@ def grouped_operands(arrays, group_sizes):
     mesh axes inside shard_map (weights replicated over a data axis the tokens vary over: AD
     then sums the weights' gradients over that axis, as it does for ragged_dot)."""
     dtype = jnp.result_type(*arrays)
-    return _ffi.vary_together(*(a.astype(dtype) for a in arrays), group_sizes.astype(jnp.int32))
+    return _ffi.vary_together(*(a.astype(dtype) for a in arrays),
+                              int32_group_sizes(group_sizes, arrays[0].shape[0]))
+
+
+def int32_group_sizes(group_sizes, num_rows):
+    """Integer group sizes as int32, each clipped to [0, num_rows] first, so a size of a wider
+    or unsigned dtype (3e9 as uint32, 2^32 + 1 as int64) cannot wrap: the sum is then cut at
+    num_rows as for any other sizes."""
+    if jnp.iinfo(group_sizes.dtype).max > jnp.iinfo(jnp.int32).max:
+        group_sizes = jnp.clip(group_sizes, 0, num_rows)
+    return group_sizes.astype(jnp.int32)
 
 
 def block_matmul(spec, a, w):
@@ -681,7 +696,8 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     tile = grouped_tile_rows(tile_rows)
     if impl == "ragged_dot":
         dtype = jnp.result_type(x, w)
-        return jax.lax.ragged_dot(x.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32))
+        return jax.lax.ragged_dot(x.astype(dtype), w.astype(dtype),
+                                  int32_group_sizes(group_sizes, x.shape[0]))
     x, w, group_sizes = grouped_operands((x, w), group_sizes)
     if x.size == 0 or w.size == 0:
         return _ffi.vary_like(jnp.zeros((x.shape[0], w.shape[2]), x.dtype), x, w, group_sizes)

@@ -119,6 +119,14 @@ def _tokens_per_expert(ids, valid, cfg: MoEConfig):
         1, mode="drop")
 
 
+def _is_float_dtype(dtype) -> bool:
+    """Whether dtype names a float dtype (jnp.bfloat16, "float32", ...)."""
+    try:
+        return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        return False
+
+
 def _sum_over(axes, *values):
     """psum of per-device values over the mesh `axes` (inside shard_map; none: the values). A
     value that does not vary over one of them (a constant, e.g. a count of an empty batch)
@@ -595,6 +603,16 @@ class MoELayer(_RouterState, nnx.Module):
         config = _as_moe_config(config)
         dcfg = config.dispatcher_config()
         axis = dcfg.expert_axis_name
+        hidden_size = check_positive(hidden_size, "hidden_size")
+        if ffn_hidden_size is not None:
+            ffn_hidden_size = check_positive(ffn_hidden_size, "ffn_hidden_size")
+        if not _is_float_dtype(param_dtype):
+            raise ValueError(f"param_dtype: expected a float dtype, got {param_dtype!r}")
+        if dtype is not None and not _is_float_dtype(dtype):
+            raise ValueError(f"dtype: expected None or a float dtype, got {dtype!r}")
+        if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh,
+                                                      jax.sharding.AbstractMesh)):
+            raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
         if mesh is not None:
             if not set(_names(axis)) <= set(mesh.axis_names):
                 raise ValueError(f"mesh: has axes {mesh.axis_names}, missing the expert axis "
@@ -602,6 +620,7 @@ class MoELayer(_RouterState, nnx.Module):
             expert_parallel_size = math.prod(mesh.shape[a] for a in _names(axis))
         if expert_parallel_size is None:
             raise ValueError("mesh / expert_parallel_size: pass one so the layer knows P")
+        expert_parallel_size = check_positive(expert_parallel_size, "expert_parallel_size")
         num_experts = config.num_moe_experts
         if num_experts % expert_parallel_size:
             raise ValueError(f"num_moe_experts ({num_experts}) must be divisible by the expert "
