@@ -152,3 +152,20 @@ def test_layer_arguments_are_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MoELayer(cfg, args.pop("hidden_size"), args.pop("ffn_hidden_size"),
                  rngs=nnx.Rngs(0), **args)
+
+
+def test_handlers_refuse_what_the_python_checks_refuse():
+    """The CPU handlers check the same things themselves (an error, not a crash), for callers
+    that reach the FFI targets past jax_ep's Python."""
+    x = jnp.zeros((8, 64), jnp.int4)
+    gather = jax.ffi.ffi_call("jax_ep_gather_rows", jax.ShapeDtypeStruct((3, 64), jnp.int4))
+    with pytest.raises(Exception, match="x: sub-byte element types"):
+        jax.block_until_ready(gather(x, jnp.array([7, 0, 3], jnp.int32)))
+    results = (jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32),
+               jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32),
+               jax.ShapeDtypeStruct((), jnp.int32))
+    permute = jax.ffi.ffi_call("jax_ep_permute", results)
+    with pytest.raises(Exception, match="pad_multiple: expected at most 2147483647"):
+        jax.block_until_ready(permute(jnp.ones((4, 4)), jnp.ones((4, 4), bool),
+                                      jnp.zeros((4, 4)), pad_multiple=np.int64(2**62 + 1),
+                                      drop_and_pad=False))

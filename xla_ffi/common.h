@@ -165,6 +165,48 @@ void RowsAndWidth(const Buf& buf, int64_t* rows, int64_t* width) {
   for (size_t i = 1; i < dims.size(); ++i) *width *= dims[i];
 }
 
+// The sub-byte element types: XLA packs them several to a byte, and ffi::ByteWidth counts
+// each element as a whole byte, so a row of them would be read and written at twice its size
+// or more. The row movers refuse them.
+inline bool IsSubByte(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::S1:
+    case ffi::DataType::S2:
+    case ffi::DataType::S4:
+    case ffi::DataType::U1:
+    case ffi::DataType::U2:
+    case ffi::DataType::U4:
+    case ffi::DataType::F4E2M1FN:
+      return true;
+    default:
+      return false;
+  }
+}
+
+inline std::string SubByteError(const char* name) {
+  return std::string(name) + ": sub-byte element types (packed several to a byte) are not "
+                             "moved; cast to an 8-bit type first";
+}
+
+// Bytes of one row of `width` elements of `type` into *row_bytes, or an error naming `name`
+// for a sub-byte type.
+inline ffi::Error RowBytes(ffi::DataType type, int64_t width, const char* name,
+                           int64_t* row_bytes) {
+  if (IsSubByte(type)) return ffi::Error::InvalidArgument(SubByteError(name));
+  *row_bytes = width * int64_t(ffi::ByteWidth(type));
+  return ffi::Error::Success();
+}
+
+// pad_multiple of the permute plans: at most INT32_MAX, so the int64 block arithmetic (a
+// count rounded up to a multiple of it) cannot overflow.
+inline ffi::Error CheckPadMultiple(int64_t pad_multiple) {
+  if (pad_multiple > INT32_MAX)
+    return ffi::Error::InvalidArgument("pad_multiple: expected at most " +
+                                       std::to_string(INT32_MAX) + ", got " +
+                                       std::to_string(pad_multiple));
+  return ffi::Error::Success();
+}
+
 inline bool IsFloatType(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
 }

@@ -27,6 +27,7 @@ inline std::string PeerShapeError(const PeerAttrs& a, const Any& src, const I32&
                                   const I32& send_offsets, const I32& send_counts,
                                   const I32& dest_offsets, const I32& coords,
                                   const I32& recv_rows, AnyOut& out, I32Out& recv_counts) {
+  if (IsSubByte(src.element_type())) return SubByteError("src");
   const int64_t P = a.num_ranks;
   if (P < 1 || a.num_devices < P || a.num_devices % P != 0) {
     return "num_ranks " + std::to_string(P) + " must divide num_devices " +

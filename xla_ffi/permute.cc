@@ -158,7 +158,10 @@ ffi::Error PermuteCpu(ffi::ThreadPool pool, Any tokens, Pred routing_map, F32 pr
       err.failure())
     return err;
   const int64_t N = sorted_indices->element_count();
-  const int64_t row_bytes = width * ffi::ByteWidth(tokens.element_type());
+  int64_t row_bytes = 0;
+  if (auto err = RowBytes(tokens.element_type(), width, "tokens", &row_bytes); err.failure())
+    return err;
+  if (auto err = CheckPadMultiple(pad_multiple); err.failure()) return err;
   if (auto err = CheckPermuteResults(E, row_bytes, permuted, permuted_probs, sorted_indices,
                                      tokens_per_expert, num_dropped);
       err.failure())
@@ -175,7 +178,8 @@ ffi::Error PermuteCpu(ffi::ThreadPool pool, Any tokens, Pred routing_map, F32 pr
 ffi::Error GatherRowsCpu(ffi::ThreadPool pool, Any x, I32 row_idx, AnyOut out) {
   int64_t rows, width;
   RowsAndWidth(x, &rows, &width);
-  const int64_t row_bytes = width * ffi::ByteWidth(x.element_type());
+  int64_t row_bytes = 0;
+  if (auto err = RowBytes(x.element_type(), width, "x", &row_bytes); err.failure()) return err;
   const int64_t num_rows = row_idx.element_count();
   if (auto err = CheckGatherRowsResult(x, row_bytes, num_rows, out); err.failure()) return err;
   GatherRowsBytes(pool, static_cast<const uint8_t*>(x.untyped_data()), rows, row_bytes,

@@ -138,7 +138,8 @@ ffi::Error LaunchGatherRows(const void* x, int64_t num_src, int64_t row_bytes,
 ffi::Error GatherRowsCuda(cudaStream_t stream, Any x, I32 row_idx, AnyOut out) {
   int64_t rows, width;
   RowsAndWidth(x, &rows, &width);
-  const int64_t row_bytes = width * ffi::ByteWidth(x.element_type());
+  int64_t row_bytes = 0;
+  if (auto err = RowBytes(x.element_type(), width, "x", &row_bytes); err.failure()) return err;
   const int64_t num_rows = row_idx.element_count();
   if (auto err = CheckGatherRowsResult(x, row_bytes, num_rows, out); err.failure()) return err;
   return LaunchGatherRows(x.untyped_data(), rows, row_bytes, row_idx.typed_data(), num_rows,
@@ -268,7 +269,10 @@ ffi::Error PermuteCuda(cudaStream_t stream, Any tokens, Pred routing_map, F32 pr
       err.failure())
     return err;
   const int64_t N = sorted_indices->element_count();
-  const int64_t row_bytes = width * ffi::ByteWidth(tokens.element_type());
+  int64_t row_bytes = 0;
+  if (auto err = RowBytes(tokens.element_type(), width, "tokens", &row_bytes); err.failure())
+    return err;
+  if (auto err = CheckPadMultiple(pad_multiple); err.failure()) return err;
   if (N > INT32_MAX || T > INT32_MAX || E > INT32_MAX) {  // E: one block per expert below
     return ffi::Error::InvalidArgument("permute: token, row and expert counts must fit in int32, got T = " +
                                        std::to_string(T) + ", N = " + std::to_string(N) +
