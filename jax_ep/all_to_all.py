@@ -26,8 +26,9 @@ __all__ = ["all_to_all_single", "all_to_all_single_equal"]
 def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=None):
     """Uneven all-to-all along dim 0.
 
-      x: [S, ...] any dtype; rows grouped by destination rank: input_splits[0] rows for rank
-        0 first, then rank 1, ... (rows past sum(input_splits) are not sent).
+      x: [S, ...] any dtype of whole bytes (int4 / uint4 / float4: ValueError); rows grouped by
+        destination rank: input_splits[0] rows for rank 0 first, then rank 1, ... (rows past
+        sum(input_splits) are not sent).
       output_splits: i32[P], rows received from each source rank (as in PyTorch, it must
         agree with the senders' input_splits; it is checked for shape only: the receive
         layout both ways comes from the exchanged input_splits, so a disagreeing

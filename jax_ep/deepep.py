@@ -167,8 +167,9 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
       x: [T,H] f32/bf16/f16, this rank's tokens; or, as DeepEP's FP8 dispatch takes it, a
         tuple of row arrays (x_fp8 float8_e4m3fn[T,H], scales f32[T,H/128]) that travel
         through one layout; recv_x is then the tuple of their received [R,...] arrays. The
-        rows are moved as they are, so any dtype dispatches (FP8 parts, integer scales);
-        combine takes f32/bf16/f16 rows.
+        rows are moved as they are, so any dtype of whole bytes dispatches (FP8 parts,
+        integer scales; int4 / uint4 / float4 are a ValueError); combine takes f32/bf16/f16
+        rows.
       topk_idx: [T,K] int32/int64 global expert ids, -1 = unrouted.
       topk_weights: [T,K] float routing weights (None: ones; then no weights are sent and
         recv_topk_weights is 1 on every owned slot, 0 elsewhere).
