@@ -928,7 +928,9 @@ def test_remat_gives_the_same_gradients():
 def test_scanned_layers_match_the_unrolled_stack():
     """Flax's scanned-layers pattern: 3 layers made by nnx.vmap (a leading layer axis on every
     param) and applied by nnx.scan give the loss and the stacked gradients of the same layers
-    applied one by one in a Python loop."""
+    applied one by one in a Python loop. A layer of the same config built first, outside the
+    transform, holds the shared dispatcher (moe_share_token_dispatcher): the vmapped layers
+    must not take it (nnx refuses a module of another trace level)."""
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2)
     mesh, num_layers = _mesh(), 3
 
@@ -951,7 +953,10 @@ def test_scanned_layers_match_the_unrolled_stack():
         return jnp.mean(h ** 2)
 
     with jax.set_mesh(mesh):
+        outside = MoELayer(cfg, 16, 32, rngs=nnx.Rngs(1), mesh=mesh)
         layers = make(nnx.Rngs(0))
+        assert outside.dispatcher is MoELayer(cfg, 16, 32, rngs=nnx.Rngs(2),
+                                              mesh=mesh).dispatcher
         x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 4, 16)),
                            NamedSharding(mesh, P(("data", "expert"))))
         (got, g1), (want, g2) = (nnx.jit(nnx.value_and_grad(f))(layers, x)

@@ -15,6 +15,7 @@ import threading
 from functools import partial
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -603,15 +604,23 @@ class HybridEPPipelineRuntimeInitializer:
 _SHARED: dict = {}
 
 
+def _current_trace():
+    """The JAX trace nnx ties a module to (modules of another trace level cannot be used)."""
+    return jax.extend.core.get_opaque_trace_state(convention="nnx")
+
+
 def shared_dispatcher(num_local_experts, config, ep_group=None):
     """One dispatcher per (config, L, axis) when config.moe_share_token_dispatcher is set
-    (PyTorch's shared manager), else a new one."""
+    (PyTorch's shared manager), else a new one. The shared one belongs to the JAX trace of its
+    first call: a call under another trace (a layer built inside an nnx transform, e.g.
+    stacked by nnx.vmap) gets a new one, since nnx refuses a module of another trace level."""
     def make():
         return MoEFlexTokenDispatcher(num_local_experts, range(num_local_experts), config,
                                       ep_group)
     if not config.moe_share_token_dispatcher:
         return make()
-    key = (config, num_local_experts, ep_group)
+    key, trace = (config, num_local_experts, ep_group), _current_trace()
     if key not in _SHARED:
-        _SHARED[key] = make()
-    return _SHARED[key]
+        _SHARED[key] = (trace, make())
+    shared_trace, dispatcher = _SHARED[key]
+    return dispatcher if shared_trace == trace else make()
