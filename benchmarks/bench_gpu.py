@@ -14,7 +14,8 @@ and, first, the experts' grouped GEMM (ops.grouped_matmul, bf16, [N,H] rows of w
 routed, uniformly at random over G groups, as in the layer's receive buffer, whose worst-case
 rows exceed the routed ones; [G,H,F] weights): impl="tiled" (jax_ep's loop over row tiles) and
 "blocks" (every group gathered into a block of the ladder's size, one batched GEMM) vs
-"ragged_dot" (XLA's jax.lax.ragged_dot, what impl="auto" picks on a GPU), forward
+"ragged_dot" (XLA's jax.lax.ragged_dot, which XLA:GPU expands to a dense dot over every group;
+impl="auto" picks it on a GPU for at most 8 groups, "tiled" beyond), forward
 and forward + backward (dx, dw), in TFLOP/s of the 2*R*H*F FLOPs per pass over the R routed
 rows (three passes with the backward).
 Effective bandwidth = the bytes an op must touch (rows read + rows written + index/prob/scale

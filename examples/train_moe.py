@@ -105,7 +105,7 @@ def parse_args(argv=None):
     p.add_argument("--grouped-gemm", default="auto",
                    choices=["auto", "ffi", "tiled", "blocks", "ragged_dot"],
                    help="the experts' grouped GEMM (auto: jax_ep's CPU handler, ffi, on CPU; "
-                        "ragged_dot on GPU)")
+                        "on GPUs ragged_dot for at most 8 local experts, tiled beyond)")
     p.add_argument("--transport", default="auto", choices=["auto", "all_to_all", "ragged", "peer"],
                    help="the expert exchange (auto: peer in one process, docs/peer_transport.md)")
     p.add_argument("--score-function", default="softmax",

@@ -106,7 +106,8 @@ class TokenDispatcherConfig:
         num_worst_tokens, num_permuted_tokens, moe_expert_capacity_factor or
         moe_deepep_async_dispatch.
       grouped_gemm_impl: the experts' grouped GEMM, jax_ep.ops.grouped_matmul's impl:
-        "auto" (the CPU handler "ffi" on CPU, jax.lax.ragged_dot on GPU/TPU), "ffi",
+        "auto" (the CPU handler "ffi" on CPU; jax.lax.ragged_dot on TPU, and on GPUs for at
+        most 8 local experts, "tiled" beyond: see jax_ep.ops.grouped_matmul_impl), "ffi",
         "tiled", "blocks" or "ragged_dot".
       moe_fp8_dispatch: move the dispatched tokens as FP8 codes plus per-128-channel f32
         scales (jax_ep.dispatch / hybridep_dispatch use_fp8=True, fp8_output="cast_back":

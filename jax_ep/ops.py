@@ -597,27 +597,56 @@ def grouped_tile_rows(tile_rows):
                                                                              "tile_rows")
 
 
-def grouped_matmul_impl(impl, dtype=None):
-    """impl checked against GROUPED_MATMUL_IMPLS, "auto" resolved: "ragged_dot" on GPU/TPU
-    (the platform of the enclosing mesh, else the default backend), "ffi" (the CPU handler)
-    on CPU, "tiled" there for a float64 `dtype` (the operands' promoted dtype; the handler
-    computes in float32). "ffi" on another platform or for float64 is refused: the grouped
-    GEMM's GPU kernel is XLA's ragged_dot."""
+# XLA:GPU has no grouped kernel for ragged_dot: its RaggedDotRewriter
+# (xla/hlo/transforms/expanders/ragged_dot_rewriter.cc) turns each call into a dense dot over
+# the operand broadcast to every group and masked, G times the multiply-adds and an [N, G, K]
+# temporary (jax's own lowering on XLA:CPU does the same). On the H200 that cost less than the
+# tiled loop at 8 groups (8192 rows, H 2048, F 1408: 74 TFLOP/s of routed work against 20)
+# and twice as much at 32 (32768 rows, H 7168, F 2048: 23.5 against 47); at 256 groups the
+# layer's step asked for 64 GiB. "auto" takes it on GPUs for at most this many groups, while
+# the broadcast operand stays within the byte bound below, and "tiled" otherwise.
+GPU_RAGGED_DOT_MAX_GROUPS = 8
+GPU_RAGGED_DOT_MAX_BYTES = 2 << 30
+
+
+def grouped_matmul_impl(impl, dtype=None, *, num_rows=None, w_shape=None):
+    """impl checked against GROUPED_MATMUL_IMPLS, "auto" resolved for the platform of the
+    enclosing mesh (else the default backend): on CPU "ffi" (the CPU handler), "tiled" for a
+    float64 `dtype` (the operands' promoted dtype; the handler computes in float32); on TPU
+    "ragged_dot"; on GPUs "ragged_dot" where XLA's dense expansion of it is cheap (w_shape
+    [G, K, F] with G <= GPU_RAGGED_DOT_MAX_GROUPS and num_rows * G * max(K, F) elements of
+    `dtype` within GPU_RAGGED_DOT_MAX_BYTES), else "tiled" (also where num_rows or w_shape is
+    not given). "ffi" on another platform or for float64 is refused: the handler is CPU
+    only."""
     if impl not in GROUPED_MATMUL_IMPLS:
         raise ValueError(f"impl: expected one of {GROUPED_MATMUL_IMPLS}, got {impl!r}")
     platform = _ffi.trace_platform()
     if impl == "ffi" and platform != "cpu":
         raise ValueError(f"impl: 'ffi' is the grouped GEMM's CPU handler, this program runs on "
-                         f"{platform}: use 'ragged_dot' (or 'auto')")
+                         f"{platform}: use 'tiled', 'blocks' or 'ragged_dot' (or 'auto')")
     wide = dtype is not None and jnp.dtype(dtype).itemsize > 4
     if impl == "ffi" and wide:
         raise ValueError(f"impl: 'ffi' computes in float32, the operands are {jnp.dtype(dtype)}"
                          f": use 'tiled' (or 'auto')")
     if impl != "auto":
         return impl
-    if platform != "cpu":
+    if platform == "cpu":
+        return "tiled" if wide else "ffi"
+    if platform == "tpu" or _dense_ragged_dot_is_cheap(dtype, num_rows, w_shape):
         return "ragged_dot"
-    return "tiled" if wide else "ffi"
+    return "tiled"
+
+
+def _dense_ragged_dot_is_cheap(dtype, num_rows, w_shape):
+    """Whether XLA:GPU's dense expansion of ragged_dot over rows [num_rows, K] and w [G,K,F]
+    stays within GPU_RAGGED_DOT_MAX_GROUPS groups and GPU_RAGGED_DOT_MAX_BYTES of broadcast
+    operand (the widest of its forward and backward products)."""
+    if num_rows is None or w_shape is None:
+        return False
+    groups, depth, width = w_shape
+    itemsize = jnp.dtype(jnp.float32 if dtype is None else dtype).itemsize
+    expanded = num_rows * groups * max(depth, width) * itemsize
+    return groups <= GPU_RAGGED_DOT_MAX_GROUPS and expanded <= GPU_RAGGED_DOT_MAX_BYTES
 
 
 def check_grouped_operands(x, w, group_sizes, w_name="w"):
@@ -687,12 +716,15 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     matrix in register tiles, float32 inside (other dtypes cast in and out), on XLA's intra-op
     pool; its backward is two more handler calls, dx = dy times each w^T and
     dw[g] = x_g^T dy_g. CPU only.
-    impl="ragged_dot": jax.lax.ragged_dot. impl="auto": "ragged_dot" on GPU/TPU (the platform
-    of the enclosing mesh, else the default backend), "ffi" on CPU.
+    impl="ragged_dot": jax.lax.ragged_dot (on GPUs XLA expands it to a dense dot over every
+    group: G times the work). impl="auto": see grouped_matmul_impl ("ffi" on CPU, "ragged_dot"
+    on TPU, and on GPUs "ragged_dot" for at most GPU_RAGGED_DOT_MAX_GROUPS groups, "tiled"
+    beyond).
     Works under jit, vmap and inside shard_map (under vmap the switch runs every branch).
     """
     check_grouped_operands(x, w, group_sizes)
-    impl = grouped_matmul_impl(impl, jnp.result_type(x, w))
+    impl = grouped_matmul_impl(impl, jnp.result_type(x, w), num_rows=x.shape[0],
+                               w_shape=w.shape)
     tile = grouped_tile_rows(tile_rows)
     if impl == "ragged_dot":
         dtype = jnp.result_type(x, w)

@@ -202,7 +202,6 @@ def test_grouped_matmul_auto_on_cpu_and_argument_checks(monkeypatch):
                                          "float64"):
         ops.grouped_matmul_impl("ffi", np.float64)
     monkeypatch.setattr(ops._ffi, "trace_platform", lambda: "gpu")  # a program on GPUs
-    assert ops.grouped_matmul_impl("auto") == "ragged_dot"
     with pytest.raises(ValueError, match="impl: 'ffi' is the grouped GEMM's CPU handler, "
                                          "this program runs on gpu"):
         ops.grouped_matmul_impl("ffi")
@@ -233,6 +232,38 @@ def _grouped_f64(x, w, sizes):
     for g, rows in enumerate(_group_rows(sizes, x.shape[0])):
         out[rows] = x[rows].astype(np.float64) @ w[g].astype(np.float64)
     return out
+
+
+@pytest.mark.parametrize("platform, rows, w_shape, dtype, expected", [
+    ("gpu", 8192, (8, 2048, 1408), jnp.bfloat16, "ragged_dot"),  # the H200's faster case
+    ("gpu", 32768, (32, 7168, 2048), jnp.bfloat16, "tiled"),  # ... and its slower one
+    ("gpu", 8192, (256, 1024, 2048), jnp.bfloat16, "tiled"),  # the 64 GiB request
+    ("gpu", 64, (9, 16, 16), jnp.float32, "tiled"),  # one group past the bound
+    ("gpu", 65536, (8, 7168, 4096), jnp.bfloat16, "tiled"),  # 8 groups, a 7 GiB broadcast
+    ("gpu", 64, (8, 16, 16), jnp.float32, "ragged_dot"),
+    ("gpu", None, None, jnp.float32, "tiled"),  # no shapes: the loop, whose work follows rows
+    ("tpu", 8192, (256, 1024, 2048), jnp.bfloat16, "ragged_dot"),  # a grouped kernel there
+])
+def test_auto_off_cpu_takes_ragged_dot_where_its_dense_expansion_is_cheap(
+        monkeypatch, platform, rows, w_shape, dtype, expected):
+    monkeypatch.setattr(ops._ffi, "trace_platform", lambda: platform)
+    assert ops.grouped_matmul_impl("auto", dtype, num_rows=rows, w_shape=w_shape) == expected
+
+
+@pytest.mark.parametrize("groups, expected", [(4, "ragged_dot_general"), (16, "while")])
+def test_auto_grouped_gemms_of_a_gpu_program(monkeypatch, groups, expected):
+    """grouped_matmul and swiglu_experts in a program for GPUs: ragged_dot up to
+    GPU_RAGGED_DOT_MAX_GROUPS local experts, the tiled loop (no ragged_dot) beyond."""
+    from jax_ep.flax import swiglu_experts
+    monkeypatch.setattr(ops._ffi, "trace_platform", lambda: "gpu")
+    x, w = _operands(5, jnp.float32, rows=64, groups=groups)
+    sizes = jnp.full((groups,), 64 // groups, jnp.int32)
+    w_gate_up, w_down = jnp.zeros((groups, H, 2 * F)), jnp.zeros((groups, F, H))
+    for fn, args in ((lambda x, w: ops.grouped_matmul(x, w, sizes), (x, w)),
+                     (lambda x, a, b: swiglu_experts(x, sizes, a, b), (x, w_gate_up, w_down))):
+        text = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=1))(*args))
+        assert expected in text
+        assert ("ragged_dot_general" in text) == (groups <= ops.GPU_RAGGED_DOT_MAX_GROUPS)
 
 
 @pytest.mark.parametrize("rows,depth,width,sizes", [

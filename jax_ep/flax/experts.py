@@ -1,6 +1,7 @@
 """The experts of MoELayer on the rows the dispatcher delivers: the grouped gated (SwiGLU by
 default) or MLP FFN of every local expert (`swiglu_experts`: `jax_ep.ops.grouped_matmul`,
-jax_ep's CPU handler or `jax.lax.ragged_dot`; `swiglu_expert_blocks` for blocks of equal size),
+jax_ep's CPU handler, the tiled loop or `jax.lax.ragged_dot`; `swiglu_expert_blocks` for
+blocks of equal size),
 with Megatron's linear biases, expert tensor parallelism over a tensor mesh axis
 (`gate_up_to_etp` / `gate_up_from_etp`, the column / row split and its one reduction), the
 capacity padding of drop-and-pad (`pad_expert_blocks` / `unpad_expert_blocks`), the router
@@ -38,7 +39,8 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
     to its expert's rows."""
     dtype = jnp.result_type(tokens, w_gate_up, w_down)
     biases = _checked_biases(b_gate_up, b_down, w_gate_up, w_down, dtype)
-    impl = ops.grouped_matmul_impl(impl, dtype)
+    impl = ops.grouped_matmul_impl(impl, dtype, num_rows=jnp.shape(tokens)[0],
+                                   w_shape=jnp.shape(w_gate_up))
     if impl == "blocks":
         return _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, biases, tile_rows,
                                activation)

@@ -1,9 +1,10 @@
 """MoELayer (Flax NNX): router top-k, gated (SwiGLU by default) or MLP experts as grouped
-GEMMs (`jax_ep.flax.experts`: `jax_ep.ops.grouped_matmul`, jax_ep's CPU handler on CPU,
-`jax.lax.ragged_dot` on GPU/TPU, chosen by `TokenDispatcherConfig.grouped_gemm_impl`) sharded
-over the expert mesh axis, the flex dispatcher, an optional shared expert, Megatron-Core's
-router (`jax_ep.flax.router`, configured by `jax_ep.flax.MoEConfig`) and its losses and
-statistics. The expert functions are re-exported here under their old import path.
+GEMMs (`jax_ep.flax.experts`: `jax_ep.ops.grouped_matmul`, jax_ep's CPU handler on CPU, the
+tiled loop or `jax.lax.ragged_dot` elsewhere, chosen by
+`TokenDispatcherConfig.grouped_gemm_impl`) sharded over the expert mesh axis, the flex
+dispatcher, an optional shared expert, Megatron-Core's router (`jax_ep.flax.router`,
+configured by `jax_ep.flax.MoEConfig`) and its losses and statistics. The expert functions
+are re-exported here under their old import path.
 
 Use it under `jax.jit` with inputs sharded over a `Mesh(("data", "expert"))` (the layer runs
 its body in `jax.shard_map`, tokens split over both axes, experts over "expert"), or call it

@@ -5,8 +5,8 @@ With one GPU the expert axis has P = 1 (collective-free); with more, the "auto" 
 transport bit for bit. On one GPU,
 P = 4 and 8 ranks are also emulated with jax.vmap over the expert axis (all_to_all only:
 ragged_all_to_all has no batching rule) and checked against the CPU handlers. The experts'
-grouped GEMM: impl="tiled", "blocks" and XLA:GPU's ragged_dot (what impl="auto" picks there)
-against a float64 model.
+grouped GEMM: impl="tiled", "blocks" and XLA:GPU's ragged_dot (what impl="auto" picks there for
+at most 8 groups; "tiled" beyond) against a float64 model.
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ def test_grouped_matmul_tiled_blocks_and_ragged_dot_on_gpu(group_sizes, dtype):
     groups (zero in y and dx). "blocks" over N = 1000 rows in G = 8 groups has blocks of up to
     125 rows: the second sizes run as [8, 125, H] blocks, the first (a group of 300) take its
     tiled fallback. The tolerance is the output dtype's rounding, relative to the output's
-    scale; impl="auto" is ragged_dot on the GPU."""
+    scale; impl="auto" is ragged_dot for these 8 groups and the tiled loop for 16 (XLA:GPU
+    expands ragged_dot to a dense dot over every group)."""
     N, H, F = 1000, 256, 128
     end = sum(group_sizes)
     sizes = jnp.asarray(group_sizes, jnp.int32)
@@ -255,6 +256,10 @@ def test_grouped_matmul_tiled_blocks_and_ragged_dot_on_gpu(group_sizes, dtype):
         assert not np.asarray(got[0][end:], np.float32).any(), impl
     auto = str(jax.make_jaxpr(lambda x, w: ops.grouped_matmul(x, w, sizes))(x, w))
     assert "ragged_dot_general" in auto and "while" not in auto
+    sizes16 = jnp.concatenate([sizes, jnp.zeros_like(sizes)])
+    auto16 = str(jax.make_jaxpr(lambda x, w: ops.grouped_matmul(x, w, sizes16))(
+        x, jnp.concatenate([w, w])))
+    assert "ragged_dot_general" not in auto16 and "while" in auto16
 
 
 @pytest.mark.parametrize("num_ranks", [4, 8])
