@@ -488,7 +488,7 @@ def main(argv=None):
                     {"step ms (median)": [runs[n]["median_s"] * 1e3 for n in names]},
                     ylabel="ms per forward + backward step (log)", log=True,
                     title=f"MoELayer train step, {num_tokens} tokens, E={a.experts} K={a.topk} "
-                          f"on {devices} emulated CPU devices")
+                          f"on {devices} {jax.devices()[0].platform} devices")
     common.bar_plot(os.path.join(a.out, "bench_moe_memory.png"), names,
                     {key: [runs[n]["memory"][key] / 2**20 if runs[n].get("memory") else None
                            for n in names] for key in ("peak", "temp")},

@@ -14,6 +14,9 @@
 #   3. benchmarks/bench_gpu.py --out $OUT: grouped GEMM tiled / blocks vs ragged_dot, then the
 #      kernels' bandwidth; the figures for benchmarks/RESULTS.md  -> $OUT/bench_gpu.log, and
 #      $OUT/bench_gpu.{json,md,png}, $OUT/bench_gpu_gmm.png (a missing figure fails the step)
+#   3b. benchmarks/bench_moe.py on the GPU: the MoE layer's training step (T = 8192, H = F =
+#      1024, K = 8, bf16) at E = 8 and 256, deepep / bounded / hybridep vs the GShard baseline,
+#      step time and XLA's memory analysis                       -> appended to bench_gpu.log
 #   4. opt-in (SANITIZE=1): a small GPU test subset under compute-sanitizer memcheck
 #                                                                 -> $OUT/sanitizer.log
 # Prints a short summary; exits non-zero if the build or any test step failed. $OUT ends with at
@@ -114,6 +117,21 @@ if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
     fi
   done
   echo "[$(elapsed)] bench rc=$bench_rc"
+fi
+
+# 3b. The MoE layer's step on the GPU, one process per E (a failed E leaves the other's table).
+#     Its files go to a scratch folder: $OUT keeps at most 8 files; the tables go to the log.
+if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
+  for experts in 8 256; do
+    layer_rc=0
+    echo "== bench_moe E=$experts" >> "$OUT/bench_gpu.log"
+    limit 75 "$PY" benchmarks/bench_moe.py --data 1 --expert-parallel 1 --tokens 8192 \
+      --hidden 1024 --ffn 1024 --experts "$experts" --topk 8 --dtype bfloat16 \
+      --backends deepep,deepep@bounded,hybridep,gshard --no-experts-only --iters 10 \
+      --warmup 2 --out "$(mktemp -d)" >> "$OUT/bench_gpu.log" 2>&1 || layer_rc=$?
+    echo "[$(elapsed)] bench_moe E=$experts rc=$layer_rc"
+    [ "$layer_rc" = 0 ] || bench_rc=$layer_rc
+  done
 fi
 
 # 4. Opt-in memory check of the handlers (one allocation per buffer so that an out-of-bounds
