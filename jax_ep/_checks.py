@@ -20,6 +20,7 @@ __all__ = [
     "check_rank",
     "check_routing",
     "check_shape",
+    "check_weights",
     "check_whole_bytes",
     "unroute_invalid_experts",
 ]
@@ -116,11 +117,18 @@ def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool =
     num_tokens, top_k = topk_idx.shape
     if not any_top_k:
         check_top_k(top_k, num_experts, "topk_idx")
-    if topk_weights is not None:
-        check_shape(topk_weights, (num_tokens, top_k), "topk_weights")
-        check_float_weights(topk_weights, "topk_weights")
-        topk_weights = topk_weights.astype(jnp.float32)
-    return as_int32_ids(topk_idx, num_experts, "topk_idx"), topk_weights
+    return (as_int32_ids(topk_idx, num_experts, "topk_idx"),
+            check_weights(topk_weights, (num_tokens, top_k)))
+
+
+def check_weights(topk_weights, shape):
+    """topk_weights [T,K] float checked against `shape` and returned as float32 (None: None);
+    ValueError naming topk_weights otherwise."""
+    if topk_weights is None:
+        return None
+    check_shape(topk_weights, shape, "topk_weights")
+    check_float_weights(topk_weights, "topk_weights")
+    return topk_weights.astype(jnp.float32)
 
 
 def as_int32_ids(ids, upper: int, name: str):

@@ -17,7 +17,7 @@ import threading
 import jax
 
 from jax_ep import _jax_ep
-from jax_ep._checks import bit_width
+from jax_ep._checks import check_whole_bytes
 
 __all__ = ["EMULATED_CUDA_SUFFIX", "WITH_CUDA", "WITH_CUDA_EMU", "call",
            "emulated_cuda_launch_counts", "handlers",
@@ -197,9 +197,7 @@ def call(target: str, results, *args, cuda_twin: bool = True, **attrs):
     under `vmap` runs the handler once per batch element.
     """
     for i, arg in enumerate(args):  # the entry points name the argument; this is the backstop
-        if bit_width(arg.dtype) < 8:
-            raise ValueError(f"{target}: operand {i} is {arg.dtype}, which packs two values per "
-                             f"byte; jax_ep's kernels move whole bytes (cast it first)")
+        check_whole_bytes(arg, f"{target}: operand {i}")
     args = vary_together(*args)
     axes = varying_axes(args[0])  # every argument's now
     single = not isinstance(results, (tuple, list))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_ep import _ffi
+from jax_ep import _ffi, ops
 from jax_ep import transport as tp
 from jax_ep._checks import check_positive, check_shape, check_whole_bytes
 
@@ -33,7 +33,9 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
         agree with the senders' input_splits; it is checked for shape only: the receive
         layout both ways comes from the exchanged input_splits, so a disagreeing
         output_splits cannot misplace rows).
-      input_splits: i32[P], rows sent to each destination rank; each <= S.
+      input_splits: i32[P], rows sent to each destination rank (negative counts as 0; a sum
+        above S is cut at S, the last destinations' rows first, as the rows past S do not
+        exist).
       num_recv: rows of the result (default P*S, the worst case).
     Returns [num_recv, ...] in x.dtype, rows grouped by source rank ascending, zero rows past
     the received ones. Rows that do not fit in num_recv are dropped (the highest source
@@ -52,7 +54,8 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
     num_recv = num_ranks * num_send if num_recv is None else check_positive(
         num_recv, "num_recv", allow_zero=True)
     output_splits = jnp.asarray(output_splits, jnp.int32)
-    input_splits = jnp.asarray(input_splits, jnp.int32)
+    starts, ends = ops.group_bounds(jnp.asarray(input_splits, jnp.int32), num_send)
+    input_splits = ends - starts
     # the rows move per rank: typed as varying over the axis (and the splits' axes), so a
     # replicated x gets its cotangent summed over them
     rank, _ = tp.axis_rank_and_size(axis_name)

@@ -459,9 +459,11 @@ class Buffer:
             recv_x, _, _, _ = deepep.dispatch(x, handle=handle, axis_name=self.group,
                                               backend=self.backend)
             return recv_x, None, None, None, None, EventOverlap()
-        if num_tokens_per_expert is None:
+        if num_tokens_per_expert is None or jnp.ndim(num_tokens_per_expert) != 1:
+            got = "None" if num_tokens_per_expert is None else (
+                f"shape {jnp.shape(num_tokens_per_expert)}")
             raise ValueError("num_tokens_per_expert: expected the i32[E] counts of "
-                             "get_dispatch_layout without a handle (they give E), got None")
+                             f"get_dispatch_layout without a handle (they give E), got {got}")
         num_experts = jnp.shape(num_tokens_per_expert)[0]
         layout = None
         if num_tokens_per_rank is not None and is_token_in_rank is not None:

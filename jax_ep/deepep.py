@@ -29,12 +29,12 @@ import jax.numpy as jnp
 from jax_ep import _ffi, internode, ops, transport as tp
 from jax_ep._checks import (
     check_float,
-    check_float_weights,
     check_fp8_dispatch,
     check_positive,
     check_rank,
     check_routing,
     check_shape,
+    check_weights,
     check_whole_bytes,
     unroute_invalid_experts,
 )
@@ -261,11 +261,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         if x.shape[0] != handle.num_tokens:
             raise ValueError(f"x: expected {handle.num_tokens} rows to match the handle, got "
                              f"shape {x.shape}")
-        if topk_weights is not None:
-            check_shape(topk_weights, (handle.num_tokens, handle.recv_topk_idx.shape[1]),
-                        "topk_weights")
-            check_float_weights(topk_weights, "topk_weights")
-            topk_weights = topk_weights.astype(jnp.float32)
+        topk_weights = check_weights(topk_weights,
+                                     (handle.num_tokens, handle.recv_topk_idx.shape[1]))
     if use_fp8:
         recv_x = _sent_rows_fp8(x, handle, bool(round_scale), bool(use_ue8m0),
                                 fp8_output == "cast_back")

@@ -811,7 +811,7 @@ def _ffi_gmm_dw_bwd(residuals, d_w):
 _ffi_gmm_dw.defvjp(_saving_operands(_ffi_gmm_dw), _ffi_gmm_dw_bwd)
 
 
-def _group_bounds(group_sizes, num_rows):
+def group_bounds(group_sizes, num_rows):
     """(starts i32[G], ends i32[G]) of consecutive groups of group_sizes rows (negative sizes
     count as 0), cut at num_rows."""
     ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), num_rows)
@@ -823,7 +823,7 @@ def _tile_visits(group_sizes, num_rows, tile):
     starts i32[G], ends i32[G]) with V = ceil(num_rows / tile) + G - 1 static slots, the
     first num_visits used, group-major and tile-ascending."""
     num_groups = group_sizes.shape[0]
-    starts, ends = _group_bounds(group_sizes, num_rows)
+    starts, ends = group_bounds(group_sizes, num_rows)
     tiles = jnp.where(ends > starts, (ends + tile - 1) // tile - starts // tile, 0)
     visit_end = jnp.cumsum(tiles)
     num_slots = -(-num_rows // tile) + num_groups - 1
@@ -960,7 +960,7 @@ def group_rows(values, group_sizes, num_rows):
     i32[G] (cut at num_rows; negative sizes count as 0): each row of group g gets values[g],
     rows past the groups zeros (a grouped GEMM's per-group bias). Differentiable in values:
     the gradient of values[g] is the sum of its rows'."""
-    _, ends = _group_bounds(group_sizes, num_rows)
+    _, ends = group_bounds(group_sizes, num_rows)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     group = jnp.where(rows < ends[-1], search(ends, rows), values.shape[0])
     return jnp.take(values, group, axis=0, mode="fill", fill_value=0)
@@ -977,7 +977,7 @@ def group_block_choice(group_sizes, num_rows, ladder):
     ladder size C holding the largest group, or len(ladder) (the tiled loop) when none does or
     when G * C > BLOCKS_MAX_WORK * (rows in groups) + BLOCK_MIN_ROWS * G. Returns
     (index i32[], starts i32[G], ends i32[G])."""
-    starts, ends = _group_bounds(group_sizes, num_rows)
+    starts, ends = group_bounds(group_sizes, num_rows)
     sizes = jnp.asarray(ladder, jnp.int32)
     index = search(sizes, jnp.max(ends - starts), side="left")
     num_groups = group_sizes.shape[0]

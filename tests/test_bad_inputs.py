@@ -33,7 +33,7 @@ def test_sub_byte_rows_are_refused_by_every_row_mover(dtype):
     x = jnp.zeros((8, 64), dtype)
     with pytest.raises(ValueError, match=f"^x: .*{PACKED}"):
         ops.gather_rows(x, jnp.array([7, 0, 3]))
-    with pytest.raises(ValueError, match=f"jax_ep_gather_rows: operand 0 .*{PACKED}"):
+    with pytest.raises(ValueError, match=f"jax_ep_gather_rows: operand 0: .*{PACKED}"):
         _ffi.call("jax_ep_gather_rows", jax.ShapeDtypeStruct((3, 64), dtype), x,
                   jnp.array([7, 0, 3], jnp.int32))  # the backstop below every entry point
     mesh = ep_mesh(4)
@@ -133,6 +133,27 @@ def test_all_to_all_single_splits_must_be_integers():
             mesh, np.ones((4 * T, H), np.float32))
 
 
+def test_all_to_all_single_cuts_splits_past_the_rows():
+    """input_splits summing above the S rows (a negative one counts as 0) send the S rows,
+    the last destinations' cut first: the values and gradient of the cut splits. Before, the
+    exchange failed at run time with an error naming an internal row map."""
+    mesh = ep_mesh(4)
+    over, cut = jnp.array([3, -1, 2, 2], jnp.int32), jnp.array([3, 0, 1, 0], jnp.int32)
+    x = np.random.default_rng(3).standard_normal((4 * T, H)).astype(np.float32)
+
+    def body(splits):
+        def f(x):
+            y = jax_ep.all_to_all_single(x, splits, splits, axis_name=AXIS)
+            return y, jax.grad(lambda x: jnp.sum(jnp.sin(jax_ep.all_to_all_single(
+                x, splits, splits, axis_name=AXIS))))(x)
+        return f
+
+    got, want = run_ep(body(over), mesh, x), run_ep(body(cut), mesh, x)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert np.asarray(want[0]).any()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(hidden_size=-16), "^hidden_size: expected an int > 0"),
     (dict(hidden_size=0), "^hidden_size: expected an int > 0"),
@@ -169,3 +190,17 @@ def test_handlers_refuse_what_the_python_checks_refuse():
         jax.block_until_ready(permute(jnp.ones((4, 4)), jnp.ones((4, 4), bool),
                                       jnp.zeros((4, 4)), pad_multiple=np.int64(2**62 + 1),
                                       drop_and_pad=False))
+
+
+@pytest.mark.parametrize("counts", [8, np.zeros((2, 4), np.int32)])
+def test_buffer_dispatch_checks_the_expert_counts_shape(counts):
+    """Buffer.dispatch reads E from num_tokens_per_expert: a scalar gave an IndexError."""
+    idx, w = _routing(2)
+    buf = jax_ep.Buffer(AXIS)
+
+    def body(x, idx, w):
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=counts)[0]
+
+    with pytest.raises(ValueError, match=r"num_tokens_per_expert: expected the i32\[E\] counts "
+                                         r".*got shape"):
+        run_ep(body, ep_mesh(2), np.zeros((2 * T, H), np.float32), idx, w)

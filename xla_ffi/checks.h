@@ -57,15 +57,16 @@ inline ffi::Error CheckSendLayoutArgs(const I32& topk_idx, const F32& topk_weigh
   return ffi::Error::Success();
 }
 
-// tokens [T,...], routing_map bool[T,E], probs f32[T,E] or f32[0]; sets T, E, the row width
-// (elements) and whether probs were given.
+// tokens [T,...] (whole bytes per element), routing_map bool[T,E], probs f32[T,E] or f32[0],
+// pad_multiple at most INT32_MAX; sets T, E, a token row's bytes and whether probs were given.
 inline ffi::Error CheckPermuteArgs(const Any& tokens, const Pred& routing_map, const F32& probs,
-                                   int64_t* T, int64_t* E, int64_t* width, bool* has_probs) {
+                                   int64_t pad_multiple, int64_t* T, int64_t* E,
+                                   int64_t* row_bytes, bool* has_probs) {
   if (auto err = CheckRank(routing_map, 2, "routing_map"); err.failure()) return err;
   *T = routing_map.dimensions()[0];
   *E = routing_map.dimensions()[1];
-  int64_t rows;
-  RowsAndWidth(tokens, &rows, width);
+  int64_t rows, width;
+  RowsAndWidth(tokens, &rows, &width);
   if (rows != *T) {
     return ffi::Error::InvalidArgument("tokens: expected " + std::to_string(*T) +
                                        " rows to match routing_map, got shape " +
@@ -76,7 +77,9 @@ inline ffi::Error CheckPermuteArgs(const Any& tokens, const Pred& routing_map, c
     return ffi::Error::InvalidArgument("probs: expected shape of routing_map, got " +
                                        ShapeString(probs.dimensions()));
   }
-  return ffi::Error::Success();
+  if (auto err = RowBytes(tokens.element_type(), width, "tokens", row_bytes); err.failure())
+    return err;
+  return CheckPadMultiple(pad_multiple);
 }
 
 // sorted_indices i32[N] (one per permuted row) and probs f32[N] or f32[0].

@@ -263,16 +263,13 @@ ffi::Error PermuteCuda(cudaStream_t stream, Any tokens, Pred routing_map, F32 pr
                        int64_t pad_multiple, bool drop_and_pad, AnyOut permuted,
                        F32Out permuted_probs, I32Out sorted_indices, I32Out tokens_per_expert,
                        I32Out num_dropped) {
-  int64_t T, E, width;
+  int64_t T, E, row_bytes;
   bool has_probs;
-  if (auto err = CheckPermuteArgs(tokens, routing_map, probs, &T, &E, &width, &has_probs);
+  if (auto err = CheckPermuteArgs(tokens, routing_map, probs, pad_multiple, &T, &E, &row_bytes,
+                                  &has_probs);
       err.failure())
     return err;
   const int64_t N = sorted_indices->element_count();
-  int64_t row_bytes = 0;
-  if (auto err = RowBytes(tokens.element_type(), width, "tokens", &row_bytes); err.failure())
-    return err;
-  if (auto err = CheckPadMultiple(pad_multiple); err.failure()) return err;
   if (N > INT32_MAX || T > INT32_MAX || E > INT32_MAX) {  // E: one block per expert below
     return ffi::Error::InvalidArgument("permute: token, row and expert counts must fit in int32, got T = " +
                                        std::to_string(T) + ", N = " + std::to_string(N) +
