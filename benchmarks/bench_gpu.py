@@ -54,7 +54,7 @@ DRY_SHAPES = "64x256x16,96x384x32"
 KERNELS = ("permute", "unpermute", "gather_rows", "combine", "fp8_cast")
 # NxGxHxF: DeepSeek-V3's experts at EP8 (T=4096 tokens x K=8 rows, 32 local experts), and a
 # smaller model's (8 local experts, H=2048)
-DEFAULT_GMM_SHAPES = "32768x32x7168x2048,8192x8x2048x1408"
+DEFAULT_GMM_SHAPES = "32768x32x7168x2048,8192x8x2048x1408,16384x64x2048x1408"
 DRY_GMM_SHAPES = "256x4x128x64"
 GMM_IMPLS = ("tiled", "blocks", "ragged_dot")
 
@@ -63,7 +63,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/out")
     p.add_argument("--shapes", default=None,
-                   help=f"comma list of TxHxE (default {DEFAULT_SHAPES})")
+                   help=f"comma list of TxHxE (default {DEFAULT_SHAPES}; '' skips the "
+                        f"kernels: the grouped GEMM alone)")
     p.add_argument("--gmm-shapes", default=None,
                    help=f"comma list of NxGxHxF for the grouped GEMM (default "
                         f"{DEFAULT_GMM_SHAPES}; '' skips it)")
@@ -427,8 +428,9 @@ def main(argv=None):
     if a.iters < 20 and not a.dry_run:
         print("bench_gpu: --iters below 20 raised to 20")
         a.iters = 20
-    shapes = [tuple(int(v) for v in s.split("x"))
-              for s in (a.shapes or (DRY_SHAPES if a.dry_run else DEFAULT_SHAPES)).split(",")]
+    shape_spec = a.shapes if a.shapes is not None else (DRY_SHAPES if a.dry_run
+                                                         else DEFAULT_SHAPES)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in filter(None, shape_spec.split(","))]
     if a.dry_run:
         a.topk, a.ranks = min(a.topk, 4), min(a.ranks, 4)
     tk = load_torch(a.dry_run, a.no_torch)
@@ -461,11 +463,11 @@ def main(argv=None):
     common.write_json(json_path, dict(config=vars(a), torch=torch_note, rows=rows,
                                       grouped_matmul=gmm_rows, skipped=skipped,
                                       elapsed_s=time.perf_counter() - t_start))
-    if not rows:
+    if not rows and not gmm_rows:
         print("bench_gpu: no shape measured")
         return 1
-    md = _report(rows, a, torch_note)
-    gmm_png = None
+    md = _report(rows, a, torch_note) if rows else ""
+    gmm_png = png = None
     if gmm_rows:
         gmm_md, gmm_labels, gmm_series = _gmm_report(gmm_rows, a)
         md += "\n" + gmm_md
@@ -475,14 +477,15 @@ def main(argv=None):
                                         "tiled, blocks vs ragged_dot (bf16)")
     with open(os.path.join(a.out, f"{name}.md"), "w") as f:
         f.write(md)
-    labels = [f"{r['kernel']} {r['T']}x{r['H']}x{r['E']}" for r in rows]
-    series = {impl: [r.get(f"{impl}_gbps") for r in rows] for impl in ("ffi", "xla", "torch",
-                                                                        "copy")}
-    if all(v is None for v in series["torch"]):
-        del series["torch"]
-    png = common.bar_plot(os.path.join(a.out, f"{name}.png"), labels, series,
-                          ylabel="effective GB/s", title=f"jax_ep kernels on "
-                          f"{jax.devices()[0].device_kind} (bf16, K={a.topk}, P={a.ranks})")
+    if rows:
+        labels = [f"{r['kernel']} {r['T']}x{r['H']}x{r['E']}" for r in rows]
+        series = {impl: [r.get(f"{impl}_gbps") for r in rows]
+                  for impl in ("ffi", "xla", "torch", "copy")}
+        if all(v is None for v in series["torch"]):
+            del series["torch"]
+        png = common.bar_plot(os.path.join(a.out, f"{name}.png"), labels, series,
+                              ylabel="effective GB/s", title=f"jax_ep kernels on "
+                              f"{jax.devices()[0].device_kind} (bf16, K={a.topk}, P={a.ranks})")
     print(f"bench_gpu: {len(rows)} rows in {time.perf_counter() - t_start:.0f} s; wrote "
           f"{json_path}, {name}.md" + (f", {name}.png" if png else "")
           + (f", {name}_gmm.png" if gmm_png else ""))

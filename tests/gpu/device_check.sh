@@ -4,7 +4,8 @@
 #
 #   bash tests/gpu/device_check.sh            # from anywhere; OUT defaults to ./out
 #
-# Steps, each under its own timeout and all within DEADLINE (450 s; typically 3 to 4 minutes):
+# Steps, each under its own timeout and all within DEADLINE (480 s; steps 1-3 typically took 3
+# to 4 minutes, so 3b and 3c get what is left, in that order):
 #   1. pip install -e . with JAX_EP_CUDA=ON, sm_90 only          -> $OUT/build.log
 #   2. pytest: the layer-1 handlers (contract, ops: every target of xla_ffi/targets.h), then the
 #      EP modes, transport="auto" (ragged on the GPU), grouped_matmul tiled / blocks vs
@@ -17,6 +18,8 @@
 #   3b. benchmarks/bench_moe.py on the GPU: the MoE layer's training step (T = 8192, H = F =
 #      1024, K = 8, bf16) at E = 8 and 256, deepep / bounded / hybridep vs the GShard baseline,
 #      step time and XLA's memory analysis                       -> appended to bench_gpu.log
+#   3c. the grouped GEMM again with XLA's cuDNN ragged-dot fusion on (does ragged_dot stop
+#      expanding to a dense dot over every group?)                -> appended to bench_gpu.log
 #   4. opt-in (SANITIZE=1): a small GPU test subset under compute-sanitizer memcheck
 #                                                                 -> $OUT/sanitizer.log
 # Prints a short summary; exits non-zero if the build or any test step failed. $OUT ends with at
@@ -34,7 +37,7 @@ elapsed() { echo $(( $(date +%s) - T0 ))s; }
 # seconds from the start (a step with under 10 s left is skipped, rc 124). SIGINT first, so
 # that pytest still prints its failures and summary; SIGKILL 15 s later for a process stuck in
 # the driver.
-DEADLINE="${DEADLINE:-450}"
+DEADLINE="${DEADLINE:-480}"
 limit() {
   local s=$1 left=$(( DEADLINE - ($(date +%s) - T0) )); shift
   [ "$left" -lt "$s" ] && s=$left
@@ -132,6 +135,19 @@ if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
     echo "[$(elapsed)] bench_moe E=$experts rc=$layer_rc"
     [ "$layer_rc" = 0 ] || bench_rc=$layer_rc
   done
+fi
+
+# 3c. XLA:GPU expands ragged_dot to a dense dot over every group (G times the work), unless its
+#     cuDNN ragged-dot fusion is on (a process-wide flag, so a process of its own; an XLA
+#     without the flag fails this step only).
+if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
+  echo "== bench_gpu grouped GEMM, --xla_gpu_experimental_use_ragged_dot_fusion=true" \
+    >> "$OUT/bench_gpu.log"
+  cudnn_rc=0
+  XLA_FLAGS="--xla_gpu_experimental_use_ragged_dot_fusion=true" limit 60 "$PY" \
+    benchmarks/bench_gpu.py --shapes '' --iters 20 --out "$(mktemp -d)" \
+    >> "$OUT/bench_gpu.log" 2>&1 || cudnn_rc=$?
+  echo "[$(elapsed)] grouped GEMM with the cuDNN fusion rc=$cudnn_rc"
 fi
 
 # 4. Opt-in memory check of the handlers (one allocation per buffer so that an out-of-bounds
