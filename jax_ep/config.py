@@ -97,12 +97,13 @@ class TokenDispatcherConfig:
         buffers of ragged_buffer_factor=f in the common step. The layer (jax_ep.flax.MoELayer,
         MoEFlexTokenDispatcher.bounded_forward) dispatches into the bounded buffers and, in
         a step where they would drop a row on any device, runs dispatch, experts and combine
-        again with the no-drop worst-case buffers (a lax.cond every device takes alike; its
-        aux "buffer_overflow" is 1 then). No token is dropped; the common step moves and
-        permutes buffers of about f times the balanced load instead of the worst case (the
-        two-hop mode's node-hop buffer stays at its worst case, as ragged_buffer_factor
-        leaves it), a step that falls back runs both, and the program holds both branches'
-        buffers (more peak memory than the worst case alone). Not with ragged_buffer_factor,
+        again over the tokens in chunks, one after another, each chunk small enough that its
+        no-drop worst case fits in buffers of the bounded size (a lax.cond every device takes
+        alike; its aux "buffer_overflow" is 1 then). No token is dropped; every step moves and
+        permutes buffers of about f times the balanced load instead of the worst case, so the
+        program's peak memory follows f (the two-hop mode's node-hop buffer stays at its
+        worst case, as ragged_buffer_factor leaves it); a step that falls back runs both
+        paths, the second in several rounds of exchanges. Not with ragged_buffer_factor,
         num_worst_tokens, num_permuted_tokens, moe_expert_capacity_factor or
         moe_deepep_async_dispatch.
       grouped_gemm_impl: the experts' grouped GEMM, jax_ep.ops.grouped_matmul's impl:

@@ -705,7 +705,8 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
     # the layer runs the worst-case buffers instead. With the first data slice's tokens on
     # experts 0 and 1 and the second's spread evenly (32 slots per rank) one expert group
     # overflows and the other fits: every device must still take the same branch, or the
-    # peer transport's exchanges (which meet all 8 devices) would wait for ever.
+    # peer transport's exchanges (which meet all 8 devices) would wait for ever. The
+    # fallback runs the tokens in two chunks of 8, whose worst case fits in 64 slots.
     from jax_ep.flax import moe
     mesh = _mesh()
     t = jnp.arange(128)
@@ -753,13 +754,18 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
         want, want_aux, want_grads, rows = run(routing)
         assert rows == [worst_rows]
         got, aux, grads, rows = run(routing, dropless_buffer_factor=2.0)
-        assert rows == [64, worst_rows]  # both branches traced: bounded and worst case
+        # both branches' expert buffers are 64 rows: the bounded one, and the fallback's two
+        # chunks of 8 tokens in their worst case (4 ranks x 8 tokens x 2 local experts)
+        assert rows == [64]
         assert int(aux["buffer_overflow"]) == fell_back, routing
         assert int(aux["num_dropped"]) == int(want_aux["num_dropped"]) == 0
         np.testing.assert_array_equal(aux["tokens_per_expert"], want_aux["tokens_per_expert"])
         np.testing.assert_allclose(got, want, rtol=1e-6)
         np.testing.assert_allclose(grads[1], want_grads[1], rtol=1e-5, atol=1e-6)
-        assert_param_grads_close(grads[0], want_grads[0], rtol=1e-5, atol=1e-6)
+        # (the fallback sums the weights' gradients chunk by chunk: fp32 rounding of sums
+        # over 128 rows in another order)
+        assert_param_grads_close(grads[0], want_grads[0], rtol=1e-5,
+                                 atol=5e-5 if fell_back else 1e-6)
     assert "buffer_overflow" not in want_aux
 
 

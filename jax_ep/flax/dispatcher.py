@@ -434,20 +434,24 @@ class MoEFlexTokenDispatcher(nnx.Module):
     def bounded_forward(self, hidden_states, token_probs, token_indices, experts, params):
         """config.dropless_buffer_factor f: token_permutation2 -> experts ->
         token_unpermutation with the buffers of ragged_buffer_factor=f, and where those drop a
-        row on any device, the whole of it again with the no-drop worst-case buffers (a
-        lax.cond on the drops summed over every manual axis of the enclosing shard_map, so
-        all devices take the same branch: the peer transport's exchanges meet all of the
-        process's devices, not one expert group's). The backward takes the same branch: the
-        bounded path's saved vjp, or the worst-case path recomputed (forward and backward)
-        inside the cond, so a step saves the bounded path's residuals only and no branch
+        row on any device, the whole of it again without dropping (a lax.cond on the drops
+        summed over every manual axis of the enclosing shard_map, so all devices take the
+        same branch: the peer transport's exchanges meet all of the process's devices, not one
+        expert group's). The fallback runs the tokens in `fallback_chunks` chunks one after
+        another (a lax.scan), each with the no-drop worst-case buffers of a chunk, which are
+        no larger than the bounded ones: the program's buffers stay about f times the
+        balanced load (with one chunk, the whole batch in the worst-case buffers). The
+        backward takes the same branch: the bounded path's saved vjp, or the fallback
+        recomputed chunk by chunk (forward and backward of each, the weights' gradients summed
+        over the chunks), so a step saves the bounded path's residuals only and no branch
         fills zeros for the other's.
 
         hidden_states [T,H], token_probs / token_indices [T,K]; experts: (rows [N,H],
         tokens_per_expert i32[L], permuted_probs [N], params) -> [N,H]; params: the arrays it
         is differentiated in (the expert weights; `experts` must close over no other traced
         value it needs gradients of). Returns (y [T,H] in the input's shape, overflow i32[]:
-        1 where the worst-case buffers ran, else 0, num_dropped i32[]: the rows the branch
-        taken dropped, 0 unless the worst case itself is bounded).
+        1 where the fallback ran, else 0, num_dropped i32[]: the rows the branch taken
+        dropped, 0 unless the worst case itself is bounded).
         """
         cfg = self.config
         if cfg.dropless_buffer_factor is None:
@@ -459,20 +463,46 @@ class MoEFlexTokenDispatcher(nnx.Module):
                                                               **fields), self.axis_name)
         bounded, worst = twin(ragged_buffer_factor=cfg.dropless_buffer_factor), twin()
         num_tokens = hidden_states.shape[0]
+        chunks = self.fallback_chunks(num_tokens, token_indices.shape[1])
         axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
 
         def path(dispatcher, hidden, probs, indices, params):
             rows, tokens_per_expert, rows_probs, state = dispatcher.token_permutation2(
-                hidden, num_tokens, probs, indices)
+                hidden, hidden.shape[0], probs, indices)
             y = dispatcher.token_unpermutation(
                 experts(rows, tokens_per_expert, rows_probs, params), state)
             return y, state.num_dropped
 
+        def fallback(hidden, probs, indices, params):
+            """The worst-case path over `chunks` token chunks in turn -> (y [T,H], dropped)."""
+            if chunks == 1:
+                return path(worst, hidden, probs, indices, params)
+            _, (ys, dropped) = jax.lax.scan(
+                lambda _, chunk: (None, path(worst, *chunk, params)), None,
+                _token_chunks(chunks, hidden, probs, indices))
+            return ys.reshape(-1, ys.shape[-1])[:num_tokens], dropped.sum()
+
+        def fallback_vjp(hidden, probs, indices, params, dy):
+            """(d_hidden, d_probs, d_params) of `fallback`, chunk by chunk."""
+            def chunk_vjp(d_params, chunk):
+                h, p, i, d = chunk
+                _, vjp = jax.vjp(lambda h, p, w: path(worst, h, p, i, w)[0], h, p, params)
+                d_h, d_p, d_w = vjp(d)
+                return jax.tree.map(jnp.add, d_params, d_w), (d_h, d_p)
+            if chunks == 1:
+                return jax.vjp(lambda h, p, w: path(worst, h, p, indices, w)[0], hidden, probs,
+                               params)[1](dy)
+            d_params, (d_h, d_p) = jax.lax.scan(
+                chunk_vjp, jax.tree.map(jnp.zeros_like, params),
+                _token_chunks(chunks, hidden, probs, indices, dy))
+            return (d_h.reshape(-1, d_h.shape[-1])[:num_tokens],
+                    d_p.reshape(-1, d_p.shape[-1])[:num_tokens], d_params)
+
         def choose(y, dropped, hidden, probs, indices, params):
-            """The bounded path's y, or the worst case's where any device dropped."""
+            """The bounded path's y, or the fallback's where any device dropped."""
             # named as the counts are: a remat policy saving "ep_counts" keeps the branch taken
             overflow = checkpoint_name(jax.lax.psum(dropped, axes) > 0, transport.COUNTS_NAME)
-            y, dropped = jax.lax.cond(overflow, partial(path, worst), lambda *_: (y, dropped),
+            y, dropped = jax.lax.cond(overflow, fallback, lambda *_: (y, dropped),
                                       hidden, probs, indices, params)
             return (y, overflow.astype(jnp.int32), dropped), overflow
 
@@ -490,16 +520,25 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
         def run_bwd(residuals, cotangents):
             vjp_bounded, overflow, hidden, probs, indices, params = residuals
-
-            def worst_case_vjp(dy):
-                return jax.vjp(lambda h, p, w: path(worst, h, p, indices, w)[0], hidden, probs,
-                               params)[1](dy)
-            d_hidden, d_probs, d_params = jax.lax.cond(overflow, worst_case_vjp, vjp_bounded,
-                                                       cotangents[0])
+            d_hidden, d_probs, d_params = jax.lax.cond(
+                overflow, partial(fallback_vjp, hidden, probs, indices, params), vjp_bounded,
+                cotangents[0])
             return d_hidden, d_probs, None, d_params
 
         run.defvjp(run_fwd, run_bwd)
         return run(hidden_states, token_probs, token_indices, params)
+
+    def fallback_chunks(self, num_tokens, top_k):
+        """Token chunks of bounded_forward's fallback for num_tokens T per device with top_k K:
+        the fewest chunks whose no-drop worst case, P * T' * min(K, L) permuted rows per
+        rank for T' tokens a chunk, fits in the bounded buffers' ceil(f * T * K) rows
+        (f = config.dropless_buffer_factor); chunks of one token where even those do not
+        (a chunk's worst case then exceeds the bounded buffers, by less than P * min(K, L)
+        rows); 1 for T = 0."""
+        worst_per_token = self.ep_size * min(top_k, self.num_local_experts)
+        bounded_rows = math.ceil(self.config.dropless_buffer_factor * num_tokens * top_k)
+        chunk_tokens = max(1, bounded_rows // worst_per_token)
+        return max(1, -(-num_tokens // chunk_tokens))
 
     def overlapped_forward(self, hidden_states, token_probs, token_indices, local_kernel):
         """moe_deepep_async_dispatch: dispatch -> local_kernel -> combine over
@@ -624,3 +663,16 @@ def shared_dispatcher(num_local_experts, config, ep_group=None):
         _SHARED[key] = (trace, make())
     shared_trace, dispatcher = _SHARED[key]
     return dispatcher if shared_trace == trace else make()
+
+
+def _token_chunks(chunks, hidden, probs, indices, *rest):
+    """hidden [T,H], probs [T,K], indices [T,K] and any more [T,...] arrays split into `chunks`
+    equal chunks along T ([chunks, ceil(T/chunks), ...] each), T padded with tokens that go
+    nowhere (zero rows, probs 0, indices -1: dispatched to no rank, combined to zero)."""
+    size = -(-hidden.shape[0] // chunks)
+
+    def split(x, fill):
+        pad = [(0, chunks * size - x.shape[0])] + [(0, 0)] * (x.ndim - 1)
+        return jnp.pad(x, pad, constant_values=fill).reshape((chunks, size) + x.shape[1:])
+    return (split(hidden, 0), split(probs, 0), split(indices, -1),
+            *(split(x, 0) for x in rest))
