@@ -769,6 +769,59 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
     assert "buffer_overflow" not in want_aux
 
 
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+@pytest.mark.parametrize("routing", ["skewed", "random"])
+def test_bounded_fallback_in_uneven_chunks_matches_the_unbounded_path(backend, routing):
+    """bounded_forward's fallback over chunks that do not divide the tokens: T = 10 per rank,
+    P = 4, E = 8, K = 2, f = 1.25 (25 bounded slots, 8 worst-case slots a token) runs 4
+    chunks of 3 tokens, 2 of them padding. Skewed routing (every token on experts 0 and 1)
+    overflows and takes it; values and gradients (tokens, weights, the experts' parameter)
+    equal those of the unbounded dispatcher's path, and nothing is dropped."""
+    num_ranks, T, H, K, E = 4, 10, 8, 2, 8
+    L = E // num_ranks
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    if routing == "skewed":
+        idx = np.tile(np.int32([[0, 1]]), (num_ranks * T, 1))
+    scale = np.full((num_ranks,), 0.7, np.float32)
+
+    def dispatcher(**extra):
+        return MoEFlexTokenDispatcher(L, list(range(L)), jax_ep.TokenDispatcherConfig(
+            num_moe_experts=E, moe_router_topk=K, moe_flex_dispatcher_backend=backend,
+            expert_axis_name=AXIS, **extra))
+
+    def experts(rows, counts, probs, s):
+        return jnp.sin(rows * s[0]) * probs[:, None]
+
+    def body(x, idx, w, s):
+        bounded, plain = dispatcher(dropless_buffer_factor=1.25), dispatcher()
+        assert bounded.fallback_chunks(T, K) == 4
+
+        def via_bounded(x, w, s):
+            y, overflow, dropped = bounded.bounded_forward(x, w, idx, experts, s)
+            return jnp.sum(jnp.cos(y)), (overflow, dropped)
+
+        def via_plain(x, w, s):
+            rows, tpe, probs, state = plain.token_permutation2(x, x.shape[0], w, idx)
+            y = plain.token_unpermutation(experts(rows, tpe, probs, s), state)
+            return jnp.sum(jnp.cos(y)), (jnp.int32(0), state.num_dropped)
+
+        got = jax.value_and_grad(via_bounded, argnums=(0, 1, 2), has_aux=True)(x, w, s)
+        want = jax.value_and_grad(via_plain, argnums=(0, 1, 2), has_aux=True)(x, w, s)
+        return tuple(jnp.reshape(v, (1, -1)) for v in jax.tree.leaves((got, want)))
+
+    out = [np.asarray(v) for v in run_ep(body, ep_mesh(num_ranks), x, idx, w, scale)]
+    (value, overflow, dropped, *grads), (want_value, _, want_dropped, *want_grads) = (
+        out[:6], out[6:])
+    if routing == "skewed":
+        assert overflow.tolist() == [[1]] * num_ranks
+    assert not dropped.any() and not want_dropped.any()
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for g, want in zip(grads, want_grads):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+
+
 def test_dispatcher_methods_match_functional_ops():
     num_ranks, T, H, K, E = 4, 6, 8, 2, 8
     x, idx, w = _routed_tokens(0, num_ranks * T, H, K, E, unrouted=0.0)
