@@ -771,13 +771,15 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
 
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])
 @pytest.mark.parametrize("routing", ["skewed", "random"])
-def test_bounded_fallback_in_uneven_chunks_matches_the_unbounded_path(backend, routing):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_bounded_fallback_in_uneven_chunks_matches_the_unbounded_path(backend, routing, fp8):
     """bounded_forward's fallback over chunks that do not divide the tokens: T = 10 per rank,
     P = 4, E = 8, K = 2, f = 1.25 (25 bounded slots, 8 worst-case slots a token) runs 4
     chunks of 3 tokens, 2 of them padding. Skewed routing (every token on experts 0 and 1)
     overflows and takes it; values and gradients (tokens, weights, the experts' parameter)
-    equal those of the unbounded dispatcher's path, and nothing is dropped."""
-    num_ranks, T, H, K, E = 4, 10, 8, 2, 8
+    equal those of the unbounded dispatcher's path, with FP8 on the dispatch wire too (the
+    padding tokens' zero rows cast as well), and nothing is dropped."""
+    num_ranks, T, H, K, E = 4, 10, 128, 2, 8
     L = E // num_ranks
     rng = np.random.default_rng(5)
     x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
@@ -789,7 +791,7 @@ def test_bounded_fallback_in_uneven_chunks_matches_the_unbounded_path(backend, r
     def dispatcher(**extra):
         return MoEFlexTokenDispatcher(L, list(range(L)), jax_ep.TokenDispatcherConfig(
             num_moe_experts=E, moe_router_topk=K, moe_flex_dispatcher_backend=backend,
-            expert_axis_name=AXIS, **extra))
+            expert_axis_name=AXIS, moe_fp8_dispatch=fp8, **extra))
 
     def experts(rows, counts, probs, s):
         return jnp.sin(rows * s[0]) * probs[:, None]
