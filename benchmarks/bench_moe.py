@@ -21,7 +21,8 @@ moe_expert_capacity_factor to --capacity-factor (drops, as MaxText's capacity pa
 expert's block padded to its capacity, the equal blocks one batched GEMM per weight), e.g.
 --backends deepep,deepep@cap,deepep@cap+pad. "@bounded" sets the dispatcher's
 dropless_buffer_factor to --buffer-factor: dropless, with buffers of --buffer-factor times
-the balanced load in a step whose routing fits them, the worst-case ones otherwise.
+the balanced load in a step whose routing fits them, otherwise again in token chunks whose
+worst case fits buffers of that size.
 
 More rows time the layer's expert GEMMs alone (jax_ep.flax.swiglu_experts, forward +
 backward) on the permuted buffer the deepep backend feeds them (N = P*T*min(K, L) rows per
@@ -358,7 +359,7 @@ def main(argv=None):
 
             def loss(state, x, graphdef=graphdef):
                 y, aux = nnx.merge(graphdef, state)(x)
-                # @bounded rows: also whether the step fell back to the worst-case buffers
+                # @bounded rows: also whether the step fell back (the chunked worst case)
                 return jnp.mean(y.astype(jnp.float32) ** 2), (
                     aux["num_dropped"], aux.get("buffer_overflow", -1))
 

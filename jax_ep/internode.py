@@ -224,7 +224,8 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
         plan=plan, send_token_idx=send_token_idx, send_row_idx=send_row_idx,
         recv_topk_idx=recv_idx, num_recv_tokens=num_recv_tokens,
         num_recv_tokens_per_expert=_per_expert_counts(recv_idx, num_local, expert_alignment),
-        num_dropped=layout.send_counts.sum() - plan.send_counts.sum(),
+        num_dropped=(layout.send_counts.sum(dtype=jnp.int32)
+                     - plan.send_counts.sum(dtype=jnp.int32)),
         num_invalid=num_invalid,
         num_tokens=num_tokens, num_recv=num_recv, capacity=capacity, num_experts=num_experts,
         axis_name=axis_name, transport=transport, impl=impl)

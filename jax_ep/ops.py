@@ -641,7 +641,7 @@ def _dense_ragged_dot_is_cheap(dtype, num_rows, w_shape):
     """Whether XLA:GPU's dense expansion of ragged_dot over rows [num_rows, K] and w [G,K,F]
     stays within GPU_RAGGED_DOT_MAX_GROUPS groups and GPU_RAGGED_DOT_MAX_BYTES of broadcast
     operand (the widest of its forward and backward products)."""
-    if num_rows is None or w_shape is None:
+    if num_rows is None or w_shape is None or len(w_shape) != 3:
         return False
     groups, depth, width = w_shape
     itemsize = jnp.dtype(jnp.float32 if dtype is None else dtype).itemsize

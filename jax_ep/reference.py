@@ -133,7 +133,7 @@ def permute_plan(routing_map, *, num_out_tokens, pad_multiple=None, drop_and_pad
     pos_in_expert = jnp.cumsum(routing_map, axis=0, dtype=jnp.int32) - 1
     keep = routing_map & (pos_in_expert < capacity[None, :])
     row = jnp.where(keep, start[None, :] + pos_in_expert, n)
-    num_dropped = routed.sum() - keep.sum(dtype=jnp.int32)
+    num_dropped = routed.sum(dtype=jnp.int32) - keep.sum(dtype=jnp.int32)
     return row, capacity, num_dropped
 
 

@@ -165,7 +165,7 @@ def test_pad_to_capacity_trains_as_the_capacity_drop_does(train_moe, tmp_path):
 
 
 def test_dropless_buffer_factor_trains_as_the_worst_case_buffers(train_moe, tmp_path):
-    # Bounded buffers where the routing fits them, the worst-case ones where it does not: the
+    # Bounded buffers where the routing fits them, the chunked fallback where it does not: the
     # same losses and nothing dropped either way. T = 16 tokens per device, K = 2, P = 4: at
     # factor 1 the permuted buffer holds exactly the balanced 32 slots per rank, which this
     # router's imbalance overflows in every step; factor 3's 96 (the worst case: 128) fit.

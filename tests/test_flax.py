@@ -773,9 +773,21 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
 @pytest.mark.parametrize("routing", ["skewed", "random"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_bounded_fallback_in_uneven_chunks_matches_the_unbounded_path(backend, routing, fp8):
+    _bounded_fallback_vs_unbounded(backend, routing, fp8)
+
+
+def test_bounded_fallback_under_x64():
+    """With jax_enable_x64 (moe_router_dtype="fp64" needs it) the fallback's drop count is
+    still int32, as the bounded branch's: the lax.cond's branches agree."""
+    with jax.enable_x64(True):
+        _bounded_fallback_vs_unbounded("deepep", "skewed", False)
+
+
+def _bounded_fallback_vs_unbounded(backend, routing, fp8):
     """bounded_forward's fallback over chunks that do not divide the tokens: T = 10 per rank,
     P = 4, E = 8, K = 2, f = 1.25 (25 bounded slots, 8 worst-case slots a token) runs 4
-    chunks of 3 tokens, 2 of them padding. Skewed routing (every token on experts 0 and 1)
+    chunks of 3 tokens, 2 of them padding (HybridEP, whose buffers count tokens in fours:
+    30 slots for 12 tokens, 3 chunks of 4). Skewed routing (every token on experts 0 and 1)
     overflows and takes it; values and gradients (tokens, weights, the experts' parameter)
     equal those of the unbounded dispatcher's path, with FP8 on the dispatch wire too (the
     padding tokens' zero rows cast as well), and nothing is dropped."""
@@ -798,7 +810,7 @@ def test_bounded_fallback_in_uneven_chunks_matches_the_unbounded_path(backend, r
 
     def body(x, idx, w, s):
         bounded, plain = dispatcher(dropless_buffer_factor=1.25), dispatcher()
-        assert bounded.fallback_chunks(T, K) == 4
+        assert bounded.fallback_chunks(T, K) == (3 if backend == "hybridep" else 4)
 
         def via_bounded(x, w, s):
             y, overflow, dropped = bounded.bounded_forward(x, w, idx, experts, s)
@@ -1163,3 +1175,21 @@ def test_initialize_metadata_views_probs_per_destination_rank():
     np.testing.assert_array_equal(np.asarray(d._initialize_metadata(3, probs.ravel())), got)
     with pytest.raises(ValueError, match="probs: expected num_local_tokens"):
         d._initialize_metadata(4, probs)
+
+
+@pytest.mark.parametrize("backend, tokens, top_k, ep, experts, factor, want", [
+    ("deepep", 10, 2, 4, 8, 1.25, 4),  # 25 bounded rows, 8 a token: chunks of 3
+    ("hybridep", 10, 2, 4, 8, 1.25, 3),  # 12 tokens' 30 rows: chunks of 4 (aligned)
+    ("deepep", 4096, 8, 8, 256, 1.25, 7),  # DeepSeek-V3-like EP 8: 40960 rows, 64 a token
+    ("deepep", 1, 8, 8, 256, 1.25, 1),  # one token: one chunk (10 rows < its worst 64)
+    ("hybridep", 6, 8, 8, 256, 1.25, 2),  # chunks of 4 (their worst 256 > 80 bounded rows)
+    ("deepep", 0, 2, 4, 8, 1.25, 1),  # no tokens
+    ("deepep", 16, 2, 4, 8, 8.0, 1),  # bounded buffers above the worst case
+])
+def test_fallback_chunks_fit_the_bounded_buffers(backend, tokens, top_k, ep, experts, factor,
+                                                 want):
+    L = experts // ep
+    d = MoEFlexTokenDispatcher(L, list(range(L)), jax_ep.TokenDispatcherConfig(
+        num_moe_experts=experts, moe_router_topk=top_k, moe_flex_dispatcher_backend=backend,
+        dropless_buffer_factor=factor))
+    assert d.fallback_chunks(tokens, top_k) == want

@@ -463,6 +463,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
                                                               **fields), self.axis_name)
         bounded, worst = twin(ragged_buffer_factor=cfg.dropless_buffer_factor), twin()
         num_tokens = hidden_states.shape[0]
+        # int32 first: the fallback pads the ids with -1, which an unsigned dtype would wrap
+        token_indices = as_int32_ids(token_indices, cfg.num_moe_experts, "token_indices")
         chunks = self.fallback_chunks(num_tokens, token_indices.shape[1])
         axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
 
@@ -480,7 +482,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
             _, (ys, dropped) = jax.lax.scan(
                 lambda _, chunk: (None, path(worst, *chunk, params)), None,
                 _token_chunks(chunks, hidden, probs, indices))
-            return ys.reshape(-1, ys.shape[-1])[:num_tokens], dropped.sum()
+            return ys.reshape(-1, ys.shape[-1])[:num_tokens], dropped.sum(dtype=jnp.int32)
 
         def fallback_vjp(hidden, probs, indices, params, dy):
             """(d_hidden, d_probs, d_params) of `fallback`, chunk by chunk."""
@@ -532,12 +534,16 @@ class MoEFlexTokenDispatcher(nnx.Module):
         """Token chunks of bounded_forward's fallback for num_tokens T per device with top_k K:
         the fewest chunks whose no-drop worst case, P * T' * min(K, L) permuted rows per
         rank for T' tokens a chunk, fits in the bounded buffers' ceil(f * T * K) rows
-        (f = config.dropless_buffer_factor); chunks of one token where even those do not
-        (a chunk's worst case then exceeds the bounded buffers, by less than P * min(K, L)
-        rows); 1 for T = 0."""
+        (f = config.dropless_buffer_factor). HybridEP sizes its buffers for the token count
+        rounded up to a multiple of hybridep.TOKEN_ALIGNMENT (a, 4), so there T and T' count
+        so rounded, T' a multiple of a. Where even chunks of one token (a for HybridEP) do not
+        fit, chunks of that size (their worst case then exceeds the bounded buffers by less
+        than P * min(K, L) * a rows). 1 for T = 0."""
+        align = hybridep.TOKEN_ALIGNMENT if self.backend == "hybridep" else 1
+        sized = -(-num_tokens // align) * align
         worst_per_token = self.ep_size * min(top_k, self.num_local_experts)
-        bounded_rows = math.ceil(self.config.dropless_buffer_factor * num_tokens * top_k)
-        chunk_tokens = max(1, bounded_rows // worst_per_token)
+        bounded_rows = math.ceil(self.config.dropless_buffer_factor * sized * top_k)
+        chunk_tokens = max(align, bounded_rows // worst_per_token // align * align)
         return max(1, -(-num_tokens // chunk_tokens))
 
     def overlapped_forward(self, hidden_states, token_probs, token_indices, local_kernel):

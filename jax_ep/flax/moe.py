@@ -593,7 +593,8 @@ class MoELayer(_RouterState, nnx.Module):
         i32[] (what the flat exchange would send).
       With TokenDispatcherConfig.dropless_buffer_factor also "buffer_overflow" i32[]: 1 in a
         step whose routing did not fit the bounded buffers on some device (dispatch, experts
-        and combine then ran with the worst-case ones on every device), else 0.
+        and combine then ran again on every device, over token chunks whose worst case fits
+        buffers of the bounded size), else 0.
     """
 
     def __init__(self, config, hidden_size: int, ffn_hidden_size: int | None = None, *,
@@ -748,7 +749,7 @@ class MoELayer(_RouterState, nnx.Module):
             weighted_experts = partial(self._padded_experts,
                                        weighted_experts if self.tensor_axis else weighted_blocks,
                                        tokens.shape[0])
-        overflow = None  # dropless_buffer_factor: 1 where the worst-case buffers ran
+        overflow = None  # dropless_buffer_factor: 1 where the chunked fallback ran
         # what the dispatch moves: the tokens, or with moe_latent_size their projections
         moved = tokens if latent is None else _linear(tokens, latent[0], latent[2])
         if dcfg.moe_deepep_async_dispatch and d.backend != "hybridep":
