@@ -52,7 +52,7 @@ if ! command -v nvcc > /dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="/usr/local/cuda/bin:$PATH" CUDACXX=/usr/local/cuda/bin/nvcc
 fi
 
-build_rc=0 import_rc=0 test_rc=0 bench_rc=skipped san_rc=skipped
+build_rc=0 import_rc=0 test_rc=0 bench_rc=skipped san_rc=skipped layer_rcs="" cudnn_rc=skipped
 
 # 1. Build and install (editable) with the CUDA handlers for sm_90.
 {
@@ -133,7 +133,7 @@ if [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ]; then
       --backends deepep,deepep@bounded,hybridep,gshard --no-experts-only --iters 10 \
       --warmup 2 --out "$(mktemp -d)" >> "$OUT/bench_gpu.log" 2>&1 || layer_rc=$?
     echo "[$(elapsed)] bench_moe E=$experts rc=$layer_rc"
-    [ "$layer_rc" = 0 ] || bench_rc=$layer_rc
+    layer_rcs="$layer_rcs E=$experts:$layer_rc"
   done
 fi
 
@@ -168,6 +168,7 @@ grep -E "$SUMMARY_RE" "$OUT/pytest_gpu.log" | head -n 60
 echo "bench:   rc=$bench_rc"
 [ -f "$OUT/bench_gpu.log" ] && tail -n 15 "$OUT/bench_gpu.log"
 ls -l "$OUT"/bench_gpu*.md "$OUT"/bench_gpu*.png 2> /dev/null
+echo "layer (bench_moe) rc:${layer_rcs:- skipped}  cuDNN ragged-dot GEMM rc=$cudnn_rc (124: out of time)"
 echo "sanitizer: rc=$san_rc"
 [ -f "$OUT/sanitizer.log" ] && grep -E "ERROR SUMMARY|Invalid|passed|failed" "$OUT/sanitizer.log" | tail -n 5
 [ "$build_rc" = 0 ] && [ "$import_rc" = 0 ] && [ "$test_rc" = 0 ]
