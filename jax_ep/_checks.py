@@ -19,6 +19,7 @@ __all__ = [
     "check_positive",
     "check_rank",
     "check_routing",
+    "check_rows",
     "check_shape",
     "check_weights",
     "check_whole_bytes",
@@ -38,6 +39,14 @@ def check_rank(x, rank: int, name: str) -> None:
         raise ValueError(f"{name}: expected a rank-{rank} array, got {type(x).__name__}")
     if jnp.ndim(x) != rank:
         raise ValueError(f"{name}: expected a rank-{rank} array, got shape {tuple(jnp.shape(x))}")
+
+
+def check_rows(x, name: str) -> None:
+    """ValueError naming `name` unless x is an array of at least one dimension (rows)."""
+    if not hasattr(x, "shape"):
+        raise ValueError(f"{name}: expected an array of rows, got {type(x).__name__}")
+    if jnp.ndim(x) < 1:
+        raise ValueError(f"{name}: expected at least one dimension, got shape {jnp.shape(x)}")
 
 
 def check_shape(x, shape: tuple, name: str) -> None:

@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import _ffi, ops
 from jax_ep import transport as tp
-from jax_ep._checks import check_positive, check_shape, check_whole_bytes
+from jax_ep._checks import check_positive, check_rows, check_shape, check_whole_bytes
 
 __all__ = ["all_to_all_single", "all_to_all_single_equal"]
 
@@ -42,8 +42,7 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
     ranks' last rows first). Differentiable in x; the splits get no gradient.
     """
     _, num_ranks = tp.axis_rank_and_size(axis_name)
-    if jnp.ndim(x) < 1:
-        raise ValueError(f"x: expected at least one dimension, got shape {jnp.shape(x)}")
+    check_rows(x, "x")
     check_whole_bytes(x, "x")
     for splits, name in ((output_splits, "output_splits"), (input_splits, "input_splits")):
         check_shape(splits, (num_ranks,), name)

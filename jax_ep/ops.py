@@ -30,6 +30,7 @@ from jax_ep._checks import (
     check_positive,
     check_rank,
     check_routing,
+    check_rows,
     check_shape,
     check_whole_bytes,
 )
@@ -208,8 +209,7 @@ def gather_rows(x, row_idx, *, impl="ffi"):
     VJP is this gather, so gradients of gradients work too)."""
     _check_impl(impl)
     check_rank(row_idx, 1, "row_idx")
-    if jnp.ndim(x) < 1:
-        raise ValueError(f"x: expected at least one dimension, got shape {jnp.shape(x)}")
+    check_rows(x, "x")
     check_whole_bytes(x, "x")
     row_idx = as_int32_ids(row_idx, x.shape[0], "row_idx")
     if impl == "xla":

@@ -204,3 +204,12 @@ def test_buffer_dispatch_checks_the_expert_counts_shape(counts):
     with pytest.raises(ValueError, match=r"num_tokens_per_expert: expected the i32\[E\] counts "
                                          r".*got shape"):
         run_ep(body, ep_mesh(2), np.zeros((2 * T, H), np.float32), idx, w)
+
+
+def test_a_list_of_rows_is_refused_by_name():
+    with pytest.raises(ValueError, match="^x: expected an array of rows, got list"):
+        ops.gather_rows([[1.0, 2.0]], jnp.array([0]))
+    with pytest.raises(ValueError, match="^x: expected an array of rows, got list"):
+        run_ep(lambda x: jax_ep.all_to_all_single(
+            [[1.0]], jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32), axis_name=AXIS),
+            ep_mesh(2), np.ones((2, H), np.float32))
