@@ -430,7 +430,7 @@ def train(args):
             "tokens_per_expert", "load_ratio", "num_dropped", "load_balancing_loss")}
         stats["crossed"] = jnp.stack([sum(a.get(k, 0) for a in auxes)
                                       for k in ("rows_across_nodes", "flat_rows_across_nodes")])
-        # --dropless-buffer-factor: per layer, micro-batches that ran the worst-case buffers
+        # --dropless-buffer-factor: per layer, micro-batches that ran the chunked fallback
         stats["fell_back"] = jnp.stack([a.get("buffer_overflow", 0) for a in auxes])
         return sum(ces) / len(ces), stats
 
@@ -541,7 +541,7 @@ def report(records, args, tokens_per_step):
     if args.dropless_buffer_factor is not None:
         fell_back = np.array([r["fell_back_per_layer"] for r in records]) > 0  # [steps, layers]
         print(f"steps whose routing overflowed the {args.dropless_buffer_factor:g}x buffers "
-              f"(the worst-case buffers ran) per layer: "
+              f"(the chunked fallback ran) per layer: "
               f"{fell_back.sum(axis=0).tolist()} of {len(records)}")
     for layer, row in enumerate(load):
         share = row / max(row.sum(), 1)
