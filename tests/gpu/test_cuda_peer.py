@@ -189,6 +189,39 @@ def test_deepep_and_hybridep_over_peer_equal_cpu_handlers(rng):
     assert np.abs(deepep_grad).sum() > 0 and np.abs(deepep_values[0]).sum() > 0
 
 
+def test_bounded_fallback_chunks_over_peer_equal_cpu_handlers(rng):
+    """The MoE layer's dropless fallback over the peer transport: bounded_forward with every
+    token on experts 0 and 1 overflows the bounded buffers (15 rows for 6 tokens), so each
+    rank runs 6 chunks of one token, each a dispatch and combine through the peer exchange
+    inside a lax.scan, and the backward recomputes them chunk by chunk. Values, the overflow
+    flag and gradients equal the CPU handlers' bit for bit."""
+    from jax_ep.flax import MoEFlexTokenDispatcher
+    mesh = jax.sharding.Mesh(np.array(_devices()), ("ep",))
+    T, H, K, E = 6, 8, 2, 2 * NUM_DEVICES
+    x = rng.standard_normal((NUM_DEVICES * T, H)).astype(np.float32)
+    idx = np.tile(np.int32([[0, 1]]), (NUM_DEVICES * T, 1))
+    w = rng.uniform(0.1, 1.0, idx.shape).astype(np.float32)
+
+    def body(x, i, w):
+        d = MoEFlexTokenDispatcher(2, [0, 1], jax_ep.TokenDispatcherConfig(
+            num_moe_experts=E, moe_router_topk=K, expert_axis_name="ep", transport="peer",
+            dropless_buffer_factor=1.25))
+        assert d.fallback_chunks(T, K) == 6
+
+        def loss(x, w):
+            y, overflow, _ = d.bounded_forward(
+                x, w, i, lambda rows, tpe, probs, s: jnp.sin(rows * s) * probs[:, None],
+                jnp.float32(0.5))
+            return jnp.sum(jnp.cos(y)), (y, overflow)
+        (_, (y, overflow)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+        return jax.tree.map(lambda a: a[None], (y, overflow, grads))
+
+    got = _on_both(body, mesh, (x, idx, w), (P("ep"),) * 3, P("ep"))
+    _assert_bitwise(got["cuda_emu"], got["native"])
+    y, overflow, (dx, dw) = got["native"]
+    assert (overflow == 1).all() and np.abs(y).sum() > 0 and np.abs(dx).sum() > 0
+
+
 # ----------------------------------------------------------------------------- timeout
 
 
