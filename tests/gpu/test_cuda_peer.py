@@ -5,8 +5,9 @@ participant reading its peers' buffers through the emulator's peer-access check.
 Bitwise equal to the CPU handler: the op itself through `jax_ep.transport._peer` (random
 blocks, row_map entries -1 and past the source, f32 / bf16 / int8 / bool rows, multi-dimensional
 rows, receive buffers larger than what arrives, empty blocks, S = 0) on a 1-D mesh and on a
-("data", "ep") = 2 x 4 mesh, and deepep / hybridep dispatch + combine with transport="peer"
-(values and gradients). A meeting that cannot fill times out with an error naming the transport
+("data", "ep") = 2 x 4 mesh, deepep / hybridep dispatch + combine with transport="peer"
+(values and gradients), and the MoE layer's chunked dropless fallback (peer exchanges inside
+a lax.scan). A meeting that cannot fill times out with an error naming the transport
 and the axis, and the process keeps working. Skipped without the emulated CUDA handlers (the
 JAX_EP_CUDA_EMU build).
 """
