@@ -12,7 +12,8 @@ Kernels (bf16 data, K=8, P=8 ranks for the send side, C = T rows per rank):
   fp8_cast       per_token_cast_to_fp8: [T,H] bf16 -> e4m3 codes + f32 scale per 128 channels
 and, first, the experts' grouped GEMM (ops.grouped_matmul, bf16, [N,H] rows of which 7/8 are
 routed, uniformly at random over G groups, as in the layer's receive buffer, whose worst-case
-rows exceed the routed ones; [G,H,F] weights): impl="tiled" (jax_ep's loop over row tiles) and
+rows exceed the routed ones; [G,H,F] weights): impl="tiled" (jax_ep's loop over row tiles, at
+its default 64 rows a tile and at 512) and
 "blocks" (every group gathered into a block of the ladder's size, one batched GEMM) vs
 "ragged_dot" (XLA's jax.lax.ragged_dot, which XLA:GPU expands to a dense dot over every group;
 impl="auto" picks it on a GPU for at most 8 groups, "tiled" beyond), forward
@@ -56,7 +57,9 @@ KERNELS = ("permute", "unpermute", "gather_rows", "combine", "fp8_cast")
 # smaller model's (8 local experts, H=2048)
 DEFAULT_GMM_SHAPES = "32768x32x7168x2048,8192x8x2048x1408,16384x64x2048x1408"
 DRY_GMM_SHAPES = "256x4x128x64"
-GMM_IMPLS = ("tiled", "blocks", "ragged_dot")
+# impl[:tile_rows]: the tiled loop at its default 64-row tiles and at 512 (fewer loop steps: on
+# a GPU each is a kernel launch and a loop-condition check)
+GMM_IMPLS = ("tiled", "tiled:512", "blocks", "ragged_dot")
 
 
 def parse_args(argv=None):
@@ -343,18 +346,20 @@ def bench_grouped_matmul(N, G, H, F, a):
     w = (jax.random.normal(kw, (G, H, F), jnp.float32) / np.sqrt(H)).astype(jnp.bfloat16)
     flops = 2 * routed * H * F
     rows, outs = [], {}
-    for impl in GMM_IMPLS:
-        def forward(x, w, impl=impl):
-            return ops.grouped_matmul(x, w, sizes, impl=impl)
+    for variant in GMM_IMPLS:
+        impl, _, tile = variant.partition(":")
+
+        def forward(x, w, impl=impl, tile=int(tile) if tile else None):
+            return ops.grouped_matmul(x, w, sizes, impl=impl, tile_rows=tile)
 
         backward = jax.grad(lambda x, w, f=forward: f(x, w).astype(jnp.float32).sum(),
                             argnums=(0, 1))
-        fwd_s, outs[impl] = _median_jax(jax.jit(forward), (x, w), a.warmup, a.iters)
+        fwd_s, outs[variant] = _median_jax(jax.jit(forward), (x, w), a.warmup, a.iters)
         bwd_s, _ = _median_jax(jax.jit(backward), (x, w), a.warmup, a.iters)
-        rows.append(dict(kernel="grouped_matmul", impl=impl, N=N, G=G, H=H, F=F,
+        rows.append(dict(kernel="grouped_matmul", impl=variant, N=N, G=G, H=H, F=F,
                          fwd_s=fwd_s, fwd_tflops=flops / fwd_s / 1e12, fwd_bwd_s=bwd_s,
                          fwd_bwd_tflops=3 * flops / bwd_s / 1e12))
-        print(f"  grouped_matmul {N}x{G}x{H}x{F} {impl:10s} forward {fwd_s * 1e3:8.3f} ms "
+        print(f"  grouped_matmul {N}x{G}x{H}x{F} {variant:10s} forward {fwd_s * 1e3:8.3f} ms "
               f"({rows[-1]['fwd_tflops']:6.1f} TFLOP/s), forward + backward "
               f"{bwd_s * 1e3:8.3f} ms ({rows[-1]['fwd_bwd_tflops']:6.1f})", flush=True)
     for row in rows:
