@@ -486,14 +486,14 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
         def fallback_vjp(hidden, probs, indices, params, dy):
             """(d_hidden, d_probs, d_params) of `fallback`, chunk by chunk."""
+            def grads(h, p, i, d):  # one chunk's forward again, then its backward
+                return jax.vjp(lambda h, p, w: path(worst, h, p, i, w)[0], h, p, params)[1](d)
+
             def chunk_vjp(d_params, chunk):
-                h, p, i, d = chunk
-                _, vjp = jax.vjp(lambda h, p, w: path(worst, h, p, i, w)[0], h, p, params)
-                d_h, d_p, d_w = vjp(d)
+                d_h, d_p, d_w = grads(*chunk)
                 return jax.tree.map(jnp.add, d_params, d_w), (d_h, d_p)
             if chunks == 1:
-                return jax.vjp(lambda h, p, w: path(worst, h, p, indices, w)[0], hidden, probs,
-                               params)[1](dy)
+                return grads(hidden, probs, indices, dy)
             d_params, (d_h, d_p) = jax.lax.scan(
                 chunk_vjp, jax.tree.map(jnp.zeros_like, params),
                 _token_chunks(chunks, hidden, probs, indices, dy))
