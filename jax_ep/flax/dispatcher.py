@@ -491,14 +491,19 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
             def chunk_vjp(d_params, chunk):
                 d_h, d_p, d_w = grads(*chunk)
-                return jax.tree.map(jnp.add, d_params, d_w), (d_h, d_p)
+                return jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), d_params,
+                                    d_w), (d_h, d_p)
             if chunks == 1:
                 return grads(hidden, probs, indices, dy)
+            # the weights' gradients summed over the chunks in at least float32 (bf16 weights
+            # would otherwise round the running sum once per chunk), then cast back
             d_params, (d_h, d_p) = jax.lax.scan(
-                chunk_vjp, jax.tree.map(jnp.zeros_like, params),
+                chunk_vjp, jax.tree.map(lambda w: jnp.zeros_like(
+                    w, dtype=jnp.promote_types(w.dtype, jnp.float32)), params),
                 _token_chunks(chunks, hidden, probs, indices, dy))
             return (d_h.reshape(-1, d_h.shape[-1])[:num_tokens],
-                    d_p.reshape(-1, d_p.shape[-1])[:num_tokens], d_params)
+                    d_p.reshape(-1, d_p.shape[-1])[:num_tokens],
+                    jax.tree.map(lambda d, w: d.astype(w.dtype), d_params, params))
 
         def choose(y, dropped, hidden, probs, indices, params):
             """The bounded path's y, or the fallback's where any device dropped."""
