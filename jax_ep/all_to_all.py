@@ -53,9 +53,7 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
     num_recv = num_ranks * num_send if num_recv is None else check_positive(
         num_recv, "num_recv", allow_zero=True)
     output_splits = jnp.asarray(output_splits, jnp.int32)
-    # clipped to [0, S] in their own dtype first, so a wide split cannot wrap or overflow
-    starts, ends = ops.group_bounds(
-        jnp.clip(jnp.asarray(input_splits), 0, num_send).astype(jnp.int32), num_send)
+    starts, ends = ops.group_bounds(jnp.asarray(input_splits), num_send)
     input_splits = ends - starts
     # the rows move per rank: typed as varying over the axis (and the splits' axes), so a
     # replicated x gets its cotangent summed over them

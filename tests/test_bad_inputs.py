@@ -133,12 +133,16 @@ def test_all_to_all_single_splits_must_be_integers():
             mesh, np.ones((4 * T, H), np.float32))
 
 
-def test_all_to_all_single_cuts_splits_past_the_rows():
-    """input_splits summing above the S rows (a negative one counts as 0) send the S rows,
-    the last destinations' cut first: the values and gradient of the cut splits. Before, the
-    exchange failed at run time with an error naming an internal row map."""
+@pytest.mark.parametrize("over,cut", [([3, -1, 2, 2], [3, 0, 1, 0]),
+                                      ([2**31 - 1, 1, 0, 0], [4, 0, 0, 0]),
+                                      ([1, 2**31 - 1, 2**31 - 1, 1], [1, 3, 0, 0])])
+def test_all_to_all_single_cuts_splits_past_the_rows(over, cut):
+    """input_splits summing above the S = 4 rows (a negative one counts as 0; a sum past
+    2^31 does not wrap) send the S rows, the last destinations' cut first: the values and
+    gradient of the cut splits. Before, the exchange failed at run time with an error naming
+    an internal row map."""
     mesh = ep_mesh(4)
-    over, cut = jnp.array([3, -1, 2, 2], jnp.int32), jnp.array([3, 0, 1, 0], jnp.int32)
+    over, cut = jnp.array(over, jnp.int32), jnp.array(cut, jnp.int32)
     x = np.random.default_rng(3).standard_normal((4 * T, H)).astype(np.float32)
 
     def body(splits):

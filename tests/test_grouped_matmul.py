@@ -43,25 +43,33 @@ def _operands(seed, dtype, rows=N, groups=G):
     return x, w
 
 
+def _cut_sizes(sizes, num_rows):
+    """The group sizes that a grouped GEMM over num_rows rows runs: negatives as 0, the sum
+    cut at num_rows, in int64 (ragged_dot's own int32 running sum wraps past 2^31)."""
+    ends = np.minimum(np.cumsum(np.maximum(np.asarray(sizes, np.int64), 0)), num_rows)
+    return jnp.asarray(np.diff(ends, prepend=0), jnp.int32)
+
+
 def _assert_matches_ragged_dot(x, w, sizes, dtype, impl):
-    sizes = jnp.asarray(sizes, jnp.int32)
-    (_, y), (dx, dw) = _LOSSES[impl](x, w, sizes)
-    (_, y_ref), (dx_ref, dw_ref) = _LOSSES["ragged_dot"](x, w, sizes)
+    (_, y), (dx, dw) = _LOSSES[impl](x, w, jnp.asarray(sizes, jnp.int32))
+    (_, y_ref), (dx_ref, dw_ref) = _LOSSES["ragged_dot"](x, w, _cut_sizes(sizes, x.shape[0]))
     assert y.dtype == y_ref.dtype == dtype and dx.dtype == dw.dtype == dtype
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    **TOL[dtype])
-    end = min(int(np.sum(sizes)), x.shape[0])
+    end = min(int(np.sum(np.asarray(sizes, np.int64))), x.shape[0])
     assert not np.asarray(y[end:], np.float32).any()  # rows past the groups are zero
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("sizes", [[0, 0, 0, 0], [N, 0, 0, 0], [0, 0, 0, N], [0, N, 0, 0],
                                    [5, 0, 3, 0], [1, 1, 1, 1], [3, 4, 5, 12], [0, 40, 0, 0],
-                                   [20, 0, 0, 9]])
+                                   [20, 0, 0, 9], [2**31 - 1, 1, 0, 0],
+                                   [0, 2**31 - 1, 2**31 - 1, 5]])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_grouped_matmul_edge_group_sizes_match_ragged_dot(sizes, dtype, impl):
-    # "blocks" over N = 24 rows in G = 4 groups: blocks of 6 rows, the tiled loop past that
+    # "blocks" over N = 24 rows in G = 4 groups: blocks of 6 rows, the tiled loop past that;
+    # sizes near 2^31 must not overflow the groups' running sum (it wrapped negative before)
     x, w = _operands(sum(sizes), dtype)
     _assert_matches_ragged_dot(x, w, sizes, dtype, impl)
 
