@@ -728,8 +728,9 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     tile = grouped_tile_rows(tile_rows)
     if impl == "ragged_dot":
         dtype = jnp.result_type(x, w)
-        return jax.lax.ragged_dot(x.astype(dtype), w.astype(dtype),
-                                  int32_group_sizes(group_sizes, x.shape[0]))
+        # the sizes cut first: ragged_dot's own int32 running sum wraps past 2^31
+        starts, ends = group_bounds(group_sizes, x.shape[0])
+        return jax.lax.ragged_dot(x.astype(dtype), w.astype(dtype), ends - starts)
     x, w, group_sizes = grouped_operands((x, w), group_sizes)
     if x.size == 0 or w.size == 0:
         return _ffi.vary_like(jnp.zeros((x.shape[0], w.shape[2]), x.dtype), x, w, group_sizes)

@@ -74,6 +74,15 @@ def test_grouped_matmul_edge_group_sizes_match_ragged_dot(sizes, dtype, impl):
     _assert_matches_ragged_dot(x, w, sizes, dtype, impl)
 
 
+@pytest.mark.parametrize("sizes", [[2**31 - 1, 1, 0, 0], [0, 2**31 - 1, 2**31 - 1, 5],
+                                   [-3, 30, -(2**31), 2**31 - 1]])
+def test_ragged_dot_impl_cuts_sizes_whose_sum_wraps_int32(sizes):
+    # jax.lax.ragged_dot itself wraps its running sum: [0, 2^31 - 1, 2^31 - 1, 5] gives
+    # rows 0-2 to the last group too
+    x, w = _operands(7, jnp.float32)
+    _assert_matches_ragged_dot(x, w, sizes, jnp.float32, "ragged_dot")
+
+
 @settings(max_examples=20)
 @given(sizes=st.lists(st.integers(0, 12), min_size=G, max_size=G),
        seed=st.integers(0, 2**16), bf16=st.booleans(), impl=st.sampled_from(IMPLS))
