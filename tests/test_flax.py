@@ -150,6 +150,15 @@ def test_dispatcher_and_layer_errors_name_the_argument():
         d.dispatch_preprocess2(x, 4, jnp.zeros((4, 1)), jnp.zeros((4, 2), jnp.int32))
     with pytest.raises(ValueError, match="token_indices"):
         d.dispatch_preprocess2(x, 4, jnp.zeros((6, 1)), jnp.zeros((6, 1), jnp.int32))
+    hybrid = MoEFlexTokenDispatcher(2, range(2), dataclasses.replace(
+        cfg, moe_flex_dispatcher_backend="hybridep"))
+    with pytest.raises(ValueError, match="^token_indices: HybridEP's dense routing sizes its "
+                                         "buffers for moe_router_topk=2 experts a token, got 3"):
+        hybrid.dispatch_preprocess2(x, 4, jnp.zeros((4, 3)), jnp.zeros((4, 3), jnp.int32))
+    hybrid.dispatch_preprocess2(x, 4, jnp.zeros((4, 1)), jnp.zeros((4, 1), jnp.int32))
+    compact = MoEFlexTokenDispatcher(2, range(2), dataclasses.replace(
+        hybrid.config, moe_hybridep_compact_routing=True))
+    compact.dispatch_preprocess2(x, 4, jnp.zeros((4, 3)), jnp.zeros((4, 3), jnp.int32))
     mesh = _mesh()
     layer = MoELayer(jax_ep.TokenDispatcherConfig(num_moe_experts=8), 16, 32, rngs=nnx.Rngs(0),
                      mesh=mesh)

@@ -300,6 +300,14 @@ class MoEFlexTokenDispatcher(nnx.Module):
         token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, top_k),
                                      self.config.num_moe_experts, "token_indices")
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
+            # the dense map's buffers hold moe_router_topk local slots a token: wider indices
+            # could route a token to more local experts than they hold
+            if top_k > self.config.moe_router_topk:
+                raise ValueError(
+                    f"token_indices: HybridEP's dense routing sizes its buffers for "
+                    f"moe_router_topk={self.config.moe_router_topk} experts a token, got "
+                    f"{top_k} a token (set moe_router_topk to {top_k}, or "
+                    f"moe_hybridep_compact_routing=True)")
             token_indices, num_invalid = unroute_invalid_experts(token_indices,
                                                                  self.config.num_moe_experts)
             routing_map, probs = ops.indices_to_multihot(
