@@ -278,9 +278,9 @@ def plan_local_hop(recv_idx, source_node, *, num_nodes, num_local_experts, local
       rows; hop_cap: the padded per-destination rows of the hop-2 all_to_all.
     """
     me, num_local = tp.axis_rank_and_size(local_axis)
-    layout = ops.build_send_layout(recv_idx, jnp.zeros(recv_idx.shape, jnp.float32),
-                                   num_ranks=num_local, num_local_experts=num_local_experts,
-                                   impl=impl)
+    layout = ops.build_forward_layout(recv_idx, jnp.zeros(recv_idx.shape, jnp.float32),
+                                      num_ranks=num_local, num_local_experts=num_local_experts,
+                                      impl=impl)
     valid = layout.rank >= 0
     dest = jnp.clip(layout.rank, 0, num_local - 1)
     node = jnp.where(valid, source_node[jnp.clip(layout.token_idx, 0)], num_nodes)

@@ -139,14 +139,13 @@ def _exchange(src, row_map, h, name, forward=True, recv_rows=None):
 
 def _send(rows, h):
     """rows [T,...] -> [L, P*Tmax, ...]: one copy per slot, compacted per local expert."""
-    num_local = h.src_info.shape[0]
     out = _exchange(rows, h.send_token, h, tp.DISPATCH_NAME, recv_rows=h.recv_slot)
-    return out.reshape((num_local, -1) + rows.shape[1:])
+    return out.reshape(h.src_info.shape + rows.shape[1:])  # explicit: H may be 0
 
 
 def _return(y, h):
     """y [L, P*Tmax, ...] -> [P*C, ...] back in this rank's wire rows."""
-    flat = y.reshape((-1,) + y.shape[2:])
+    flat = y.reshape((y.shape[0] * y.shape[1],) + y.shape[2:])
     return _exchange(flat, h.return_slot, h, tp.COMBINE_NAME, forward=False)
 
 
@@ -175,9 +174,8 @@ def _return_logfmt(y, h):
 def _return_transpose(d_back, h):
     """The return's transpose: cotangents of the return wire's rows [P*C, ...] -> [L, P*Tmax,
     ...], moved in the dispatch direction into the slots they came from."""
-    num_local = h.src_info.shape[0]
     d_y = _exchange(d_back, None, h, tp.DISPATCH_NAME, recv_rows=h.recv_slot)
-    return d_y.reshape((num_local, -1) + d_back.shape[1:])
+    return d_y.reshape(h.src_info.shape + d_back.shape[1:])
 
 
 _returned = tp.with_transpose(_return, _return_transpose, tp.COMBINE_NAME)

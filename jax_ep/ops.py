@@ -139,12 +139,25 @@ def compute_send_counts(topk_idx, num_ranks, num_local_experts, *, impl="ffi"):
 def build_send_layout(topk_idx, topk_weights, *, num_ranks, num_local_experts, impl="ffi"):
     """topk_idx [T,K] (global ids), topk_weights [T,K] -> SendLayout with T*P rows: one per
     (token, owning rank), rank-major then token-ascending, padding rows -1 / 0."""
+    return _send_layout(topk_idx, topk_weights, num_ranks, num_local_experts, impl,
+                        any_top_k=False)
+
+
+def build_forward_layout(recv_idx, recv_weights, *, num_ranks, num_local_experts, impl="ffi"):
+    """build_send_layout of received rows, whose K slots hold ids of the P*L experts of this
+    group or -1 (e.g. a two-hop forwarder's node-local ids: K may exceed P*L there)."""
+    return _send_layout(recv_idx, recv_weights, num_ranks, num_local_experts, impl,
+                        any_top_k=True)
+
+
+def _send_layout(topk_idx, topk_weights, num_ranks, num_local_experts, impl, *, any_top_k):
     _check_impl(impl)
     check_positive(num_ranks, "num_ranks")
     check_positive(num_local_experts, "num_local_experts")
     num_experts = num_ranks * num_local_experts
     check_experts(num_experts, num_ranks)
-    topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
+    topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts,
+                                           any_top_k=any_top_k)
     if impl == "xla" or topk_idx.size == 0:
         return _typed_like_ffi(reference.build_send_layout(
             topk_idx, topk_weights, num_ranks=num_ranks, num_local_experts=num_local_experts),

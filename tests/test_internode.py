@@ -297,6 +297,26 @@ def test_edge_cases_match_flat(case):
         np.testing.assert_array_equal(two["rdma"].reshape(-1, N), [[T, 0]] * (N * G))
 
 
+@pytest.mark.parametrize("shape, K, backend", [((2, 4), 5, "deepep"), ((4, 2), 3, "deepep"),
+                                               ((4, 2), 8, "deepep"), ((4, 2), 3, "uccl_ep"),
+                                               ((4, 2), 3, "alltoall")])
+def test_top_k_above_a_nodes_experts_matches_flat(shape, K, backend):
+    """K > E / N: a forwarder's received rows hold K node-local slots over fewer experts
+    (the hop-2 layout refused them as 'top-k K exceeds num_experts E / N' before)."""
+    N, G = shape
+    E, T, H = 8, 3, 8
+    x, idx, w = _case(K, N * G, T, H, K, E, unrouted=0.1)
+    mesh = pair_mesh(N, G)
+    two = _dispatch_combine(mesh, x, idx, w, E, backend=backend, hierarchical=True)
+    flat = _dispatch_combine(mesh, x, idx, w, E, backend=backend, hierarchical=False)
+    for key in ("rx", "ri", "rw", "n", "per_expert", "dropped"):
+        np.testing.assert_array_equal(two[key], flat[key], err_msg=key)
+    np.testing.assert_allclose(two["c"], flat["c"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(two["cw"], flat["cw"], rtol=1e-6, atol=1e-6)
+    # every (token, destination rank) pair arrives once
+    assert two["n"].sum() == sum(len(set(row[row >= 0] // (E // (N * G)))) for row in idx)
+
+
 def test_zero_tokens():
     mesh = pair_mesh(2, 4)
     x = np.zeros((0, 8), np.float32)
@@ -431,10 +451,13 @@ def test_buffer_over_a_pair_runs_two_hops(cls, N, G):
 
 
 @pytest.mark.parametrize("compact", [False, True])
-def test_hybridep_over_a_pair_equals_the_flat_exchange(compact):
+@pytest.mark.parametrize("N, G, E", [(2, 4, 16), (4, 2, 8)])
+def test_hybridep_over_a_pair_equals_the_flat_exchange(compact, N, G, E):
     """hierarchical=None (two hops) and False (the flat exchange over the pair): the same bits,
-    outputs and gradients (K = 2: every sum has at most two terms, so its order is moot)."""
-    N, G, T, H, K, E, NP = 2, 4, 4, 8, 2, 16, 40
+    outputs and gradients (K = 2: every sum has at most two terms, so its order is moot).
+    At E = 8 over 4 nodes a node has 2 experts: fewer than a dense map's P = 8 slots a row
+    (refused as 'top-k 8 exceeds num_experts 2' before)."""
+    T, H, K, NP = 4, 8, 2, 40
     x, idx, w = _case(23, N * G, T, H, K, E)
     routing = dict(topk_idx=idx, probs=w) if compact else dict(
         routing_map=np.zeros((N * G * T, E), bool), probs=np.zeros((N * G * T, E), np.float32))
@@ -478,15 +501,16 @@ def test_hybridep_bad_hierarchical_raises(kwargs):
         run_pair(body, mesh, x, idx, w)
 
 
-@pytest.mark.parametrize("backend", ["deepep"])
-def test_moe_layer_over_a_node_local_pair_matches_dense(backend):
+@pytest.mark.parametrize("backend, shape", [("deepep", (2, 2, 2)), ("hybridep", (1, 4, 2))])
+def test_moe_layer_over_a_node_local_pair_matches_dense(backend, shape):
+    # hybridep on 4 nodes of 2 experts: its dense map's 8 slots a row exceed a node's experts
     from flax import nnx
 
     from jax_ep.flax import MoELayer, shard_params
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=3,
                                        moe_flex_dispatcher_backend=backend,
                                        moe_permute_fusion=True, expert_axis_name=AXES)
-    mesh = jax.make_mesh((2, 2, 2), ("data",) + AXES)
+    mesh = jax.make_mesh(shape, ("data",) + AXES)
     layer = MoELayer(cfg, 16, 8, rngs=nnx.Rngs(0), mesh=mesh)
     twin = MoELayer(cfg, 16, 8, rngs=nnx.Rngs(0), mesh=mesh)
     shard_params(layer, mesh)

@@ -264,6 +264,33 @@ def test_zero_tokens_dispatch_combine_and_gradients():
     assert d_x.shape == (0, H) and d_w.shape == (0, K)
 
 
+def test_zero_hidden_size_dispatch_combine_and_gradients():
+    """H = 0 (as the normal mode takes it): empty rows move, the counts and the layout are those
+    of any H, and the gradients are empty. A reshape inferring -1 from zero-size rows failed
+    with ZeroDivisionError before."""
+    num_ranks, T, K, E, tmax = 4, 3, 2, 8, 3
+    rng = np.random.default_rng(5)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    x = np.zeros((num_ranks * T, 0), np.float32)
+
+    def body(x, i, w):
+        def loss(x, w):
+            recv, count, h = jax_ep.low_latency_dispatch(
+                x, i, num_max_dispatch_tokens_per_rank=tmax, num_experts=E, axis_name=AXIS)
+            out = jax_ep.low_latency_combine(recv * 2.0, i, w, h)
+            return out.sum(), (recv, count, out)
+        (_, (recv, count, out)), grads = jax.value_and_grad(loss, argnums=(0, 1),
+                                                            has_aux=True)(x, w)
+        return recv.reshape(recv.shape[0] * recv.shape[1], 0), count, out, *grads
+
+    recv, count, out, d_x, d_w = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    L = E // num_ranks
+    assert recv.shape == (num_ranks * L * num_ranks * tmax, 0) and out.shape == (num_ranks * T, 0)
+    assert d_x.shape == (num_ranks * T, 0) and not np.asarray(d_w).any()
+    want = [sum(e in row for row in idx) for e in range(E)]
+    np.testing.assert_array_equal(np.asarray(count), want)
+
+
 def test_recv_count_is_int32_under_x64():
     """recv_count is documented i32[L]: a sum of i32 counts, which x64 would widen (issue 22)."""
     num_ranks, T, tmax, K, E = 2, 3, 4, 2, 4

@@ -1188,8 +1188,8 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     input jitter: by the random draws of the layer's next call); padding_mask as the layer's.
     A gated w_gate_up (and b_gate_up) is read in the layout of
     config.expert_tensor_parallel_size column shards (`gate_up_from_etp`; an interleaved one,
-    moe_mlp_glu_interleave_size, as it is). Returns (y [..., H], aux_loss f32[], the layer's
-    aux["aux_loss"])."""
+    moe_mlp_glu_interleave_size, as it is). Returns (y [..., H], aux_loss f32[]: what the
+    layer reports as aux["aux_loss"])."""
     cfg = layer.config
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
