@@ -10,6 +10,7 @@ splits swapped: the forward's count matrix transposed, so the backward exchanges
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -86,9 +87,18 @@ def _exchange_fwd(x, output_splits, input_splits, axis_name, num_recv, num_send)
 
 
 def _exchange_bwd(axis_name, num_recv, num_send, count_matrix, d_out):
-    # The cotangent rows are grouped by source like the output: each goes back to its source
-    # with the forward's counts transposed (no second count exchange), into the S rows of x.
-    return _rows(d_out, count_matrix.T, axis_name, num_send, num_send), None, None
+    # The forward's plan again (no second count exchange): the cotangent rows of the blocks
+    # this rank received return to their sources, into the rows of x they came from; rows the
+    # forward dropped (past a block's capacity or num_recv) get zero.
+    rank, _ = tp.axis_rank_and_size(axis_name)
+    plan = tp.make_plan(count_matrix, rank, num_send, num_recv)
+    rows = jnp.arange(num_send, dtype=jnp.int32)
+    back, owner, _ = tp.return_rows(d_out, rows, plan, num_send=num_send, capacity=num_send,
+                                    axis_name=axis_name,
+                                    transport=tp.resolve_transport("auto"), impl="ffi")
+    width = math.prod(d_out.shape[1:])
+    d_x = ops.unpermute(back.reshape(back.shape[0], width), owner, num_tokens=num_send)
+    return d_x.reshape((num_send,) + d_out.shape[1:]), None, None
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)

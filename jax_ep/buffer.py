@@ -498,8 +498,7 @@ class Buffer:
         per_source = all_to_all_single_equal(jnp.asarray(num_tokens_per_expert, jnp.int32),
                                              axis_name=self.group)
         per_local = per_source.reshape(num_ranks, -1).sum(axis=0)
-        align = check_positive(expert_alignment, "expert_alignment")
-        per_local = (per_local + align - 1) // align * align
+        per_local = ops.align_up(per_local, expert_alignment)
         return recv_x, None, None, _per_expert_list(per_local, worst), handle, EventOverlap()
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None,

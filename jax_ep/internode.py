@@ -176,8 +176,7 @@ def _per_expert_counts(recv_idx, num_local, expert_alignment):
     """i32[L]: received rows per local expert (recv_idx i32[R,K]), aligned up."""
     per_expert = jnp.zeros((num_local,), jnp.int32).at[
         jnp.where(recv_idx >= 0, recv_idx, num_local)].add(1, mode="drop")
-    align = check_positive(expert_alignment, "expert_alignment")
-    return (per_expert + align - 1) // align * align
+    return ops.align_up(per_expert, expert_alignment)
 
 
 def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=None,

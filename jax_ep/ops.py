@@ -687,6 +687,16 @@ def grouped_operands(arrays, group_sizes):
                               int32_group_sizes(group_sizes, arrays[0].shape[0]))
 
 
+def align_up(counts, alignment, name="expert_alignment"):
+    """i32 counts rounded up to multiples of `alignment` (an int in [1, 2^31 - 1], else
+    ValueError naming `name`), with no int32 overflow: a count whose multiple would pass
+    2^31 - 1 gets the largest multiple that fits."""
+    align = check_positive(alignment, name, upper=MAX_INT32)
+    quotient = counts // align + (counts % align != 0).astype(counts.dtype)
+    most = MAX_INT32 // align
+    return jnp.where(quotient > most, most, quotient) * align
+
+
 def int32_group_sizes(group_sizes, num_rows):
     """Integer group sizes as int32, each clipped to [0, num_rows] first, so a size of a wider
     or unsigned dtype (3e9 as uint32, 2^32 + 1 as int64) cannot wrap: the sum is then cut at

@@ -247,6 +247,26 @@ def test_num_worst_tokens_and_expert_alignment():
     raw = np.concatenate([np.bincount(ri[d * 11:(d + 1) * 11][ri[d * 11:(d + 1) * 11] >= 0],
                                       minlength=2) for d in range(num_ranks)])
     np.testing.assert_array_equal(per_expert, -(-raw // 4) * 4)
+    # an alignment near 2^31: the counts round up to it without wrapping int32 (got [2, 2] or
+    # -2^31 + 1 before)
+    *_, per_expert, _ = _dispatch_outputs(ep_mesh(num_ranks), x, idx, w, E, "deepep",
+                                          expert_alignment=2**31 - 1)
+    np.testing.assert_array_equal(per_expert, np.where(raw > 0, 2**31 - 1, 0))
+
+
+def test_align_up_hand_checked():
+    align_up = jax_ep.ops.align_up
+    counts = jnp.array([0, 1, 4, 5, 7, -5, 2**31 - 1], jnp.int32)
+    np.testing.assert_array_equal(align_up(counts, 4), [0, 4, 4, 8, 8, -4, 2**31 - 4])
+    np.testing.assert_array_equal(align_up(counts, 1), counts)
+    # past 2^31 - 1 the largest multiple that fits
+    np.testing.assert_array_equal(align_up(counts, 2**31 - 1),
+                                  [0, 2**31 - 1, 2**31 - 1, 2**31 - 1, 2**31 - 1, 0, 2**31 - 1])
+    np.testing.assert_array_equal(align_up(jnp.array([2**30 + 1, 2**30], jnp.int32), 2**30),
+                                  [2**30, 2**30])
+    for bad in (0, -4, 2**31, 1.5, True):
+        with pytest.raises(ValueError, match="^expert_alignment: expected an int"):
+            align_up(counts, bad)
 
 
 def test_precomputed_layout_gives_the_same_dispatch():
