@@ -49,6 +49,17 @@ def _dispatch_combine(mesh, x, idx, w, E, *, backend="deepep", hierarchical=None
                     run_pair(body, mesh, x, idx, w)))
 
 
+def _two_hop_equals_flat(mesh, x, idx, w, E, backend):
+    """The two-hop dispatch + combine's outputs, checked against the flat exchange's."""
+    two = _dispatch_combine(mesh, x, idx, w, E, backend=backend, hierarchical=True)
+    flat = _dispatch_combine(mesh, x, idx, w, E, backend=backend, hierarchical=False)
+    for key in ("rx", "ri", "rw", "n", "per_expert", "dropped"):
+        np.testing.assert_array_equal(two[key], flat[key], err_msg=key)
+    np.testing.assert_allclose(two["c"], flat["c"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(two["cw"], flat["cw"], rtol=1e-6, atol=1e-6)
+    return two
+
+
 def _case(seed, P_, T, H, K, E, unrouted=0.1):
     rng = np.random.default_rng(seed)
     # rank-valued rows: column 0 holds the global source rank, column 1 the token index
@@ -73,12 +84,7 @@ def test_two_hop_equals_flat_and_the_deepep_layout(shape, backend):
     P_, T, H, K, E = N * G, 5, 8, 3, 32
     x, idx, w = _case(sum(shape), P_, T, H, K, E)
     mesh = pair_mesh(N, G)
-    two = _dispatch_combine(mesh, x, idx, w, E, backend=backend, hierarchical=True)
-    flat = _dispatch_combine(mesh, x, idx, w, E, backend=backend, hierarchical=False)
-    for key in ("rx", "ri", "rw", "n", "per_expert", "dropped"):
-        np.testing.assert_array_equal(two[key], flat[key], err_msg=key)
-    np.testing.assert_allclose(two["c"], flat["c"], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(two["cw"], flat["cw"], rtol=1e-6, atol=1e-6)
+    two = _two_hop_equals_flat(mesh, x, idx, w, E, backend)
     # The flat contract: rows grouped by global source rank, token ascending inside.
     want = deepep_layout(x, idx, w, P_, E)
     R = P_ * T
@@ -307,12 +313,7 @@ def test_top_k_above_a_nodes_experts_matches_flat(shape, K, backend):
     E, T, H = 8, 3, 8
     x, idx, w = _case(K, N * G, T, H, K, E, unrouted=0.1)
     mesh = pair_mesh(N, G)
-    two = _dispatch_combine(mesh, x, idx, w, E, backend=backend, hierarchical=True)
-    flat = _dispatch_combine(mesh, x, idx, w, E, backend=backend, hierarchical=False)
-    for key in ("rx", "ri", "rw", "n", "per_expert", "dropped"):
-        np.testing.assert_array_equal(two[key], flat[key], err_msg=key)
-    np.testing.assert_allclose(two["c"], flat["c"], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(two["cw"], flat["cw"], rtol=1e-6, atol=1e-6)
+    two = _two_hop_equals_flat(mesh, x, idx, w, E, backend)
     # every (token, destination rank) pair arrives once
     assert two["n"].sum() == sum(len(set(row[row >= 0] // (E // (N * G)))) for row in idx)
 
