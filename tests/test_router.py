@@ -606,6 +606,42 @@ def test_topk_routing_with_score_function_as_megatrons(score_function, use_pre_s
         routing.topk_routing_with_score_function(logits, topk, score_function="relu")
 
 
+def _megatron_scores_f64(logits, score_function):
+    """Megatron's unnormalised scores, float64 (no underflow at these logits)."""
+    if score_function == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jnp.sqrt(jnp.log1p(jnp.exp(logits)))
+
+
+@pytest.mark.parametrize("score_function, low", [("sigmoid", -45.0), ("sigmoid", -60.0),
+                                                 ("sqrtsoftplus", -90.0),
+                                                 ("sqrtsoftplus", -150.0)])
+def test_router_gradients_stay_finite_for_very_negative_logits(score_function, low):
+    """A token whose top-k logits are all very negative: the renormalised probs' gradient is
+    Megatron's float64 one (it was -inf: JAX's quotient rule squares a row sum of ~5e-20), and
+    sqrt(softplus) keeps a finite slope where float32 softplus underflows (it was NaN)."""
+    logits = jnp.array([[low, low - 1, low - 2, low - 3], [1.0, 0.5, -0.5, 0.0]], jnp.float32)
+    cot = jnp.array([[1.0, 2.0], [0.5, -1.0]], jnp.float32)
+
+    def loss(logits):
+        probs, _ = routing.topk_routing_with_score_function(
+            logits, 2, score_function=score_function, dense_output=True)
+        return jnp.sum(probs * cot)
+    got = jax.grad(loss)(logits)
+    with jax.enable_x64(True):
+        def loss64(logits):  # the top 2 are columns 0 and 1 in both rows
+            top = _megatron_scores_f64(logits, score_function)[:, :2]
+            return jnp.sum(top / (top.sum(axis=-1, keepdims=True) + 1e-20) * cot)
+        want = np.asarray(jax.grad(loss64)(jnp.asarray(logits, jnp.float64)))
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
+    # the aux-loss scores over all E: one very negative logit in a batch
+    aux_logits = logits.at[1, 3].set(low)
+    aux = jax.grad(lambda l: routing.compute_routing_scores_for_aux_loss(
+        l, 2, score_function)[1][:, 0].sum())(aux_logits)
+    assert np.isfinite(np.asarray(aux)).all()
+
+
 def test_router_gating_linear_is_megatrons():
     rng = np.random.default_rng(0)
     x, w, b = (rng.normal(size=shape) for shape in ((2, 3, 16), (8, 16), (8,)))

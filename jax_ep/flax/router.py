@@ -43,9 +43,50 @@ def _unnormalised_scores(logits, score_function):
     if score_function == "sigmoid":
         return jax.nn.sigmoid(logits)
     if score_function == "sqrtsoftplus":
-        return jnp.sqrt(jax.nn.softplus(logits))
+        return _sqrt_softplus(logits)
     raise ValueError(f"score_function: expected 'softmax', 'sigmoid' or 'sqrtsoftplus', got "
                      f"{score_function!r}")
+
+
+# Below this logit sqrt(softplus(x)) is exp(x / 2) to within float32 rounding (their ratio is
+# 1 + O(exp(x))), and softplus itself would underflow into flushed denormals near -87.
+_SQRT_SOFTPLUS_TAIL = -20.0
+
+
+@jax.custom_jvp
+def _sqrt_softplus(x):
+    """sqrt(softplus(x)), exp(x / 2) in the far negative tail: finite and non-zero down to
+    x = -174 under XLA:CPU's flushed denormals, where sqrt(softplus) gave 0 (and a NaN
+    gradient, sqrt's infinite slope at 0 times softplus' 0)."""
+    tail = x < _SQRT_SOFTPLUS_TAIL
+    return jnp.where(tail, jnp.exp(0.5 * jnp.where(tail, x, 0)),
+                     jnp.sqrt(jax.nn.softplus(jnp.where(tail, 0, x))))
+
+
+@_sqrt_softplus.defjvp
+def _sqrt_softplus_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    y = _sqrt_softplus(x)
+    # d/dx = sigmoid(x) / (2 y), which is y / 2 in the tail
+    slope = jnp.where(x < _SQRT_SOFTPLUS_TAIL, 0.5 * y, jax.nn.sigmoid(x) / (2 * y))
+    return y, slope * dx
+
+
+@jax.custom_jvp
+def _normalised(scores):
+    """scores [T,N] / (their row sum + 1e-20), Megatron's renormalisation, with a derivative
+    that stays finite: JAX's own rule for a quotient squares the divisor, and a row sum below
+    about 5e-20 (sigmoid logits under -45) overflowed it to inf."""
+    return scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+
+
+@_normalised.defjvp
+def _normalised_jvp(primals, tangents):
+    (scores,), (d_scores,) = primals, tangents
+    denom = scores.sum(axis=-1, keepdims=True) + 1e-20
+    out = scores / denom
+    # d(s / D) = (ds - out * dD) / D with D = sum(s) + eps
+    return out, (d_scores - out * d_scores.sum(axis=-1, keepdims=True)) / denom
 
 
 def sinkhorn(cost, tol=1e-4):
@@ -153,7 +194,7 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
             top = jnp.take_along_axis(scores, ids, axis=1)
         else:
             top, ids = choose(scores)
-        probs = top / (top.sum(axis=-1, keepdims=True) + 1e-20) if topk > 1 else top
+        probs = _normalised(top) if topk > 1 else top
     if scaling_factor:
         probs = probs * scaling_factor
     probs, ids = probs.astype(logits.dtype), ids.astype(jnp.int32)
@@ -253,7 +294,7 @@ def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=Fals
         scores = jax.nn.softmax(logits, axis=-1)
     else:
         scores = _unnormalised_scores(logits, score_function)
-        scores = scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+        scores = _normalised(scores)
     _, ids = jax.lax.top_k(scores, topk)
     routing_map = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None],
                                                    ids].set(True)
