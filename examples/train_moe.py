@@ -193,6 +193,13 @@ def parse_args(argv=None):
     if preset:
         p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
+    for flag in ("steps", "batch", "seq", "d_model", "layers", "heads", "experts", "topk",
+                 "ffn", "devices", "local_devices"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')}: expected an int >= 1, got {value}")
+    if args.d_model % args.heads:
+        p.error(f"--heads: expected a divisor of --d-model {args.d_model}, got {args.heads}")
     if args.grad_accum < 1 or args.batch % args.grad_accum:
         p.error(f"--grad-accum: expected a divisor of --batch {args.batch}, got "
                 f"{args.grad_accum}")

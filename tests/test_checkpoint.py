@@ -89,6 +89,19 @@ def test_checkpoint_flags_are_checked(train_moe, tmp_path, capsys):
             SMALL + ["--steps", "1", "--checkpoint-dir", str(tmp_path / "empty"), "--resume"]))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--batch", "0"], "--batch: expected an int >= 1, got 0"),
+    (["--seq", "0"], "--seq: expected an int >= 1, got 0"),
+    (["--steps", "-1"], "--steps: expected an int >= 1, got -1"),
+    (["--devices", "0"], "--devices: expected an int >= 1, got 0"),
+    (["--local-devices", "0"], "--local-devices: expected an int >= 1, got 0"),
+    (["--heads", "3"], "--heads: expected a divisor of --d-model 64, got 3")])
+def test_size_flags_are_checked(train_moe, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        train_moe.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_checkpoints_keep_non_trainable_state_rng_and_shardings(train_moe, tmp_path):
     """Checkpoints saves all nnx state, not only nnx.Param: a non-trainable variable (as an
     expert bias is), an nnx.Rngs key and the sampler's RNG come back, on their shardings."""
