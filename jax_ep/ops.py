@@ -714,9 +714,10 @@ def block_matmul(spec, a, w):
 
 def grouped_matmul(x, w, group_sizes, *, impl="auto", tile_rows=None):
     """Grouped GEMM with the semantics of `jax.lax.ragged_dot`: x [N,H] rows in consecutive
-    groups of group_sizes i32[G] rows, w [G,H,F] -> [N,F] in the promoted dtype of x and w
+    groups of group_sizes i32[G] rows, w [G,H,F] (float32, bfloat16 or float16; float64 is
+    refused, as the products accumulate in float32) -> [N,F] in the promoted dtype of x and w
     (fp32 accumulation; every impl, ragged_dot included, computes in that dtype; "ffi" in
-    float32, and "auto" takes "tiled" for float64),
+    float32),
     out[r] = x[r] @ w[g] for the rows r of group g; rows past sum(group_sizes) are zero (a sum
     above N is cut at N; negative sizes count as 0). Differentiable in x and w.
 
