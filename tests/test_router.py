@@ -571,6 +571,23 @@ def test_group_topk_need_not_divide_topk():
         routing.group_limited_topk(jnp.zeros((1, 16)), 4, 2, 16, 8, 3)
 
 
+@pytest.mark.parametrize("topk, kwargs, match", [
+    (2, dict(num_groups=3, group_topk=1), "^num_groups: expected a divisor of num_experts 8"),
+    (2, dict(num_groups=None, group_topk=2), "^num_groups: expected a divisor"),
+    (2, dict(num_groups=4, group_topk=5), r"^group_topk: expected an int in \[1, num_groups=4"),
+    (3, dict(num_groups=4, group_topk=1), "^topk: top-k 3 exceeds the experts of the "
+                                          "group_topk groups 2"),
+    (9, dict(), "^topk: top-k 9 exceeds num_experts 8")])
+def test_functional_router_names_bad_arguments(topk, kwargs, match):
+    """Megatron's functional router API (MoEConfig checks the same for the layer): a reshape
+    TypeError or an unnamed lax.top_k error before."""
+    with pytest.raises(ValueError, match=match):
+        routing.topk_routing_with_score_function(jnp.zeros((4, 8)), topk, **kwargs)
+    if not kwargs:
+        with pytest.raises(ValueError, match="^total_num_tokens: expected a count > 0, got 0"):
+            routing.switch_load_balancing_loss_func(jnp.ones((4, 8)), jnp.ones(8), 0, 2, 8, 0.1)
+
+
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("use_pre_softmax", [True, False])
 @pytest.mark.parametrize("topk", [1, 2])

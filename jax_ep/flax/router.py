@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep import _checks, deepep, ops
 from jax_ep.flax.moe_config import MoEConfig
@@ -20,6 +21,10 @@ __all__ = ["apply_biased_logits", "apply_random_logits", "apply_router_token_dro
            "topk_routing_with_score_function", "z_loss_func", "z_loss_terms"]
 
 
+def _is_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
     """Node-limited top-k (DeepSeek-V3; Megatron's group_limited_topk, same arguments): scores
     [num_tokens, num_experts] -> (values [T,topk], ids i32[T,topk]). The experts form
@@ -28,6 +33,14 @@ def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_
     if scores.shape != (num_tokens, num_experts):
         raise ValueError(f"group_limited_topk: scores must be [num_tokens={num_tokens}, "
                          f"num_experts={num_experts}], got {scores.shape}")
+    if not _is_int(num_groups) or num_groups < 1 or num_experts % num_groups:
+        raise ValueError(f"num_groups: expected a divisor of num_experts {num_experts}, got "
+                         f"{num_groups!r}")
+    if not _is_int(group_topk) or not 1 <= group_topk <= num_groups:
+        raise ValueError(f"group_topk: expected an int in [1, num_groups={num_groups}], got "
+                         f"{group_topk!r}")
+    _checks.check_top_k(topk, group_topk * (num_experts // num_groups), "topk",
+                        "the experts of the group_topk groups")
     grouped = scores.reshape(num_tokens, num_groups, num_experts // num_groups)
     group_score = jax.lax.top_k(grouped, topk // group_topk)[0].sum(axis=-1)  # [T,G]
     _, best = jax.lax.top_k(group_score, group_topk)
@@ -170,6 +183,7 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
     if logits.ndim != 2:
         raise ValueError(f"logits: expected [num_tokens, num_experts], got {logits.shape}")
     num_tokens, num_experts = logits.shape
+    _checks.check_top_k(topk, num_experts, "topk")
     wide = jnp.promote_types(logits.dtype, jnp.float32)
 
     def choose(scores):
@@ -313,6 +327,8 @@ def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens, 
     total_num_tokens. padding_mask bool[T]: True marks a valid token (as Megatron's code reads
     it here), padding rows of probs add nothing. fused has no effect."""
     del fused
+    if isinstance(total_num_tokens, (int, float, np.number)) and total_num_tokens <= 0:
+        raise ValueError(f"total_num_tokens: expected a count > 0, got {total_num_tokens}")
     probs = jnp.asarray(probs).astype(jnp.float32)
     if padding_mask is not None:
         probs = probs * jnp.asarray(padding_mask, bool)[:, None]
