@@ -1,10 +1,12 @@
-"""Index arithmetic shared by every floor: which block of a blocked layout holds a row."""
+"""Index arithmetic shared by every floor: which block of a blocked layout holds a row, and
+where blocks end in a buffer of bounded rows."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-__all__ = ["search", "segment_of"]
+__all__ = ["bounded_ends", "search", "segment_of"]
 
 
 def search(sorted_values, queries, side: str = "right"):
@@ -25,3 +27,15 @@ def segment_of(starts, positions):
     consecutive segments (empty ones allowed): i32 like positions, in [0, S). A position
     past the last segment's end gets the last segment, whose bounds the caller checks."""
     return jnp.clip(search(starts, positions) - 1, 0, starts.shape[0] - 1)
+
+
+def bounded_ends(sizes, limit):
+    """i32 ends of consecutive blocks of `sizes` rows (integers of any dtype, negatives as 0)
+    in a buffer of `limit` rows (a static int in [0, 2^31 - 1]): the running sum, saturating
+    at limit, so no sum of sizes can overflow int32 ([2^31 - 1, 1] in 10 rows ends at
+    [10, 10])."""
+    cap = jnp.uint32(limit)
+    # each term <= limit < 2^31, so a + b fits in uint32 before the cut
+    terms = jnp.clip(sizes, 0, limit).astype(jnp.uint32)
+    return jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), terms).astype(
+        jnp.int32)

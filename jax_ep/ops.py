@@ -34,7 +34,7 @@ from jax_ep._checks import (
     check_shape,
     check_whole_bytes,
 )
-from jax_ep._index import search
+from jax_ep._index import bounded_ends, search
 from jax_ep.reference import SendLayout
 
 __all__ = [
@@ -840,11 +840,7 @@ def group_bounds(group_sizes, num_rows):
     """(starts i32[G], ends i32[G]) of consecutive groups of group_sizes rows (integers of any
     dtype; negative sizes count as 0), cut at num_rows. The running sum saturates at num_rows,
     so no sum of sizes can overflow ([2^31 - 1, 1] ends at [num_rows, num_rows])."""
-    limit = jnp.uint32(num_rows)
-    # each term <= num_rows < 2^31, so a + b fits in uint32 before the cut
-    sizes = jnp.clip(group_sizes, 0, num_rows).astype(jnp.uint32)
-    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, limit), sizes)
-    ends = ends.astype(jnp.int32)
+    ends = bounded_ends(group_sizes, num_rows)
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
 
 

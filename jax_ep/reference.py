@@ -12,6 +12,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ep._index import bounded_ends
+
 __all__ = [
     "SendLayout",
     "build_send_layout",
@@ -126,8 +128,12 @@ def permute_plan(routing_map, *, num_out_tokens, pad_multiple=None, drop_and_pad
         capacity = jnp.full((num_experts,), cap_each, jnp.int32)
         start = jnp.arange(num_experts, dtype=jnp.int32) * cap_each
     else:
-        block = (routed + m - 1) // m * m
-        start = jnp.cumsum(block) - block
+        # blocks rounded up to m rows; a block that would pass the n rows counts as n (it
+        # keeps at most the rows left either way), so neither the rounding nor the running
+        # sum overflows int32 for any m (the handler's int64 arithmetic, to the same result)
+        quotient = routed // m + (routed % m != 0).astype(jnp.int32)
+        block = jnp.where(quotient > n // m, n, quotient * m)
+        start = jnp.concatenate([jnp.zeros((1,), jnp.int32), bounded_ends(block, n)[:-1]])
         # A block cut by the buffer end keeps a whole multiple of m rows.
         capacity = jnp.clip((n - start) // m * m, 0, block).astype(jnp.int32)
     pos_in_expert = jnp.cumsum(routing_map, axis=0, dtype=jnp.int32) - 1

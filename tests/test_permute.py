@@ -338,6 +338,23 @@ def test_permute_num_out_too_small_counts_drops(impl, rng):
 
 
 @pytest.mark.parametrize("impl", ["ffi", "xla"])
+@pytest.mark.parametrize("E, pad, n, kept", [(1, 2**31 - 1, 3, [0]), (4, 2**30, 3, [0] * 4),
+                                             (4, 2, 9, [4, 4, 0, 0])])
+def test_permute_pad_multiple_near_int32_max(impl, E, pad, n, kept):
+    """Padded blocks past int32 keep the rows left (none, but for a small pad): the
+    reference's rounding and running sum wrapped before (tokens_per_expert [-2^31 + 1], and
+    9 drops instead of 12 at E = 4), disagreeing with the handler."""
+    T = 3
+    out = ops.permute(jnp.ones((T, 4)), jnp.ones((T, E), bool), num_out_tokens=n,
+                      pad_multiple=pad, return_num_dropped=True, impl=impl)
+    np.testing.assert_array_equal(np.asarray(out[3]), kept)
+    assert int(out[4]) == T * E - sum(min(k, T) for k in kept)
+    # the kept rows hold their tokens at the head of each block
+    rows = np.asarray(out[2])[:8]
+    assert (rows[:min(kept[0], T)] == np.arange(min(kept[0], T))).all()
+
+
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
 def test_permute_no_tokens(impl):
     permuted, pp, si, tpe, dropped = ops.permute(
         jnp.ones((0, 4), jnp.bfloat16), jnp.zeros((0, 3), bool), jnp.zeros((0, 3)),
