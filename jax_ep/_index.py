@@ -35,6 +35,8 @@ def bounded_ends(sizes, limit):
     at limit, so no sum of sizes can overflow int32 ([2^31 - 1, 1] in 10 rows ends at
     [10, 10])."""
     cap = jnp.uint32(limit)
+    if jnp.dtype(sizes.dtype).itemsize < 4:  # limit itself may not fit int8 / int16 / ...
+        sizes = sizes.astype(jnp.int32)
     # each term <= limit < 2^31, so a + b fits in uint32 before the cut
     terms = jnp.clip(sizes, 0, limit).astype(jnp.uint32)
     return jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), terms).astype(

@@ -3,14 +3,15 @@
 `jax.shard_map` over `axis_name`.
 
 Built on `jax_ep.transport`: the splits become an `ExchangePlan` (one all_gather of the P
-input splits, as every dispatch does), the rows move with `transport="auto"` (padded
-all_to_all on CPU, ragged_all_to_all on GPU/TPU). The VJP is the same exchange with the
-splits swapped: the forward's count matrix transposed, so the backward exchanges no counts.
+input splits, as every dispatch does), the rows move with `transport="auto"` (the peer
+exchange within one process, else padded all_to_all on CPU and ragged_all_to_all on
+GPU/TPU). The VJP is the reverse trip of the forward's own plan (`transport.return_rows`):
+the cotangent rows return to the rows of x they came from, rows the forward dropped get
+zero, and the backward exchanges no counts.
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -96,9 +97,9 @@ def _exchange_bwd(axis_name, num_recv, num_send, count_matrix, d_out):
     back, owner, _ = tp.return_rows(d_out, rows, plan, num_send=num_send, capacity=num_send,
                                     axis_name=axis_name,
                                     transport=tp.resolve_transport("auto"), impl="ffi")
-    width = math.prod(d_out.shape[1:])
-    d_x = ops.unpermute(back.reshape(back.shape[0], width), owner, num_tokens=num_send)
-    return d_x.reshape((num_send,) + d_out.shape[1:]), None, None
+    # each row of x answers at most one returned row: a scatter, for any dtype
+    d_x = jnp.zeros((num_send,) + d_out.shape[1:], d_out.dtype)
+    return d_x.at[jnp.where(owner >= 0, owner, num_send)].set(back, mode="drop"), None, None
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)

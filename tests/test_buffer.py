@@ -911,6 +911,27 @@ def test_all_to_all_single_values_and_vjp(num_ranks, num_recv, transport, monkey
     np.testing.assert_array_equal(np.asarray(dx), want)
 
 
+def test_all_to_all_single_vjp_of_complex_rows():
+    """The backward moves cotangent rows of any dtype (it reduced through a float-only
+    unpermute for a moment): complex64 rows, num_recv cutting rank 0's rows."""
+    num_ranks, S = 4, 3
+    send = np.zeros((num_ranks, num_ranks), np.int32)
+    send[:, 0] = 2
+    x = (np.arange(num_ranks * S * 2) * (1 + 1j)).astype(np.complex64).reshape(-1, 2)
+
+    def body(x, out_splits, in_splits):
+        out, vjp = jax.vjp(lambda x: jax_ep.all_to_all_single(
+            x, out_splits, in_splits, axis_name=AXIS, num_recv=5), x)
+        return out, vjp(jnp.ones_like(out))[0]
+
+    out, dx = run_ep(body, ep_mesh(num_ranks), x, send.T.reshape(-1), send.reshape(-1))
+    # rank 0 keeps its first 5 rows: sources 0, 1 whole, source 2's first row
+    want = np.zeros(num_ranks * S, bool)
+    want[[0, 1, 3, 4, 6]] = True
+    np.testing.assert_array_equal(np.asarray(dx)[:, 0], want.astype(np.complex64))
+    np.testing.assert_array_equal(np.asarray(out)[:5], x[[0, 1, 3, 4, 6]])
+
+
 @pytest.mark.parametrize("num_ranks", [1, 4])
 def test_all_to_all_single_equal(num_ranks):
     S, H = 8, 2

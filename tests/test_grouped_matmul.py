@@ -83,6 +83,20 @@ def test_ragged_dot_impl_cuts_sizes_whose_sum_wraps_int32(sizes):
     _assert_matches_ragged_dot(x, w, sizes, jnp.float32, "ragged_dot")
 
 
+def test_narrow_integer_group_sizes():
+    """int8 / uint8 sizes: the row bound (1000, 300) does not fit their dtype, so the bounds
+    are computed in int32 (clipping int8 sizes at 1000 wrapped to -24 before)."""
+    starts, ends = ops.group_bounds(jnp.array([3, 4, 5], jnp.int8), 1000)
+    np.testing.assert_array_equal(starts, [0, 3, 7])
+    np.testing.assert_array_equal(ends, [3, 7, 12])
+    np.testing.assert_array_equal(ops.group_bounds(jnp.array([250, 5], jnp.uint8), 300)[1],
+                                  [250, 255])
+    x, w = jnp.ones((300, 2)), jnp.ones((3, 2, 1))
+    for impl in ("ragged_dot",) + IMPLS:
+        y = ops.grouped_matmul(x, w, jnp.array([100, 100, 100], jnp.int8), impl=impl)
+        np.testing.assert_array_equal(np.asarray(y), 2.0)
+
+
 @settings(max_examples=20)
 @given(sizes=st.lists(st.integers(0, 12), min_size=G, max_size=G),
        seed=st.integers(0, 2**16), bf16=st.booleans(), impl=st.sampled_from(IMPLS))

@@ -657,6 +657,9 @@ def test_router_gradients_stay_finite_for_very_negative_logits(score_function, l
     aux = jax.grad(lambda l: routing.compute_routing_scores_for_aux_loss(
         l, 2, score_function)[1][:, 0].sum())(aux_logits)
     assert np.isfinite(np.asarray(aux)).all()
+    # the scores' second derivative too (the slope divided by a flushed score before)
+    second = jax.grad(jax.grad(lambda v: routing._unnormalised_scores(v, score_function)))
+    assert np.isfinite(float(second(jnp.float32(low))))
 
 
 def test_router_gating_linear_is_megatrons():

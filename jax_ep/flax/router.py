@@ -61,17 +61,18 @@ def _unnormalised_scores(logits, score_function):
                      f"{score_function!r}")
 
 
-# Below this logit sqrt(softplus(x)) is exp(x / 2) to within float32 rounding (their ratio is
-# 1 + O(exp(x))), and softplus itself would underflow into flushed denormals near -87.
-_SQRT_SOFTPLUS_TAIL = -20.0
+# Below these logits sqrt(softplus(x)) is exp(x / 2) to within the dtype's rounding (their
+# ratio is 1 + O(exp(x))); float32 softplus itself underflows into flushed denormals near -87.
+def _sqrt_softplus_tail(dtype):
+    return -40.0 if jnp.dtype(dtype).itemsize > 4 else -20.0
 
 
 @jax.custom_jvp
 def _sqrt_softplus(x):
     """sqrt(softplus(x)), exp(x / 2) in the far negative tail: finite and non-zero down to
-    x = -174 under XLA:CPU's flushed denormals, where sqrt(softplus) gave 0 (and a NaN
+    x = -174 (float32) under XLA:CPU's flushed denormals, where sqrt(softplus) gave 0 (and a NaN
     gradient, sqrt's infinite slope at 0 times softplus' 0)."""
-    tail = x < _SQRT_SOFTPLUS_TAIL
+    tail = x < _sqrt_softplus_tail(x.dtype)
     return jnp.where(tail, jnp.exp(0.5 * jnp.where(tail, x, 0)),
                      jnp.sqrt(jax.nn.softplus(jnp.where(tail, 0, x))))
 
@@ -80,8 +81,10 @@ def _sqrt_softplus(x):
 def _sqrt_softplus_jvp(primals, tangents):
     (x,), (dx,) = primals, tangents
     y = _sqrt_softplus(x)
-    # d/dx = sigmoid(x) / (2 y), which is y / 2 in the tail
-    slope = jnp.where(x < _SQRT_SOFTPLUS_TAIL, 0.5 * y, jax.nn.sigmoid(x) / (2 * y))
+    # d/dx = sigmoid(x) / (2 y), which is y / 2 in the tail (where y is never divided by, so
+    # second derivatives stay finite too)
+    tail = x < _sqrt_softplus_tail(x.dtype)
+    slope = jnp.where(tail, 0.5 * y, jax.nn.sigmoid(x) / (2 * jnp.where(tail, 1, y)))
     return y, slope * dx
 
 
