@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["bounded_ends", "search", "segment_of"]
+__all__ = ["group_bounds", "search", "segment_of"]
 
 
 def search(sorted_values, queries, side: str = "right"):
@@ -29,15 +29,16 @@ def segment_of(starts, positions):
     return jnp.clip(search(starts, positions) - 1, 0, starts.shape[0] - 1)
 
 
-def bounded_ends(sizes, limit):
-    """i32 ends of consecutive blocks of `sizes` rows (integers of any dtype, negatives as 0)
-    in a buffer of `limit` rows (a static int in [0, 2^31 - 1]): the running sum, saturating
-    at limit, so no sum of sizes can overflow int32 ([2^31 - 1, 1] in 10 rows ends at
-    [10, 10])."""
-    cap = jnp.uint32(limit)
-    if jnp.dtype(sizes.dtype).itemsize < 4:  # limit itself may not fit int8 / int16 / ...
-        sizes = sizes.astype(jnp.int32)
-    # each term <= limit < 2^31, so a + b fits in uint32 before the cut
-    terms = jnp.clip(sizes, 0, limit).astype(jnp.uint32)
-    return jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), terms).astype(
+def group_bounds(group_sizes, num_rows):
+    """(starts i32[G], ends i32[G]) of consecutive groups of group_sizes rows (integers of any
+    dtype; negative sizes count as 0) in a buffer of num_rows rows (a static int in
+    [0, 2^31 - 1]), cut there. The running sum saturates at num_rows, so no sum of sizes can
+    overflow int32 ([2^31 - 1, 1] in 10 rows ends at [10, 10])."""
+    cap = jnp.uint32(num_rows)
+    if jnp.dtype(group_sizes.dtype).itemsize < 4:  # num_rows may not fit int8 / int16 / ...
+        group_sizes = group_sizes.astype(jnp.int32)
+    # each term <= num_rows < 2^31, so a + b fits in uint32 before the cut
+    terms = jnp.clip(group_sizes, 0, num_rows).astype(jnp.uint32)
+    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap), terms).astype(
         jnp.int32)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends

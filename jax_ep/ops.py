@@ -34,7 +34,7 @@ from jax_ep._checks import (
     check_shape,
     check_whole_bytes,
 )
-from jax_ep._index import bounded_ends, search
+from jax_ep._index import group_bounds, search
 from jax_ep.reference import SendLayout
 
 __all__ = [
@@ -834,14 +834,6 @@ def _ffi_gmm_dw_bwd(residuals, d_w):
 
 
 _ffi_gmm_dw.defvjp(_saving_operands(_ffi_gmm_dw), _ffi_gmm_dw_bwd)
-
-
-def group_bounds(group_sizes, num_rows):
-    """(starts i32[G], ends i32[G]) of consecutive groups of group_sizes rows (integers of any
-    dtype; negative sizes count as 0), cut at num_rows. The running sum saturates at num_rows,
-    so no sum of sizes can overflow ([2^31 - 1, 1] ends at [num_rows, num_rows])."""
-    ends = bounded_ends(group_sizes, num_rows)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
 
 
 def _tile_visits(group_sizes, num_rows, tile):

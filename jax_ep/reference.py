@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_ep._index import bounded_ends
+from jax_ep._index import group_bounds
 
 __all__ = [
     "SendLayout",
@@ -133,7 +133,7 @@ def permute_plan(routing_map, *, num_out_tokens, pad_multiple=None, drop_and_pad
         # sum overflows int32 for any m (the handler's int64 arithmetic, to the same result)
         quotient = routed // m + (routed % m != 0).astype(jnp.int32)
         block = jnp.where(quotient > n // m, n, quotient * m)
-        start = jnp.concatenate([jnp.zeros((1,), jnp.int32), bounded_ends(block, n)[:-1]])
+        start, _ = group_bounds(block, n)
         # A block cut by the buffer end keeps a whole multiple of m rows.
         capacity = jnp.clip((n - start) // m * m, 0, block).astype(jnp.int32)
     pos_in_expert = jnp.cumsum(routing_map, axis=0, dtype=jnp.int32) - 1
