@@ -194,6 +194,25 @@ def _ceil_pow2(v):
     return jax.lax.bitcast_convert_type(exp.astype(jnp.uint32), jnp.float32)
 
 
+def _fp8_multiplier_past_flush(amax):
+    """f32 amax > 2^126 -> 448 * fl(1 / amax), bitwise, where fl(1 / amax) is an fp32 subnormal
+    that XLA:CPU flushes to zero: the reciprocal n * 2^-149 rounded to nearest even in integers
+    (common.h's Fp8MultiplierPastFlush). Meaningless elsewhere (callers select it away)."""
+    bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+    m = ((bits & 0x7FFFFF) | 0x800000).astype(jnp.int32)  # amax = m * 2^(e - 150), e in 253, 254
+    numerator = jnp.where(bits >> 23 == 253, jnp.float32(2.0**46), jnp.float32(2.0**45))
+    n = jnp.floor(numerator / m.astype(jnp.float32)).astype(jnp.int32)  # the quotient, +-1
+    # numerator - n * m: the numerator is 0 modulo 2^32 and the remainder below 2^25 in size,
+    # so int32's wrapping product gives it exactly.
+    rem = -(n * m)
+    n, rem = jnp.where(rem < 0, n - 1, n), jnp.where(rem < 0, rem + m, rem)
+    n, rem = jnp.where(rem >= m, n + 1, n), jnp.where(rem >= m, rem - m, rem)
+    n = n + ((2 * rem > m) | ((2 * rem == m) & (n % 2 == 1))).astype(jnp.int32)
+    # 448 * n * 2^-149 = fl(7 * n) * 2^-143, the power of two subtracted from the exponent bits.
+    seven_n = jax.lax.bitcast_convert_type((7 * n).astype(jnp.float32), jnp.uint32)
+    return jax.lax.bitcast_convert_type(seven_n - jnp.uint32(143 << 23), jnp.float32)
+
+
 def _pack_ue8m0(scale_inv):
     """f32[T,G] powers of two -> i32[T,ceil(G/4)], exponent bytes little-endian."""
     num_tokens, groups = scale_inv.shape
@@ -232,7 +251,9 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False):
     Per token and 128 channels: scale_inv = max(1e-4, amax) / 448 (next power of two with
     round_scale), x_fp8 = x * (448 * (1 / amax)), which is what PyTorch computes for DeepEP's
     reference `x * (448.0 / x_amax)` (x * (1 / scale_inv) with round_scale, exact for a power
-    of two). A block holding an inf or NaN is poisoned:
+    of two). Past amax = 2^126, 1 / amax is an fp32 subnormal, rounded to the subnormal grid in
+    integers so XLA:CPU's flush to zero cannot zero the block. A block holding an inf or NaN is
+    poisoned:
     NaN scale_inv (UE8M0 byte 0xff) and NaN codes."""
     num_tokens, hidden = x.shape
     padded = pad_to_fp8_blocks(x)
@@ -246,7 +267,11 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False):
         scale_inv = _ceil_pow2(scale_inv)
     finite = jnp.isfinite(amax)
     scale_inv = jnp.where(finite, scale_inv, jnp.nan)
-    multiplier = 1.0 / scale_inv if round_scale else jnp.float32(FP8_MAX) * (1.0 / amax)
+    if round_scale:
+        multiplier = 1.0 / scale_inv
+    else:
+        multiplier = jnp.where(amax > 2.0**126, _fp8_multiplier_past_flush(amax),
+                               jnp.float32(FP8_MAX) * (1.0 / amax))
     x_fp8 = jnp.where(finite[..., None], blocks * multiplier[..., None],
                       jnp.nan).astype(jnp.float8_e4m3fn)
     scales = _pack_ue8m0(scale_inv) if use_ue8m0 else scale_inv

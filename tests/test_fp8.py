@@ -226,12 +226,38 @@ def test_every_bf16_value_in_random_blocks_matches_reference(rng, round_scale):
     vals = rng.permutation(_finite_bf16_values())
     x = np.pad(vals, (0, -len(vals) % 512)).reshape(-1, 512)
     (q, s), (q_ref, s_ref) = _cast_both(x, round_scale=round_scale)
-    if cuda_contract():
-        # A block with amax above 2^126 has a denormal multiplier 448 * fl(1/amax): XLA:CPU (the
-        # reference) flushes it and every code to zero, the CUDA handlers keep it.
-        q_ref, s_ref = _cast_model(x, round_scale)
-    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), np.asarray(s_ref).view(np.uint32))
-    np.testing.assert_array_equal(codes(q), codes(q_ref))
+    q_model, s_model = _cast_model(x, round_scale)
+    for scales in (s, s_ref):
+        np.testing.assert_array_equal(np.asarray(scales).view(np.uint32), s_model.view(np.uint32))
+    for q_fp8 in (q, q_ref):
+        np.testing.assert_array_equal(codes(q_fp8), q_model)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_blocks_past_2_to_the_126_keep_their_codes(rng, dtype):
+    """amax above 2^126 makes fl(1/amax) an fp32 subnormal, which XLA:CPU flushes to zero: the
+    multiplier 448 * fl(1/amax) is rounded on the subnormal grid in integers instead, so the
+    handler and the reference give IEEE arithmetic's codes (the numpy model), and the cast back
+    is within e4m3's rounding of x. Before, every code of such a block was 0."""
+    T, H = 64, 256
+    top = np.float32(2.0**126).view(np.uint32) + 1
+    most = np.float32(np.finfo(dtype).max).view(np.uint32)  # bf16's: f32's rounds to inf
+    amax_bits = rng.integers(top, most, (T, 2), dtype=np.uint32, endpoint=True)
+    amax = amax_bits.view(np.float32).astype(dtype).astype(np.float32)
+    x = rng.uniform(-1, 1, (T, 2, 128)).astype(np.float32) * amax[..., None]
+    x[:, :, 0] = amax  # the block's amax itself, and a sign
+    x[::2, 1, 0] *= -1
+    x = x.reshape(T, H).astype(dtype)
+    (q, s), (q_ref, s_ref) = _cast_both(x)
+    q_model, s_model = _cast_model(x)
+    assert (q_model != 0).sum() > T * H // 2
+    for q_fp8, scales in ((q, s), (q_ref, s_ref)):
+        np.testing.assert_array_equal(codes(q_fp8), q_model)
+        np.testing.assert_array_equal(np.asarray(scales), s_model)
+        back = np.asarray(ops.per_token_cast_back(q_fp8, scales, dtype=jnp.float32))
+        xf = x.astype(np.float32)
+        block_amax = np.repeat(amax, 128, axis=1)  # e4m3 subnormals: steps of amax / 448 / 2^9
+        np.testing.assert_array_less(np.abs(back - xf), 2.0**-4 * np.abs(xf) + 1e-5 * block_amax)
 
 
 # Scales for the every-code cast back: ordinary, negative, products that are exact bf16 or

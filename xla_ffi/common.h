@@ -114,7 +114,26 @@ JAX_EP_HD float CeilPow2(float v) {
 // power-of-two scale_inv (exact). Not 1 / scale_inv (scale_inv = amax * fl(1/448) is rounded
 // already) nor 448 / amax (DeepEP's CUDA kernels): on bfloat16 inputs either moves about one
 // code in a thousand by one step against the PyTorch reference.
+//
+// Past 2^126, fl(1 / amax) is an fp32 subnormal, which XLA:CPU's threads (and the CUDA emulator
+// on them) flush to zero, zeroing every code of the block. There the reciprocal is rounded to
+// the subnormal grid in integers instead (Fp8MultiplierPastFlush), the same bits as on a GPU.
+JAX_EP_HD float Fp8MultiplierPastFlush(float amax) {
+  // amax = m * 2^(e - 150) with e in {253, 254}, so 1 / amax = n * 2^-149 where n is
+  // 2^(299 - e) / m rounded to nearest even (n <= 2^23: exact in fp32).
+  const uint32_t bits = FloatBits(amax);
+  const uint64_t m = (bits & 0x7fffffu) | 0x800000u;
+  const uint64_t numerator = uint64_t(1) << (299 - int(bits >> 23));
+  const uint64_t rem = numerator % m;
+  uint64_t n = numerator / m;
+  if (2 * rem > m || (2 * rem == m && (n & 1u))) ++n;
+  // 448 * n * 2^-149 = fl(7 * n) * 2^-143, the power of two applied to the exponent bits
+  // (the result is at least 2^-120: normal).
+  return BitsFloat(FloatBits(float(7 * n)) - (143u << 23));
+}
+
 JAX_EP_HD float Fp8Multiplier(float amax, float scale_inv, bool round_scale) {
+  if (!round_scale && amax > 0x1p126f) return Fp8MultiplierPastFlush(amax);
 #if defined(__CUDA_ARCH__)
   return round_scale ? __fdiv_rn(1.0f, scale_inv) : __fmul_rn(kFp8Max, __fdiv_rn(1.0f, amax));
 #else

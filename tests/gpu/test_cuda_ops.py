@@ -574,6 +574,26 @@ def test_fp8_cast(dtype, T, H, round_scale, use_ue8m0):
     _check_fp8_codes(q, q_xla)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_fp8_cast_past_2_to_the_126(dtype):
+    # Blocks with amax in (2^126, max]: 1 / amax is an fp32 subnormal. The CUDA handler, the
+    # CPU handler and the XLA reference all round the multiplier on the subnormal grid in
+    # integers, so none depends on a device's flush to zero; codes and scales bitwise, and
+    # nonzero.
+    rng = np.random.default_rng(126)
+    x = rng.uniform(-1, 1, (33, 384)).astype(np.float32)
+    x *= np.exp2(rng.uniform(126.01, 127.98, (33, 3))).repeat(128, axis=1).astype(np.float32)
+    x = x.astype(dtype)
+    q, s = run(ops.per_token_cast_to_fp8, x)
+    q_cpu, s_cpu = run(ops.per_token_cast_to_fp8, x, on_cpu=True)
+    assert_bitwise(q, q_cpu, "fp8 codes vs CPU handler")
+    assert_bitwise(s, s_cpu, "scales vs CPU handler")
+    q_xla, s_xla = run(ops.per_token_cast_to_fp8, x, impl="xla")
+    assert_bitwise(s, s_xla, "scales vs xla")
+    _check_fp8_codes(q, q_xla)
+    assert (bits(q) & 0x7F).astype(bool).mean() > 0.9
+
+
 @pytest.mark.parametrize("round_scale,use_ue8m0", FP8_MODES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
 def test_fp8_non_finite_block(bad, round_scale, use_ue8m0):
