@@ -1377,6 +1377,24 @@ def test_sinkhorn_matches_megatron_and_balances():
     assert np.isnan(np.asarray(routing.sinkhorn(jnp.full((4, E), jnp.nan)))).all()
 
 
+def test_sinkhorn_of_large_logits_is_the_shifted_rows_sinkhorn():
+    """Sinkhorn's result does not change when a row of logits is shifted (its d0 absorbs the
+    scale), which is how logits past 50 are handled: float32 exp would make d0 subnormal from
+    about 80 on (NaN on XLA:CPU, which flushes it) and overflow past 88.7. Here rows at 80-88
+    and 89-10^4 against float64 Megatron on the same rows shifted down, and rows below 50
+    (unshifted) against float64 Megatron on the logits themselves."""
+    base = np.asarray(jax.random.normal(jax.random.key(3), (32, E)), np.float64) * 2
+    offsets = np.array([0.0, 10.0, 40.0, 82.0, 86.0, 90.0, 150.0, 1e4] * 4)[:, None]
+    logits = (base + offsets).astype(np.float32)
+    got = np.asarray(routing.sinkhorn(jnp.asarray(logits)), np.float64)
+    assert np.isfinite(got).all()
+    want = np_sinkhorn(logits.astype(np.float64) - offsets)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-9)
+    low = np.asarray(routing.sinkhorn(jnp.asarray(logits[offsets[:, 0] < 50])))
+    np.testing.assert_allclose(low, np_sinkhorn(logits[offsets[:, 0] < 50].astype(np.float64)),
+                               rtol=2e-4, atol=1e-9)
+
+
 def test_load_balancing_lists_and_their_coefficients():
     c = _cfg(moe_router_load_balancing_type=["seq_aux_loss", "none", "aux_loss"],
              moe_aux_loss_coeff=[0.5, 0.25, 0.0])

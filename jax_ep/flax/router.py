@@ -109,12 +109,19 @@ def sinkhorn(cost, tol=1e-4):
     """Megatron's sinkhorn: cost [T,E] -> f32[T,E] = d1 * exp(cost) * d0, the row scales d0
     and column scales d1 iterated (Sinkhorn-Knopp, eps 1e-8) until the column scales move by
     less than tol on average (no iteration cap, as Megatron; a NaN stops it). Pushes row sums
-    towards 1/T and column sums towards 1/E. Not differentiated (Megatron runs it under
-    no_grad): the input's gradient is cut."""
-    c = jnp.exp(jax.lax.stop_gradient(cost).astype(jnp.float32))
-    T, E = c.shape
+    towards 1/T and column sums towards 1/E; finite for logits past 80, where Megatron's
+    float32 arithmetic is not (see the row shift below). Not differentiated (Megatron runs it
+    under no_grad): the input's gradient is cut."""
+    cost = jax.lax.stop_gradient(cost).astype(jnp.float32)
+    T, E = cost.shape
     if T == 0:
-        return c
+        return cost
+    # A row's scale is absorbed by its d0, so a row whose largest logit passes 50 is shifted
+    # down to 50: exp stays finite and d0 normal. Unshifted, d0 is an fp32 subnormal from about
+    # 80 on (flushed to 0 on XLA:CPU: NaN scores) and exp overflows past 88.7 (NaN in Megatron
+    # too). Rows below 50 are Megatron's arithmetic exactly.
+    row_max = cost.max(axis=1, keepdims=True)
+    c = jnp.exp(cost - jnp.where(row_max > 50.0, row_max - 50.0, 0.0))
     eps = 1e-8
 
     def step(state):
