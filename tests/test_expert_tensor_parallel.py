@@ -174,6 +174,13 @@ def test_gate_up_layout():
     full = np.random.default_rng(0).standard_normal((3, 5, 24)).astype(np.float32)
     for etp in (1, 2, 3, 4, 6, 12):
         np.testing.assert_array_equal(gate_up_from_etp(gate_up_to_etp(full, etp), etp), full)
+    # etp not a positive int, F not divisible by etp, an odd width: named, not a reshape error
+    for convert in (gate_up_to_etp, gate_up_from_etp):
+        for weight, etp, name in ((w, 0, "etp"), (w, 2.0, "etp"), (w, 3, "w_gate_up"),
+                                  (np.zeros((4, 10)), 4, "w_gate_up"),
+                                  (np.zeros(5), 1, "w_gate_up")):
+            with pytest.raises(ValueError, match=f"^{name}:"):
+                convert(weight, etp)
 
 
 def _np_interleave(w, s):

@@ -22,7 +22,8 @@ from jax_ep import deepep
 from ep_utils import AXIS, ep_mesh, random_routing
 
 NAMES = ("ep_counts", "ep_dispatch", "ep_combine")
-COLLECTIVES = ("all_to_all", "all_gather", "ragged_all_to_all", "psum", "psum_invariant")
+COLLECTIVES = ("all_to_all", "all_gather", "ragged_all_to_all", "psum", "psum_invariant",
+               "reduce_scatter")
 T, H, K, E = 6, 512, 2, 8  # H: FP8 (128) and LogFMT (512) need its multiples
 
 
@@ -211,3 +212,37 @@ def test_all_to_all_single_backward_exchanges_no_counts():
     fn = jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
     jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(fn(x) ** 2)))(x)
     assert sum(_collectives(jaxpr.jaxpr, collections.Counter()).values()) == 3
+
+
+def test_expert_tensor_parallel_collectives_saved_by_the_same_names():
+    """With expert_tensor_parallel_size = 2 the layer's tensor-axis all-gathers (counts, rows)
+    and its reduce-scatter carry the names too: saving them re-runs none of the forward's
+    exchanges (every collective of the forward appears in the backward only as often as in the
+    plain backward)."""
+    from flax import nnx
+
+    from jax_ep.flax import MoEConfig, MoELayer, shard_params
+    mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "tensor"))
+    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_ffn_hidden_size=16,
+                    expert_tensor_parallel_size=2,
+                    token_dispatcher=jax_ep.TokenDispatcherConfig(transport="all_to_all"))
+    layer = MoELayer(cfg, 16, 16, rngs=nnx.Rngs(0), mesh=mesh)
+    shard_params(layer, mesh)
+    graph, state = nnx.split(layer)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (8, T, 16)),
+                       NamedSharding(mesh, P(mesh.axis_names)))
+    counts = {}
+    for policy in (None, jax.checkpoint_policies.save_only_these_names(*NAMES),
+                   jax.checkpoint_policies.nothing_saveable):
+        def loss(state, x):
+            return jnp.sum(nnx.merge(graph, state)(x)[0] ** 2)
+        if policy is not None:
+            loss = jax.checkpoint(loss, policy=policy)
+        with jax.set_mesh(mesh):
+            jaxpr = jax.make_jaxpr(jax.grad(loss))(state, x)
+        found = _collectives(jaxpr.jaxpr, collections.Counter())
+        counts[policy] = {k: found[k] for k in ("all_gather", "all_to_all", "reduce_scatter")}
+    plain, saved, recomputed = counts.values()
+    assert plain["all_gather"] > 1 and plain["reduce_scatter"] == 1, plain
+    assert saved == plain, (saved, plain)
+    assert recomputed["all_gather"] > plain["all_gather"], (recomputed, plain)

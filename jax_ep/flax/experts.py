@@ -14,9 +14,10 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from jax_ep import _ffi, ops
-from jax_ep._checks import check_float, check_float_weights, check_shape
+from jax_ep import _ffi, ops, transport
+from jax_ep._checks import check_float, check_float_weights, check_positive, check_shape
 from jax_ep._index import search
 from jax_ep.flax.activations import SWIGLU
 from jax_ep.flax.moe_config import MoEConfig
@@ -214,17 +215,28 @@ def gate_up_to_etp(w_gate_up, etp):
     up_t: columns t*F/etp ... (t+1)*F/etp - 1 of gate and up; Megatron's per-rank fc1).
     etp=1 leaves it unchanged. F must be divisible by etp. (A non-gated fc1 [..., F] needs no
     conversion: its column shards are the plain split.)"""
-    *lead, width = w_gate_up.shape
-    f = width // (2 * etp)
+    *lead, _ = w_gate_up.shape
+    etp, f = _etp_shard_width(w_gate_up, etp)
     return jnp.swapaxes(w_gate_up.reshape(*lead, 2, etp, f), -3, -2).reshape(w_gate_up.shape)
 
 
 def gate_up_from_etp(w_gate_up, etp):
     """The inverse of `gate_up_to_etp`: [..., 2F] in `etp` column shards [gate_t | up_t] ->
     [gate | up]."""
-    *lead, width = w_gate_up.shape
-    f = width // (2 * etp)
+    *lead, _ = w_gate_up.shape
+    etp, f = _etp_shard_width(w_gate_up, etp)
     return jnp.swapaxes(w_gate_up.reshape(*lead, etp, 2, f), -3, -2).reshape(w_gate_up.shape)
+
+
+def _etp_shard_width(w_gate_up, etp):
+    """(etp, F/etp) for a gated fc1 w_gate_up [..., 2F] split in `etp` column shards, after
+    checking etp is a positive int and 2F a multiple of 2*etp."""
+    etp = check_positive(etp, "etp")
+    shape = jnp.shape(w_gate_up)
+    if not shape or shape[-1] % (2 * etp):
+        raise ValueError(f"w_gate_up: expected a last dimension 2F with F divisible by etp={etp}"
+                         f", got shape {shape}")
+    return etp, shape[-1] // (2 * etp)
 
 
 def _expert_major_order(counts, num_rows):
@@ -257,17 +269,21 @@ def _tensor_parallel(experts, axis, rows, tokens_per_expert, w_gate_up, w_down, 
     reduce-scattered (summed in at least float32, as Megatron's reduce-scatter in the probs'
     dtype) back to each device's own rows -> [N,H] in the rows' dtype. Biases: b_gate_up
     [L, 2F/S] this device's column shard (fc1's layout), b_down [L,H] added once, after the
-    reduction (Megatron's row-parallel fc2)."""
+    reduction (Megatron's row-parallel fc2). The gathers and the reduce-scatter carry the
+    exchanges' remat names (ep_counts, ep_dispatch, ep_combine)."""
     n, h = rows.shape
-    counts = jax.lax.all_gather(tokens_per_expert, axis)  # [S, L]
+    counts = checkpoint_name(jax.lax.all_gather(tokens_per_expert, axis),  # [S, L]
+                             transport.COUNTS_NAME)
     dst = _expert_major_order(counts, n)
     src = jnp.zeros_like(dst).at[dst].set(jnp.arange(dst.shape[0], dtype=dst.dtype),
                                            unique_indices=True)
-    gathered = jax.lax.all_gather(rows, axis).reshape(-1, h)
-    out = experts(gathered[src], counts.sum(axis=0), w_gate_up, w_down, b_gate_up=b_gate_up)
+    gathered = checkpoint_name(jax.lax.all_gather(rows, axis), transport.DISPATCH_NAME)
+    out = experts(gathered.reshape(-1, h)[src], counts.sum(axis=0), w_gate_up, w_down,
+                  b_gate_up=b_gate_up)
     partial = out[dst].astype(jnp.promote_types(out.dtype, jnp.float32)).reshape(
         counts.shape[0], n, h)
-    summed = jax.lax.psum_scatter(partial, axis, scatter_dimension=0)
+    summed = checkpoint_name(jax.lax.psum_scatter(partial, axis, scatter_dimension=0),
+                             transport.COMBINE_NAME)
     return _add_group_bias(b_down, tokens_per_expert, summed).astype(rows.dtype)
 
 

@@ -770,7 +770,7 @@ class MoELayer(_RouterState, nnx.Module):
             y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
             dropped = state.num_dropped
         if latent is not None:
-            y = _linear(y, latent[1], latent[3])
+            y = _latent_up(y, latent)
         if shared is not None:
             y = y + _shared_expert(tokens, shared, cfg.gated_activation(shared=True))
         counts = _tokens_per_expert(ids, valid, cfg)
@@ -1123,6 +1123,16 @@ def _rows_across_nodes(ids, num_experts, axes):
     own_ranks = num_ranks // num_nodes
     on_own_node = jax.lax.dynamic_slice_in_dim(per_rank, node * own_ranks, own_ranks).sum()
     return per_node.sum() - per_node[node], per_rank.sum() - on_own_node
+
+
+def _latent_up(y, latent):
+    """The combined rows y [T, moe_latent_size] projected back to the hidden size: [T,H]. With
+    no token (T = 0) the projection is not built: its weight gradient y^T dy would be a
+    shard_map body of constants only, which XLA's Shardy pass cannot compile; the weights'
+    gradient is zero either way."""
+    if y.shape[0] == 0:
+        return jnp.zeros((0, latent[1].shape[1]), jnp.result_type(y, latent[1]))
+    return _linear(y, latent[1], latent[3])
 
 
 def _tensor_axis(tensor_axis, etp, mesh, other_axes):
