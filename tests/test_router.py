@@ -635,8 +635,9 @@ def _megatron_scores_f64(logits, score_function):
                                                  ("sqrtsoftplus", -150.0)])
 def test_router_gradients_stay_finite_for_very_negative_logits(score_function, low):
     """A token whose top-k logits are all very negative: the renormalised probs' gradient is
-    Megatron's float64 one (it was -inf: JAX's quotient rule squares a row sum of ~5e-20), and
-    sqrt(softplus) keeps a finite slope where float32 softplus underflows (it was NaN)."""
+    Megatron's float64 one (it was -inf: JAX's quotient rule squares a row sum of ~5e-20), at
+    first and second order, and sqrt(softplus) keeps a finite slope where float32 softplus
+    underflows (it was NaN)."""
     logits = jnp.array([[low, low - 1, low - 2, low - 3], [1.0, 0.5, -0.5, 0.0]], jnp.float32)
     cot = jnp.array([[1.0, 2.0], [0.5, -1.0]], jnp.float32)
 
@@ -645,13 +646,21 @@ def test_router_gradients_stay_finite_for_very_negative_logits(score_function, l
             logits, 2, score_function=score_function, dense_output=True)
         return jnp.sum(probs * cot)
     got = jax.grad(loss)(logits)
+    v = jnp.array([[1.0, -2.0, 0.5, 3.0], [0.3, 1.0, -1.0, 2.0]], jnp.float32)
+    got_hvp = jax.jvp(jax.grad(loss), (logits,), (v,))[1]  # Hessian-vector product
     with jax.enable_x64(True):
         def loss64(logits):  # the top 2 are columns 0 and 1 in both rows
             top = _megatron_scores_f64(logits, score_function)[:, :2]
             return jnp.sum(top / (top.sum(axis=-1, keepdims=True) + 1e-20) * cot)
-        want = np.asarray(jax.grad(loss64)(jnp.asarray(logits, jnp.float64)))
+        logits64 = jnp.asarray(logits, jnp.float64)
+        want = np.asarray(jax.grad(loss64)(logits64))
+        want_hvp = np.asarray(jax.jvp(jax.grad(loss64), (logits64,),
+                                      (jnp.asarray(v, jnp.float64),))[1])
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
+    # second order too (the quotient rule's squared row sum overflowed there: NaN)
+    np.testing.assert_allclose(np.asarray(got_hvp), want_hvp, rtol=1e-4,
+                               atol=1e-6 * np.abs(want_hvp).max())
     # the aux-loss scores over all E: one very negative logit in a batch
     aux_logits = logits.at[1, 3].set(low)
     aux = jax.grad(lambda l: routing.compute_routing_scores_for_aux_loss(
