@@ -117,7 +117,8 @@ def parse_args(argv=None):
                         "--aux-loss-coeff 0)")
     p.add_argument("--aux-loss-coeff", type=float, default=1e-2, help="moe_aux_loss_coeff")
     p.add_argument("--z-loss-coeff", type=float, default=None, help="moe_z_loss_coeff")
-    p.add_argument("--apply-probs-on-input", action="store_true",
+    p.add_argument("--apply-probs-on-input", default=False,
+                   action=argparse.BooleanOptionalAction,
                    help="moe_apply_probs_on_input: the probs scale the experts' input (--topk 1)")
     p.add_argument("--shared-expert-gate", action="store_true",
                    help="moe_shared_expert_gate: the shared expert's output times a sigmoid gate")
@@ -125,7 +126,7 @@ def parse_args(argv=None):
                    help="moe_latent_size: the experts (and the wire) in this width")
     p.add_argument("--input-jitter-eps", type=float, default=None,
                    help="moe_input_jitter_eps: the router's input times uniform [1-eps, 1+eps]")
-    p.add_argument("--expert-bias", action="store_true",
+    p.add_argument("--expert-bias", default=False, action=argparse.BooleanOptionalAction,
                    help="aux-loss-free balancing (moe_router_enable_expert_bias; needs "
                         "--score-function sigmoid), updated once per step")
     p.add_argument("--bias-update-rate", type=float, default=1e-3,
@@ -166,7 +167,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
-    p.add_argument("--data-parallel", type=int, default=2, help="size of the 'data' axis")
+    p.add_argument("--data-parallel", type=int, default=None,
+                   help="size of the 'data' axis (default 2 where it divides the devices, "
+                        "else 1)")
     p.add_argument("--gpu", action="store_true", help="run on the local GPUs")
     p.add_argument("--nodes", type=int, default=None,
                    help="split the expert axis into ('node', 'local') with this many nodes "
@@ -194,7 +197,7 @@ def parse_args(argv=None):
         p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
     for flag in ("steps", "batch", "seq", "d_model", "layers", "heads", "experts", "topk",
-                 "ffn", "devices", "local_devices"):
+                 "ffn", "devices", "local_devices", "data_parallel"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')}: expected an int >= 1, got {value}")
@@ -213,6 +216,8 @@ def parse_args(argv=None):
         p.error(f"--etp: expected 1, or an int > 1 without --nodes, got {args.etp}")
     if args.save_every < 0:
         p.error(f"--save-every: expected a step count >= 0, got {args.save_every}")
+    if args.nodes is not None and args.nodes < 0:
+        p.error(f"--nodes: expected an int >= 0 (0: one node), got {args.nodes}")
     return args
 
 
@@ -263,35 +268,38 @@ def build_model(args, mesh, jax):
     import jax_ep
     from jax_ep.flax import MoEConfig, MoELayer
 
-    config = MoEConfig(
-        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn,
-        moe_shared_expert_intermediate_size=(args.ffn // 2 if args.shared_ffn is None
-                                             else args.shared_ffn or None),
-        moe_expert_capacity_factor=args.capacity_factor,
-        moe_pad_expert_input_to_capacity=args.pad_to_capacity, moe_router_dtype="fp32",
-        moe_router_score_function=args.score_function,
-        moe_router_load_balancing_type=args.load_balancing,
-        moe_aux_loss_coeff=args.aux_loss_coeff, moe_z_loss_coeff=args.z_loss_coeff,
-        moe_router_enable_expert_bias=args.expert_bias,
-        moe_router_bias_update_rate=args.bias_update_rate,
-        moe_router_num_groups=args.router_num_groups,
-        moe_router_group_topk=args.router_group_topk,
-        moe_router_topk_scaling_factor=args.topk_scaling_factor,
-        moe_router_force_load_balancing=args.force_load_balancing,
-        moe_router_force_biased=args.force_biased,
-        expert_tensor_parallel_size=args.etp, activation_func=args.activation,
-        gated_linear_unit=args.gated_linear_unit, add_bias_linear=args.add_bias_linear,
-        moe_apply_probs_on_input=args.apply_probs_on_input,
-        moe_shared_expert_gate=args.shared_expert_gate,
-        moe_input_jitter_eps=args.input_jitter_eps, moe_latent_size=args.latent_size,
-        glu_linear_offset=args.glu_linear_offset,
-        activation_func_clamp_value=args.activation_clamp,
-        moe_mlp_glu_interleave_size=args.glu_interleave_size,
-        token_dispatcher=jax_ep.TokenDispatcherConfig(
-            moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
-            grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,
-            transport=args.transport, dropless_buffer_factor=args.dropless_buffer_factor,
-            expert_axis_name=EXPERT_AXES if args.nodes else "expert"))
+    try:
+        config = MoEConfig(
+            num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn,
+            moe_shared_expert_intermediate_size=(args.ffn // 2 if args.shared_ffn is None
+                                                 else args.shared_ffn or None),
+            moe_expert_capacity_factor=args.capacity_factor,
+            moe_pad_expert_input_to_capacity=args.pad_to_capacity, moe_router_dtype="fp32",
+            moe_router_score_function=args.score_function,
+            moe_router_load_balancing_type=args.load_balancing,
+            moe_aux_loss_coeff=args.aux_loss_coeff, moe_z_loss_coeff=args.z_loss_coeff,
+            moe_router_enable_expert_bias=args.expert_bias,
+            moe_router_bias_update_rate=args.bias_update_rate,
+            moe_router_num_groups=args.router_num_groups,
+            moe_router_group_topk=args.router_group_topk,
+            moe_router_topk_scaling_factor=args.topk_scaling_factor,
+            moe_router_force_load_balancing=args.force_load_balancing,
+            moe_router_force_biased=args.force_biased,
+            expert_tensor_parallel_size=args.etp, activation_func=args.activation,
+            gated_linear_unit=args.gated_linear_unit, add_bias_linear=args.add_bias_linear,
+            moe_apply_probs_on_input=args.apply_probs_on_input,
+            moe_shared_expert_gate=args.shared_expert_gate,
+            moe_input_jitter_eps=args.input_jitter_eps, moe_latent_size=args.latent_size,
+            glu_linear_offset=args.glu_linear_offset,
+            activation_func_clamp_value=args.activation_clamp,
+            moe_mlp_glu_interleave_size=args.glu_interleave_size,
+            token_dispatcher=jax_ep.TokenDispatcherConfig(
+                moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
+                grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,
+                transport=args.transport, dropless_buffer_factor=args.dropless_buffer_factor,
+                expert_axis_name=EXPERT_AXES if args.nodes else "expert"))
+    except ValueError as error:  # flags the config refuses together: named, no traceback
+        raise SystemExit(f"train_moe.py: {error}") from None
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -360,9 +368,15 @@ def train(args):
     from jax_ep.flax import shard_state
 
     devices = jax.devices()
-    data = args.data_parallel if len(devices) % args.data_parallel == 0 else 1
     if args.gpu:
         data = 1
+    elif args.data_parallel is None:
+        data = 2 if len(devices) % 2 == 0 else 1
+    elif len(devices) % args.data_parallel:
+        raise SystemExit(f"--data-parallel {args.data_parallel} does not divide the "
+                         f"{len(devices)} devices")
+    else:
+        data = args.data_parallel
     # Auto axes: pjit style, XLA propagates the batch sharding through the dense layers.
     experts = len(devices) // data
     if args.nodes:
@@ -398,13 +412,21 @@ def train(args):
               + (f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""))
 
     corpus = np.frombuffer(stdlib_corpus(), np.uint8)
+    if args.seq + 1 >= len(corpus):
+        raise SystemExit(f"--seq {args.seq}: the corpus has {len(corpus)} bytes, a sequence "
+                         f"needs at most {len(corpus) - 2}")
     rng = np.random.default_rng(args.seed)
     model = build_model(args, mesh, jax)
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
     # Parameters and optimizer state where train_step returns them: one compile for all steps.
     shard_state(model, optimizer, mesh)
-    checkpoints = Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
+    checkpoints = (Checkpoints(args.checkpoint_dir, resume=args.resume,
+                               model_flags={flag: getattr(args, flag) for flag in MODEL_FLAGS})
+                   if args.checkpoint_dir else None)
     first_step = checkpoints.restore(model, optimizer, rng) if args.resume else 0
+    if first_step >= args.steps:
+        raise SystemExit(f"--steps {args.steps}: the checkpoint in {args.checkpoint_dir} is at "
+                         f"step {first_step} already")
     if is_main and args.resume:
         print(f"resumed from {args.checkpoint_dir} at step {first_step}")
     batch_sharding = NamedSharding(mesh, P(token_axes))
@@ -488,43 +510,78 @@ def train(args):
     return records
 
 
+# The flags the model's parameters (their shapes, their layout, what they mean) depend on: a
+# checkpoint records them, and --resume refuses a run that changes one.
+MODEL_FLAGS = ("experts", "topk", "d_model", "ffn", "shared_ffn", "layers", "heads", "seq",
+               "etp", "latent_size", "gated_linear_unit", "glu_interleave_size",
+               "add_bias_linear", "activation", "glu_linear_offset", "activation_clamp",
+               "score_function", "expert_bias", "router_num_groups", "router_group_topk",
+               "topk_scaling_factor", "apply_probs_on_input", "shared_expert_gate",
+               "load_balancing")
+
+
 class Checkpoints:
     """Orbax checkpoints of a training run in `directory`, one per saved step: all nnx state of
     the model (parameters and non-trainable variables such as an expert bias) and of the
-    optimizer, sharded as they are on the mesh, plus the data position (the batch sampler's
-    RNG state and the number of steps done) as JSON."""
+    optimizer, sharded as they are on the mesh, plus as JSON the data position (the batch
+    sampler's RNG state and the number of steps done) and `model_flags` (the MODEL_FLAGS'
+    values: restore refuses a checkpoint saved with others). Without `resume` the directory
+    must hold no checkpoint (orbax would skip every step up to its latest)."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, *, resume=False, model_flags=None):
         import orbax.checkpoint as ocp
         self._ocp = ocp
-        self.manager = ocp.CheckpointManager(Path(directory).absolute(),
-                                             item_names=("state", "data"))
+        directory = Path(directory).absolute()
+        if resume and not directory.is_dir():
+            raise SystemExit(f"--resume: no checkpoint directory {directory}")
+        self.model_flags = dict(model_flags or {})
+        self.manager = ocp.CheckpointManager(directory, item_names=("state", "data"))
+        latest = self.manager.latest_step()
+        if not resume and latest is not None:
+            raise SystemExit(f"--checkpoint-dir {directory}: holds an earlier run's checkpoints "
+                             f"(up to step {latest}); --resume continues it, or use an empty "
+                             f"directory")
 
     def save(self, steps_done, model, optimizer, rng):
         from flax import nnx
         ocp = self._ocp
         state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-        data = {"steps_done": steps_done, "sampler": rng.bit_generator.state}
-        self.manager.save(steps_done, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)))
+        data = {"steps_done": steps_done, "sampler": rng.bit_generator.state,
+                "model_flags": self.model_flags}
+        if not self.manager.save(steps_done, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data))):
+            raise RuntimeError(f"orbax saved no checkpoint at step {steps_done} in "
+                               f"{self.manager.directory}")
 
     def restore(self, model, optimizer, rng):
         """Loads the latest checkpoint into model, optimizer and rng (each array with the
-        sharding it has now); returns the number of steps done."""
+        sharding it has now); returns the number of steps done. A run whose MODEL_FLAGS differ
+        from the checkpoint's is refused, naming them."""
         import jax
         from flax import nnx
         ocp = self._ocp
         latest = self.manager.latest_step()
         if latest is None:
             raise SystemExit(f"--resume: no checkpoint in {self.manager.directory}")
+        data = self.manager.restore(latest, args=ocp.args.Composite(
+            data=ocp.args.JsonRestore())).data
+        saved = data.get("model_flags", {})
+        changed = [flag for flag in sorted(set(saved) | set(self.model_flags))
+                   if saved.get(flag) != self.model_flags.get(flag)]
+        if changed:
+            def flags(values):
+                return " ".join(f"--{flag.replace('_', '-')} {values.get(flag)}"
+                                for flag in changed)
+            raise SystemExit(f"--resume: the checkpoint at step {latest} was saved with "
+                             f"{flags(saved)}; this run has {flags(self.model_flags)}")
         target = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         restored = self.manager.restore(latest, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(abstract)))
         nnx.update(model, restored.state["model"])
         nnx.update(optimizer, restored.state["optimizer"])
-        rng.bit_generator.state = restored.data["sampler"]
-        return int(restored.data["steps_done"])
+        rng.bit_generator.state = data["sampler"]
+        return int(data["steps_done"])
 
     def close(self):
         self.manager.wait_until_finished()

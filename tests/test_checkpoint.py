@@ -84,9 +84,57 @@ def test_checkpoint_flags_are_checked(train_moe, tmp_path, capsys):
         with pytest.raises(SystemExit):
             train_moe.parse_args(argv)
         assert "--" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="--resume: no checkpoint in"):
         train_moe.train(train_moe.parse_args(
             SMALL + ["--steps", "1", "--checkpoint-dir", str(tmp_path / "empty"), "--resume"]))
+    with pytest.raises(SystemExit, match="--resume: no checkpoint directory"):
+        train_moe.train(train_moe.parse_args(
+            SMALL + ["--steps", "1", "--checkpoint-dir", str(tmp_path / "none"), "--resume"]))
+    assert not (tmp_path / "none").exists()
+
+
+def test_resume_refuses_another_model_and_a_fresh_run_a_used_directory(train_moe, tmp_path):
+    """A checkpoint records the flags its model depends on: --resume with a different one is
+    refused by name, before any array is read (a different ETP layout or GLU interleave has
+    the same shapes and restored as scrambled weights; other flags failed deep in orbax). A
+    run without --resume into a directory holding checkpoints is refused (orbax skipped every
+    save up to the old latest step, silently), and so is --resume with --steps already done."""
+    directory = str(tmp_path / "ck")
+
+    def run(steps, *extra):
+        return train_moe.train(train_moe.parse_args(
+            SMALL + ["--steps", str(steps), "--checkpoint-dir", directory, "--out",
+                     str(tmp_path / "out"), *extra]))
+    run(2)
+    for extra, message in (
+            (["--etp", "2"], "saved with --etp 1; this run has --etp 2"),
+            (["--glu-interleave-size", "4"],
+             "saved with --glu-interleave-size None; this run has --glu-interleave-size 4"),
+            (["--experts", "16", "--layers", "2"],
+             "saved with --experts 8 --layers 1; this run has --experts 16 --layers 2")):
+        with pytest.raises(SystemExit, match=message):
+            run(3, "--resume", *extra)
+    with pytest.raises(SystemExit, match="holds an earlier run's checkpoints .up to step 2."):
+        run(3)
+    with pytest.raises(SystemExit, match="--steps 2: the checkpoint .* is at step 2 already"):
+        run(2, "--resume")
+    assert [r["step"] for r in run(3, "--resume", "--lr", "1e-3")] == [2]  # same model
+
+
+def test_preset_switches_turn_off_and_refused_combinations_are_named(train_moe, tmp_path):
+    # A preset's on/off flags can be turned off; flags MoEConfig refuses together end the run
+    # with its message (naming the field), as does a --data-parallel not dividing the devices.
+    args = train_moe.parse_args(["--preset", "llama4-scout-tiny", "--topk", "2",
+                                 "--no-apply-probs-on-input"])
+    assert not args.apply_probs_on_input and args.topk == 2
+    assert not train_moe.parse_args(["--preset", "deepseek-v3-tiny", "--no-expert-bias"]
+                                    ).expert_bias
+    out = ["--steps", "1", "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match="moe_router_enable_expert_bias"):
+        train_moe.train(train_moe.parse_args(SMALL + out + ["--expert-bias"]))
+    with pytest.raises(SystemExit, match="--data-parallel 3 does not divide the 8 devices"):
+        train_moe.train(train_moe.parse_args(SMALL + out + ["--data-parallel", "3"]))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -95,7 +143,9 @@ def test_checkpoint_flags_are_checked(train_moe, tmp_path, capsys):
     (["--steps", "-1"], "--steps: expected an int >= 1, got -1"),
     (["--devices", "0"], "--devices: expected an int >= 1, got 0"),
     (["--local-devices", "0"], "--local-devices: expected an int >= 1, got 0"),
-    (["--heads", "3"], "--heads: expected a divisor of --d-model 64, got 3")])
+    (["--heads", "3"], "--heads: expected a divisor of --d-model 64, got 3"),
+    (["--data-parallel", "0"], "--data-parallel: expected an int >= 1, got 0"),
+    (["--nodes", "-1"], "--nodes: expected an int >= 0 (0: one node), got -1")])
 def test_size_flags_are_checked(train_moe, capsys, argv, message):
     with pytest.raises(SystemExit):
         train_moe.parse_args(argv)
@@ -136,7 +186,8 @@ def test_checkpoints_keep_non_trainable_state_rng_and_shardings(train_moe, tmp_p
     model.rngs.dropout()  # advances the key's count
     optimizer.step[...] = optimizer.step[...] + 3
     fresh = np.random.default_rng(0)
-    assert train_moe.Checkpoints(tmp_path / "ck").restore(model, optimizer, fresh) == 4
+    assert train_moe.Checkpoints(tmp_path / "ck", resume=True).restore(model, optimizer,
+                                                                       fresh) == 4
     for k, v in nnx.to_flat_state(nnx.state(model)):
         got = np.asarray(jax.random.key_data(v[...]) if k[-1] == "key" else v[...])
         np.testing.assert_array_equal(got, saved[k], err_msg=str(k))
