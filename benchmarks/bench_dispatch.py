@@ -57,23 +57,32 @@ def parse_args(argv=None):
     common.add_ep_args(p)
     p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity factor")
     p.add_argument("--routings", default="uniform,skewed",
+                   type=common.comma_list(choices=("uniform", "skewed")),
                    help="comma list of routings: uniform (every expert equally likely), "
                         "skewed (expert e picked ~ 1/(e+1)^zipf)")
-    p.add_argument("--ll-tokens", type=int, default=64,
+    p.add_argument("--ll-tokens", type=common.non_negative_int, default=64,
                    help="tokens per rank = num_max_dispatch_tokens_per_rank of the "
                         "low-latency runs (0: skip them)")
     p.add_argument("--fp8-modes", default="deepep,alltoall,hybridep",
+                   type=common.comma_list(choices=("deepep", "alltoall", "hybridep")),
                    help="comma list of the modes timed bf16 vs use_fp8=True (forward and "
                         "forward+backward, the first routing); '' skips")
     p.add_argument("--transport", choices=["peer", "all_to_all"], default=None,
                    help="run only the transport comparison (benchmarks/bench_transport.py): "
                         "deepep dispatch + combine on all_to_all and peer, with a memcpy roof")
     p.add_argument("--hiddens", default="7168,2048",
+                   type=common.comma_list(common.positive_int),
                    help="comma list of hidden sizes of the --transport comparison")
     p.add_argument("--modes", default="all",
                    help="comma list of mode name prefixes (sort_a2a, gshard, deepep, "
                         "alltoall, hybridep) or 'all'")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    common.check_ep_args(p, a)
+    if not a.routings:
+        p.error("--routings: expected at least one routing")
+    if a.transport and not a.hiddens:
+        p.error("--hiddens: expected at least one hidden size")
+    return a
 
 
 def traffic(idx, a, tokens, ll=False):
@@ -266,8 +275,7 @@ def build_fp8_modes(a):
             return jax_ep.combine((rx * rw.sum(axis=1)[:, None]).astype(x.dtype), h)[0]
         return run
 
-    return {(m, fp8): body(m, fp8) for m in a.fp8_modes.split(",") if m
-            for fp8 in (False, True)}
+    return {(m, fp8): body(m, fp8) for m in a.fp8_modes for fp8 in (False, True)}
 
 
 def fp8_traffic(tr, a):
@@ -431,8 +439,6 @@ def main(argv=None):
         return bench_transport.run(a)
     if a.hidden % 128:
         sys.exit("--hidden must be a multiple of 128 (the FP8 low-latency mode needs it)")
-    if a.experts % a.ranks:
-        sys.exit("--experts must be a multiple of --ranks")
     common.force_cpu_devices(a.ranks)
     print(f"host heap: {common.keep_host_heap(not a.glibc_heap_defaults)}")
     import jax
@@ -446,7 +452,11 @@ def main(argv=None):
     dtype = jnp.dtype(a.dtype)
     modes = build_modes(a)
     if a.modes != "all":
-        wanted = [m.strip() for m in a.modes.split(",")]
+        wanted = [m.strip() for m in a.modes.split(",") if m.strip()]
+        unmatched = [m for m in wanted if not any(k.startswith(m) for k in modes)]
+        if unmatched or not wanted:
+            sys.exit(f"--modes: {unmatched or a.modes!r} names no mode, expected prefixes of "
+                     f"{list(modes)} or 'all'")
         modes = {k: v for k, v in modes.items() if any(k.startswith(m) for m in wanted)}
     baseline = "sort_a2a (baseline)"
     print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind} "
@@ -463,7 +473,7 @@ def main(argv=None):
 
     results = {"config": vars(a), "routings": {}}
     markdown = []
-    for r_i, kind in enumerate(a.routings.split(",")):
+    for r_i, kind in enumerate(a.routings):
         rng = np.random.default_rng(a.seed + r_i)
         idx, w = common.make_routing(rng, a.ranks * a.tokens, a.topk, a.experts, kind, a.zipf)
         x = rng.standard_normal((a.ranks * a.tokens, a.hidden)).astype(np.float32)
@@ -521,7 +531,7 @@ def main(argv=None):
     # -- FP8 on the wire, normal modes: bf16 vs use_fp8=True, forward and forward+backward
     fp8_modes = build_fp8_modes(a)
     if fp8_modes:
-        kind = a.routings.split(",")[0]
+        kind = a.routings[0]
         rng = np.random.default_rng(a.seed)
         idx, w = common.make_routing(rng, a.ranks * a.tokens, a.topk, a.experts, kind, a.zipf)
         x = rng.standard_normal((a.ranks * a.tokens, a.hidden)).astype(np.float32)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from benchmarks import common
 
@@ -30,9 +29,13 @@ def parse_args(argv=None):
     """The shared problem options (common.add_ep_args) plus --nodes."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_ep_args(p)
-    p.add_argument("--nodes", type=int, default=2,
+    p.add_argument("--nodes", type=common.positive_int, default=2,
                    help="N: the ranks as a ('node', 'local') = (N, P/N) pair")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    common.check_ep_args(p, a)
+    if a.ranks % a.nodes:
+        p.error(f"--nodes: expected a divisor of --ranks {a.ranks}, got {a.nodes}")
+    return a
 
 
 def node_limited_routing(rng, num_tokens, top_k, num_experts, num_groups, group_topk):
@@ -234,10 +237,6 @@ def cost_model(a, tokens=4096, hidden=7168, local=8):
 def main(argv=None):
     """Checks the shape options, emulates a.ranks CPU devices and runs the benchmark."""
     a = parse_args(argv)
-    if a.experts % a.ranks:
-        sys.exit("--experts must be a multiple of --ranks")
-    if a.nodes < 1 or a.ranks % a.nodes:
-        sys.exit("--nodes must divide --ranks")
     common.force_cpu_devices(a.ranks)
     print(f"host heap: {common.keep_host_heap(not a.glibc_heap_defaults)}")
     return run(a)

@@ -64,6 +64,7 @@ from functools import partial
 from benchmarks import common
 
 BACKENDS = ("deepep", "deepep:ragged_dot", "alltoall", "hybridep", "hybridep-compact")
+BACKENDS_NAMES = ("deepep", "uccl_ep", "alltoall", "hybridep", "hybridep-compact", "gshard")
 # Router options (MoEConfig fields) timed as "router NAME" rows on the deepep backend.
 ROUTERS = {
     "plain": dict(moe_router_load_balancing_type="none"),
@@ -80,38 +81,63 @@ ROUTERS = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=64, help="tokens per device")
+    p.add_argument("--tokens", type=common.positive_int, default=64, help="tokens per device")
     p.add_argument("--glibc-heap-defaults", action="store_true",
                    help="leave glibc malloc as it is (default: keep freed host memory mapped, "
                         "see common.keep_host_heap)")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--ffn", type=int, default=128, help="expert FFN hidden size F")
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--data", type=int, default=2, help="size of the data mesh axis")
-    p.add_argument("--expert-parallel", type=int, default=4, help="size of the expert axis")
+    p.add_argument("--hidden", type=common.positive_int, default=128)
+    p.add_argument("--ffn", type=common.positive_int, default=128, help="expert FFN hidden size F")
+    p.add_argument("--experts", type=common.positive_int, default=64)
+    p.add_argument("--topk", type=common.positive_int, default=8)
+    p.add_argument("--data", type=common.positive_int, default=2,
+                   help="size of the data mesh axis")
+    p.add_argument("--expert-parallel", type=common.positive_int, default=4,
+                   help="size of the expert axis")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity")
     p.add_argument("--buffer-factor", type=float, default=1.25,
                    help="dropless_buffer_factor of the @bounded rows")
-    p.add_argument("--backends", default=",".join(BACKENDS) + ",gshard")
-    p.add_argument("--tile-rows", default="64",
+    p.add_argument("--backends", default=",".join(BACKENDS) + ",gshard",
+                   type=common.comma_list(_backend),
+                   help="comma list of rows: gshard, or a backend (deepep, uccl_ep, alltoall, "
+                        "hybridep, hybridep-compact) with an optional @cap, @cap+pad or "
+                        "@bounded and an optional :IMPL grouped GEMM (deepep@bounded:tiled)")
+    p.add_argument("--tile-rows", default="64", type=common.comma_list(common.positive_int),
                    help="comma-separated tile sizes of the experts-only tiled GEMM rows")
     p.add_argument("--no-experts-only", action="store_true",
                    help="skip the experts-only rows (ragged_dot's is slow at large E)")
     p.add_argument("--peer", default="", choices=["", "maxtext"],
                    help="also time this peer's MoE layer side by side")
-    p.add_argument("--routers", default="",
+    p.add_argument("--routers", default="", type=common.comma_list(choices=ROUTERS),
                    help=f"comma-separated router options to time, of {', '.join(ROUTERS)}")
-    p.add_argument("--seq-len", type=int, default=16,
+    p.add_argument("--seq-len", type=common.positive_int, default=16,
                    help="tokens per sequence (the seq_aux router's sequences)")
     p.add_argument("--parts", action="store_true",
                    help="also time the deepep step's parts (prefixes of the step, see above)")
     p.add_argument("--baseline", default="gshard", help="row the speedup column divides by")
-    p.add_argument("--iters", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=common.positive_int, default=7)
+    p.add_argument("--warmup", type=common.non_negative_int, default=2)
     p.add_argument("--out", default="benchmarks/out")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.topk > a.experts:
+        p.error(f"--topk: expected at most --experts {a.experts}, got {a.topk}")
+    if a.experts % a.expert_parallel:
+        p.error(f"--experts: expected a multiple of --expert-parallel {a.expert_parallel}, "
+                f"got {a.experts}")
+    return a
+
+
+def _backend(text):
+    """argparse type of one --backends entry: NAME[@VARIANT][:IMPL], checked."""
+    name, _, impl = text.partition(":")
+    name, _, variant = name.partition("@")
+    if name not in BACKENDS_NAMES or variant not in ("", "cap", "cap+pad", "bounded") or (
+            impl not in ("", "auto", "ffi", "tiled", "blocks", "ragged_dot")) or (
+            name == "gshard" and (variant or impl)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected gshard or NAME[@cap|@cap+pad|@bounded][:IMPL] with NAME one "
+            f"of {BACKENDS_NAMES[:-1]} and IMPL one of auto, ffi, tiled, blocks, ragged_dot")
+    return text
 
 
 def gshard_layer(a, num_ranks):
@@ -288,10 +314,7 @@ def main(argv=None):
         if router is not None:
             cfg = MoEConfig(num_moe_experts=a.experts, moe_router_topk=a.topk,
                             moe_router_dtype="fp32", token_dispatcher=cfg, **ROUTERS[router])
-        elif variant and not bounded:
-            if variant not in ("cap", "cap+pad"):
-                raise SystemExit(f"--backends: {backend!r}: expected @cap, @cap+pad or "
-                                 f"@bounded")
+        elif variant and not bounded:  # --backends' type checked the variant
             cfg = MoEConfig(num_moe_experts=a.experts, moe_router_topk=a.topk,
                             token_dispatcher=cfg, moe_expert_capacity_factor=a.capacity_factor,
                             moe_pad_expert_input_to_capacity=variant == "cap+pad")
@@ -300,7 +323,7 @@ def main(argv=None):
         return shard_params(layer, mesh)
 
     results = {"config": vars(a), "num_tokens": num_tokens, "runs": {}}
-    wanted = [b.strip() for b in a.backends.split(",")]
+    wanted = list(a.backends)
     if a.peer == "maxtext":
         from benchmarks import peer_maxtext
         missing = peer_maxtext.missing()
@@ -308,11 +331,10 @@ def main(argv=None):
             print(f"--peer maxtext: skipped, {missing}")
         else:
             wanted += ["maxtext dense dropless", f"maxtext capacity {a.capacity_factor:g}"]
-    routers = [r.strip() for r in a.routers.split(",") if r.strip()]
-    unknown = sorted(set(routers) - set(ROUTERS))
-    if unknown:
-        raise SystemExit(f"--routers: unknown {unknown}, expected some of {list(ROUTERS)}")
-    wanted += [f"router {r}" for r in routers]
+    wanted += [f"router {r}" for r in a.routers]
+    if a.baseline not in wanted and not a.baseline.startswith("experts only"):
+        raise SystemExit(f"--baseline {a.baseline!r}: not a row of this run, expected one of "
+                         f"{wanted} (or an experts-only row)")
     calls, extras = {}, {}
     for backend in wanted:
         mesh_context = partial(jax.set_mesh, mesh)  # (jax.set_mesh(m) alone sets it for good)
@@ -385,7 +407,7 @@ def main(argv=None):
                                             dtype), NamedSharding(mesh, spec))
     gemms = [] if a.no_experts_only else (
         [("ragged_dot", None), ("ffi", None), ("blocks", None)]
-        + [("tiled", int(t)) for t in a.tile_rows.split(",") if t])
+        + [("tiled", t) for t in a.tile_rows])
     experts_only = []
     for impl, tile_rows in gemms:
         experts_fn = jax.shard_map(partial(experts_loss, impl=impl, tile_rows=tile_rows),
@@ -469,7 +491,7 @@ def main(argv=None):
             ["up to and including", "prefix ms", "part ms", "share of the step",
              "peak MiB/dev"], prows)
     plain = runs.get("router plain", {}).get("median_s")
-    if routers and plain:
+    if a.routers and plain:
         rrows = [[n, runs[n]["median_s"] * 1e3, runs[n]["median_s"] / plain]
                  for n in runs if n.startswith("router ")]
         md += "\n" + common.print_table(

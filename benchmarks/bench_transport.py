@@ -54,7 +54,7 @@ def run(a):
     sharding = NamedSharding(mesh, P(AXIS))
     dtype = jnp.dtype(a.dtype)
     transports = sorted(set(TRANSPORTS) | {a.transport}, key=TRANSPORTS.index)
-    hiddens = [int(h) for h in a.hiddens.split(",")]
+    hiddens = a.hiddens
     T, E, K, R = a.tokens, a.experts, a.topk, a.ranks
     print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].device_kind} "
           f"devices on {os.cpu_count()} cores; P={R} T={T}/rank H={hiddens} E={E} K={K} "

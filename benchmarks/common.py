@@ -8,6 +8,7 @@ fall back to plain text and plots are skipped with a message.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import datetime
 import json
@@ -79,22 +80,63 @@ def cpu_mesh(shape=(8,), axes=("ep",)):
     return jax.make_mesh(tuple(shape), tuple(axes), devices=jax.devices()[:n])
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse names the flag when it is not)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {value}")
+    return value
+
+
+def comma_list(item=str, choices=None):
+    """argparse type of a comma-separated list ('' gives []): each entry converted by `item`
+    (itself an argparse type) and, with `choices`, one of them."""
+    def parse(text: str) -> list:
+        values = [item(v.strip()) for v in text.split(",") if v.strip()]
+        wrong = [v for v in values if choices is not None and v not in choices]
+        if wrong:
+            raise argparse.ArgumentTypeError(f"unknown {wrong}, expected some of "
+                                             f"{list(choices)}")
+        return values
+    parse.__name__ = f"comma-separated {getattr(item, '__name__', 'value')}"
+    return parse
+
+
+def check_ep_args(p, a) -> None:
+    """argparse errors (p.error) for add_ep_args' options that do not fit together: K above E,
+    E not a multiple of P."""
+    if a.topk > a.experts:
+        p.error(f"--topk: expected at most --experts {a.experts}, got {a.topk}")
+    if a.experts % a.ranks:
+        p.error(f"--experts: expected a multiple of --ranks {a.ranks}, got {a.experts}")
+
+
 def add_ep_args(p) -> None:
     """Adds to argparse parser p the options bench_dispatch and bench_internode share: the
     problem (T per rank, H, E, K, P ranks, dtype, Zipf exponent of the skewed routing), the
     timing (iters, warmup), the seed, the output folder and the host-heap switch."""
-    p.add_argument("--tokens", type=int, default=256, help="tokens per rank (T)")
+    p.add_argument("--tokens", type=positive_int, default=256, help="tokens per rank (T)")
     p.add_argument("--glibc-heap-defaults", action="store_true",
                    help="leave glibc malloc as it is (default: keep freed host memory mapped, "
                         "see common.keep_host_heap)")
-    p.add_argument("--hidden", type=int, default=512, help="hidden size H (multiple of 128)")
-    p.add_argument("--experts", type=int, default=256, help="global experts E")
-    p.add_argument("--topk", type=int, default=8, help="experts per token K")
-    p.add_argument("--ranks", type=int, default=8, help="expert-parallel ranks P (CPU devices)")
+    p.add_argument("--hidden", type=positive_int, default=512,
+                   help="hidden size H (multiple of 128)")
+    p.add_argument("--experts", type=positive_int, default=256, help="global experts E")
+    p.add_argument("--topk", type=positive_int, default=8, help="experts per token K")
+    p.add_argument("--ranks", type=positive_int, default=8,
+                   help="expert-parallel ranks P (CPU devices)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--zipf", type=float, default=1.0, help="exponent of the skewed routing")
-    p.add_argument("--iters", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=positive_int, default=7)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/out")
 

@@ -6,7 +6,7 @@ Each benchmark runs in its own process (so its XLA_FLAGS device count takes effe
 starts) with its defaults: bench_ops, bench_ops_sweep (`bench_ops --sweep`), bench_dispatch,
 bench_gemm, bench_moe, each as `python -m benchmarks.<module> [args]` (plus `--out OUT` when
 OUT is not the default).
-A benchmark that is missing or fails is recorded and the others still run. Every *.json a
+A benchmark that fails is recorded and the others still run. Every *.json a
 benchmark wrote under OUT during the run is merged into OUT/results.json, keyed by file name.
 """
 
@@ -31,8 +31,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_out = os.path.join("benchmarks", "out")
     p.add_argument("--out", default=default_out)
-    p.add_argument("--only", default=",".join(BENCHMARKS))
+    p.add_argument("--only", default=",".join(BENCHMARKS),
+                   help=f"comma list of the benchmarks to run, of {', '.join(BENCHMARKS)}")
     a = p.parse_args(argv)
+    names = [n.strip() for n in a.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown or not names:
+        p.error(f"--only: expected some of {list(BENCHMARKS)}, got {unknown or a.only!r}")
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ)
@@ -43,12 +48,8 @@ def main(argv=None):
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [v for v in [env.get("PYTHONPATH")] if v])
     runs = {}
-    for name in [n.strip() for n in a.only.split(",") if n.strip()]:
-        module, extra = BENCHMARKS.get(name, (name, []))
-        if not os.path.exists(os.path.join(ROOT, "benchmarks", f"{module}.py")):
-            print(f"== {name}: not found, skipped", flush=True)
-            runs[name] = {"status": "missing"}
-            continue
+    for name in names:
+        module, extra = BENCHMARKS[name]
         print(f"== {name}", flush=True)
         before = {f: os.path.getmtime(f) for f in glob.glob(os.path.join(out, "*.json"))}
         t0 = time.perf_counter()
@@ -73,7 +74,7 @@ def main(argv=None):
     with open(path, "w") as f:
         json.dump(combined, f, indent=2)
     print(f"wrote {path}: {', '.join(combined['results']) or 'no results'}")
-    return 0 if all(r["status"] != "failed" for r in runs.values()) else 1
+    return 0 if all(r["status"] == "ok" for r in runs.values()) else 1
 
 
 if __name__ == "__main__":
