@@ -390,7 +390,8 @@ def chunk_bounds(num_tokens, chunks):
 def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_local_experts,
                              axis_name, chunks, backend="alltoall", transport="auto"):
     """dispatch -> local_kernel -> combine over `chunks` token ranges; equals the unchunked
-    result. local_kernel(recv_x [R,H], recv_topk_idx [R,K], recv_topk_weights [R,K]) -> [R,H].
+    result. local_kernel(recv_x [R,H], recv_topk_idx [R,K], recv_topk_weights [R,K]) -> float
+    [R,H'] (H' = H, or any width: the result is then [T,H'], as combine gives).
 
     One count exchange serves every chunk; every rank issues every chunk's collectives in the
     same order, so XLA can overlap chunk i+1's dispatch with chunk i's expert compute. T is
@@ -403,6 +404,7 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     num_experts = num_local_experts * num_ranks
     impl = check_backend(backend)
+    chunks = check_positive(chunks, "chunks")  # checked at P = 1 too, where it is unused
     check_rank(x, 2, "x")
     check_float(x, "x")
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
@@ -418,10 +420,9 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
                                 impl=impl)[0] for s, e in bounds])
     transport = tp.resolve_transport(transport)
     count_matrix = tp.exchange_counts(counts, axis_name, transport)  # [P_src, chunks, P_dst]
-    outputs = []
+    outputs = {}
     for i, (s, e) in enumerate(bounds):
         if s == e:
-            outputs.append(_ffi.vary_like(jnp.zeros((0,) + x.shape[1:], x.dtype), x))
             continue
         handle = internode.routing_plan(topk_idx[s:e], num_experts, axis_name,
                                         transport=transport, impl=impl,
@@ -429,5 +430,8 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
         recv_x, recv_w = _dispatch_rows(x[s:e], topk_weights[s:e], handle)
         y = local_kernel(recv_x, handle.recv_topk_idx, recv_w)
         check_combine_rows(y, handle, "local_kernel's result")
-        outputs.append(_combine_rows(y, handle))
-    return jnp.concatenate(outputs, axis=0)
+        outputs[i] = _combine_rows(y, handle)
+    # empty chunks: zero rows of the kernel's result width and dtype (x's where none ran)
+    like = next(iter(outputs.values()), x)
+    empty = _ffi.vary_like(jnp.zeros((0,) + like.shape[1:], like.dtype), x)
+    return jnp.concatenate([outputs.get(i, empty) for i in range(len(bounds))], axis=0)

@@ -594,6 +594,45 @@ def test_chunked_forward_names_a_bad_kernel_result(kernel, match):
             x, i, w, kernel, num_local_experts=2, axis_name=AXIS, chunks=2), mesh, x, idx, w)
 
 
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_chunked_forward_checks_chunks_on_any_mesh(num_ranks):
+    # at P = 1 `chunks` is unused, and still checked: a call must not start failing once the
+    # expert axis is scaled out
+    rng = np.random.default_rng(13)
+    idx, w = random_routing(rng, 8, 2, 4)
+    x = rng.standard_normal((8, 8)).astype(np.float32)
+    for chunks, match in ((0, "^chunks: expected an int > 0, got 0"),
+                          (2.0, "^chunks: expected an int, got 2.0")):
+        with pytest.raises(ValueError, match=match):
+            run_ep(lambda x, i, w: deepep.dispatch_chunked_forward(
+                x, i, w, lambda rx, ri, rw: rx, num_local_experts=4 // num_ranks,
+                axis_name=AXIS, chunks=chunks), ep_mesh(num_ranks), x, idx, w)
+
+
+@pytest.mark.parametrize("chunks", [2, 8])
+def test_chunked_forward_takes_the_kernels_width(chunks):
+    # A kernel changing the row width (H -> 2H) gives [T, 2H], as combine does, with empty
+    # chunks (T = 4 per rank < 8 chunks) as well: their zero rows take the kernel's width.
+    mesh = ep_mesh(2)
+    rng = np.random.default_rng(14)
+    idx, w = random_routing(rng, 8, 2, 4)
+    x = rng.standard_normal((8, 8)).astype(np.float32)
+
+    def kernel(rx, ri, rw):
+        return jnp.concatenate([rx, 2 * rx], axis=1) * rw.sum(axis=1, keepdims=True)
+
+    def chunked(x, i, w):
+        return deepep.dispatch_chunked_forward(x, i, w, kernel, num_local_experts=2,
+                                               axis_name=AXIS, chunks=chunks)
+
+    def plain(x, i, w):
+        rx, ri, rw, handle = jax_ep.dispatch(x, i, w, num_experts=4, axis_name=AXIS)
+        return jax_ep.combine(kernel(rx, ri, rw), handle)[0]
+    got, want = (np.asarray(run_ep(f, mesh, x, idx, w)) for f in (chunked, plain))
+    assert got.shape == (8, 16)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_integer_rows_dispatch_as_data_and_combines_name_y():
     """Dispatch moves rows of any dtype (DeepEP's FP8 pair travels as x_fp8 and its scales),
     so integer rows arrive exactly; combining them is an error naming y (not a layer-1

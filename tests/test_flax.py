@@ -796,6 +796,40 @@ def test_bounded_fallback_under_x64():
         _bounded_fallback_vs_unbounded("deepep", "skewed", False)
 
 
+def test_bounded_forward_takes_any_token_shape_and_top_k_zero():
+    """bounded_forward takes [..., H] tokens as token_permutation2 does (it counted the batch
+    dimension as the tokens), and a routing of width K = 0 (its fallback's chunk count divided
+    by zero): both give the plain path's result."""
+    num_ranks, E, K, H = 4, 8, 2, 8
+    L = E // num_ranks
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((num_ranks * 2, 2, H)).astype(np.float32)  # [B=2, S=2, H] a rank
+    idx, w = random_routing(rng, num_ranks * 4, K, E)
+
+    def dispatcher(**extra):
+        return MoEFlexTokenDispatcher(L, list(range(L)), jax_ep.TokenDispatcherConfig(
+            num_moe_experts=E, moe_router_topk=K, expert_axis_name=AXIS, **extra))
+
+    def experts(rows, counts, probs, s):
+        return jnp.sin(rows) * probs[:, None]
+
+    def body(x, idx, w):
+        bounded, plain = dispatcher(dropless_buffer_factor=1.0), dispatcher()
+        out = []
+        for i, p in ((idx, w), (idx[:, :0], w[:, :0])):
+            y, _, dropped = bounded.bounded_forward(x, p, i, experts, ())
+            rows, tpe, probs, state = plain.token_permutation2(x, 4, p, i)
+            want = plain.token_unpermutation(experts(rows, tpe, probs, ()), state)
+            out += [y, want.reshape(x.shape), dropped.reshape(1)]
+        return tuple(out)
+    y, want, dropped, y0, want0, dropped0 = (
+        np.asarray(v) for v in run_ep(body, ep_mesh(num_ranks), x, idx, w))
+    assert y.shape == x.shape and np.abs(want).max() > 0
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+    assert not y0.any() and not want0.any() and not dropped.any() and not dropped0.any()
+    assert dispatcher(dropless_buffer_factor=1.0).fallback_chunks(4, 0) == 1
+
+
 def _bounded_fallback_vs_unbounded(backend, routing, fp8):
     """bounded_forward's fallback over chunks that do not divide the tokens: T = 10 per rank,
     P = 4, E = 8, K = 2, f = 1.25 (25 bounded slots, 8 worst-case slots a token) runs 4

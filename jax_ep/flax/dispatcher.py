@@ -454,7 +454,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
         over the chunks), so a step saves the bounded path's residuals only and no branch
         fills zeros for the other's.
 
-        hidden_states [T,H], token_probs / token_indices [T,K]; experts: (rows [N,H],
+        hidden_states [T,H] (or [..., H]: T tokens), token_probs / token_indices [T,K];
+        experts: (rows [N,H],
         tokens_per_expert i32[L], permuted_probs [N], params) -> [N,H]; params: the arrays it
         is differentiated in (the expert weights; `experts` must close over no other traced
         value it needs gradients of). Returns (y [T,H] in the input's shape, overflow i32[]:
@@ -470,7 +471,11 @@ class MoEFlexTokenDispatcher(nnx.Module):
                                           dataclasses.replace(cfg, dropless_buffer_factor=None,
                                                               **fields), self.axis_name)
         bounded, worst = twin(ragged_buffer_factor=cfg.dropless_buffer_factor), twin()
-        num_tokens = hidden_states.shape[0]
+        shape = jnp.shape(hidden_states)
+        if len(shape) < 2:
+            raise ValueError(f"hidden_states: expected [..., H] tokens, got shape {shape}")
+        hidden_states = hidden_states.reshape(-1, shape[-1])  # [..., H] -> [T,H], as the
+        num_tokens = hidden_states.shape[0]                   # plain path takes them
         # int32 first: the fallback pads the ids with -1, which an unsigned dtype would wrap
         token_indices = as_int32_ids(token_indices, cfg.num_moe_experts, "token_indices")
         chunks = self.fallback_chunks(num_tokens, token_indices.shape[1])
@@ -541,7 +546,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
             return d_hidden, d_probs, None, d_params
 
         run.defvjp(run_fwd, run_bwd)
-        return run(hidden_states, token_probs, token_indices, params)
+        y, overflow, dropped = run(hidden_states, token_probs, token_indices, params)
+        return y.reshape(shape[:-1] + y.shape[-1:]), overflow, dropped
 
     def fallback_chunks(self, num_tokens, top_k):
         """Token chunks of bounded_forward's fallback for num_tokens T per device with top_k K:
@@ -551,10 +557,12 @@ class MoEFlexTokenDispatcher(nnx.Module):
         rounded up to a multiple of hybridep.TOKEN_ALIGNMENT (a, 4), so there T and T' count
         so rounded, T' a multiple of a. Where even chunks of one token (a for HybridEP) do not
         fit, chunks of that size (their worst case then exceeds the bounded buffers by less
-        than P * min(K, L) * a rows). 1 for T = 0."""
+        than P * min(K, L) * a rows). 1 for T = 0 or K = 0."""
         align = hybridep.TOKEN_ALIGNMENT if self.backend == "hybridep" else 1
         sized = -(-num_tokens // align) * align
         worst_per_token = self.ep_size * min(top_k, self.num_local_experts)
+        if worst_per_token == 0:  # top_k 0: nothing is routed
+            return 1
         bounded_rows = math.ceil(self.config.dropless_buffer_factor * sized * top_k)
         chunk_tokens = max(align, bounded_rows // worst_per_token // align * align)
         return max(1, -(-num_tokens // chunk_tokens))
