@@ -484,6 +484,12 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
     assert c.token_dispatcher.moe_router_expert_pad_multiple == 32
     c = MoEConfig.from_dict(dict(base, moe_router_padding_for_quantization=True, fp4="nvfp4"))
     assert c.token_dispatcher.moe_router_expert_pad_multiple == 32
+    # a whole pasted config holds both keys (fp4 None): both are read, neither is "unknown"
+    for recipe, fp4, multiple in (("mxfp8", None, 32), ("delayed", None, 16),
+                                  ("mxfp8", "nvfp4", 32)):
+        c = MoEConfig.from_dict(dict(base, moe_router_padding_for_quantization=True,
+                                     fp8_recipe=recipe, fp4=fp4))
+        assert c.token_dispatcher.moe_router_expert_pad_multiple == multiple
     c = MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="flex",
                                  moe_flex_dispatcher_backend="hybridep",
                                  moe_permute_fusion_into_hybridep=True))
@@ -539,7 +545,10 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
     ("moe_z_loss_coeff", float("nan")), ("moe_expert_capacity_factor", 0.0),
     ("moe_pad_expert_input_to_capacity", True), ("moe_router_dtype", "bf16"),
     ("moe_router_enable_expert_bias", True), ("moe_router_pre_softmax", 1),
-    ("moe_router_group_topk", 2), ("token_dispatcher", dict())])
+    ("moe_router_group_topk", 2), ("token_dispatcher", dict()),
+    # moe_router_num_groups alone is accepted without effect (Megatron's rule), but checked
+    ("moe_router_num_groups", -1), ("moe_router_num_groups", 1.5),
+    ("moe_router_num_groups", "x"), ("moe_router_num_groups", float("nan"))])
 def test_moe_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         MoEConfig(**dict(dict(num_moe_experts=E), **{field: value}))

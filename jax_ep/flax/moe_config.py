@@ -393,6 +393,11 @@ class MoEConfig:
     def _check_groups(self):
         E, K = self.num_moe_experts, self.moe_router_topk
         groups, top = self.moe_router_num_groups, self.moe_router_group_topk
+        # None or an int (0 is off, as Megatron tests them for truth)
+        _require(groups is None or _int(groups, 0), "moe_router_num_groups",
+                 "None or an int >= 0", groups)
+        _require(top is None or _int(top, 0), "moe_router_group_topk", "None or an int >= 0",
+                 top)
         _require(groups is not None or not top, "moe_router_group_topk",
                  "None unless moe_router_num_groups is set (Megatron's rule)", top)
         if not top:  # as Megatron, moe_router_num_groups alone routes without groups
@@ -503,7 +508,8 @@ def megatron_fields(fields: dict) -> dict:
                  f"one of {tuple(_DISPATCHER_TYPES)}", kind)
         if _DISPATCHER_TYPES[kind] is not None:
             fields["moe_flex_dispatcher_backend"] = _DISPATCHER_TYPES[kind]
-    wide = fields.pop("fp8_recipe", None) == "mxfp8" or bool(fields.pop("fp4", None))
+    recipe, fp4 = fields.pop("fp8_recipe", None), fields.pop("fp4", None)  # both, always
+    wide = recipe == "mxfp8" or bool(fp4)
     padded = [name for name in ("moe_router_padding_for_quantization",
                                 "moe_router_padding_for_fp8") if fields.pop(name, False)]
     if padded and fields.get("moe_router_expert_pad_multiple") is None:
