@@ -48,6 +48,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep import deepep, low_latency, ops, transport as tp
 from jax_ep._checks import check_positive, check_shape
@@ -77,13 +78,33 @@ _BUFFER_ALIGNMENT_BYTES = 128
 @dataclasses.dataclass(frozen=True)
 class Config:
     """DeepEP's performance-tuning record (`deep_ep.Config`); it has no effect under XLA. Its
-    size hints give the bytes DeepEP's buffers would take for it (to pass as Buffer sizes)."""
+    size hints give the bytes DeepEP's buffers would take for it (to pass as Buffer sizes).
+    The fields are checked as DeepEP's constructor asserts them (ints; num_sms >= 0; each
+    chunk > 0; NVLink send < receive; RDMA send < the receive rounded up to a multiple of
+    it, and at most half of it) and stored as Python ints."""
 
     num_sms: int = 20
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = check_positive(getattr(self, field.name), field.name,
+                                   allow_zero=field.name == "num_sms")
+            object.__setattr__(self, field.name, value)
+        if self.num_max_nvl_chunked_send_tokens >= self.num_max_nvl_chunked_recv_tokens:
+            raise ValueError(f"num_max_nvl_chunked_send_tokens: expected fewer than "
+                             f"num_max_nvl_chunked_recv_tokens="
+                             f"{self.num_max_nvl_chunked_recv_tokens}, got "
+                             f"{self.num_max_nvl_chunked_send_tokens}")
+        send = self.num_max_rdma_chunked_send_tokens
+        recv = _align_up(self.num_max_rdma_chunked_recv_tokens, send)
+        if send > recv // 2:
+            raise ValueError(f"num_max_rdma_chunked_send_tokens: expected at most half of "
+                             f"num_max_rdma_chunked_recv_tokens rounded up to a multiple of it "
+                             f"({recv}), got {send}")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """DeepEP's NVLink buffer bytes for this config (csrc/legacy/config.hpp, same formula):
@@ -110,9 +131,8 @@ class Config:
         num_ranks = self._check_ranks(num_ranks)
         if num_ranks <= _NUM_MAX_NVL_PEERS:
             return 0
-        send = check_positive(self.num_max_rdma_chunked_send_tokens,
-                              "num_max_rdma_chunked_send_tokens")
-        recv_tokens = _align_up(self.num_max_rdma_chunked_recv_tokens, send)
+        recv_tokens = _align_up(self.num_max_rdma_chunked_recv_tokens,
+                                self.num_max_rdma_chunked_send_tokens)
         slots = self.num_sms // 2 * (num_ranks // _NUM_MAX_NVL_PEERS)
         counters = slots * (_NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
         tokens = slots * recv_tokens * 2 * (_token_bytes(hidden_bytes) + 16)
@@ -231,8 +251,19 @@ def _recommended(table, num_ranks) -> Config:
 
 
 def _check_bool(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected a bool, got {value!r}")
+    """value as a bool (a Python or numpy bool); anything else is a ValueError naming
+    `name`."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def _check_buffer_bytes(value, name: str) -> int:
+    """A Buffer byte size as DeepEP asserts it: an int >= 0, a multiple of 128."""
+    value = check_positive(value, name, allow_zero=True)
+    if value % _BUFFER_ALIGNMENT_BYTES:
+        raise ValueError(f"{name}: expected a multiple of {_BUFFER_ALIGNMENT_BYTES} bytes "
+                         f"(DeepEP's rule), got {value}")
     return value
 
 
@@ -242,10 +273,10 @@ def _check_group(group):
     if isinstance(group, str):
         return group
     if isinstance(group, (tuple, list)) and len(group) == 2 and all(
-            isinstance(a, str) for a in group):
+            isinstance(a, str) for a in group) and group[0] != group[1]:
         return tuple(group)
     raise ValueError(f"group: expected the name (str) of the expert mesh axis or a "
-                     f"(node_axis, local_axis) pair of names, got {group!r}")
+                     f"(node_axis, local_axis) pair of two names, got {group!r}")
 
 
 class Buffer:
@@ -268,14 +299,16 @@ class Buffer:
         self.use_fabric = _check_bool(use_fabric, "use_fabric")
         self.enable_shrink = _check_bool(enable_shrink, "enable_shrink")
         self.comm = comm
-        self.num_nvl_bytes = num_nvl_bytes
-        self.num_rdma_bytes = num_rdma_bytes
-        self.low_latency_mode = low_latency_mode
-        self.num_qps_per_rank = num_qps_per_rank
-        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
-        self.allow_mnnvl = allow_mnnvl
-        self.explicitly_destroy = explicitly_destroy
-        self.is_intranode = is_intranode
+        self.num_nvl_bytes = _check_buffer_bytes(num_nvl_bytes, "num_nvl_bytes")
+        self.num_rdma_bytes = _check_buffer_bytes(num_rdma_bytes, "num_rdma_bytes")
+        self.low_latency_mode = _check_bool(low_latency_mode, "low_latency_mode")
+        self.num_qps_per_rank = check_positive(num_qps_per_rank, "num_qps_per_rank",
+                                               allow_zero=not self.low_latency_mode)
+        self.allow_nvlink_for_low_latency_mode = _check_bool(
+            allow_nvlink_for_low_latency_mode, "allow_nvlink_for_low_latency_mode")
+        self.allow_mnnvl = _check_bool(allow_mnnvl, "allow_mnnvl")
+        self.explicitly_destroy = _check_bool(explicitly_destroy, "explicitly_destroy")
+        self.is_intranode = _check_bool(is_intranode, "is_intranode")
 
     @property
     def group_size(self):
@@ -290,7 +323,11 @@ class Buffer:
     # -- no-ops and records --------------------------------------------------------------
 
     def destroy(self) -> None:
-        """Does nothing: the buffer holds no resources."""
+        """Releases nothing (the buffer holds no resources), but as DeepEP only a buffer made
+        with explicitly_destroy=True may be destroyed: a ValueError naming it otherwise."""
+        if not self.explicitly_destroy:
+            raise ValueError("explicitly_destroy: destroy() needs a Buffer made with "
+                             "explicitly_destroy=True (DeepEP's rule)")
 
     def reset_rdma_buffer(self) -> None:
         """Does nothing: every call's buffers are fresh arrays."""
@@ -359,7 +396,7 @@ class Buffer:
     def set_num_sms(new_num_sms: int) -> None:
         """Sets Buffer.num_sms, which the recommended configs carry (an even count, as DeepEP
         asserts); no effect on the exchanges: XLA does not partition SMs."""
-        new_num_sms = check_positive(new_num_sms, "new_num_sms")
+        new_num_sms = check_positive(new_num_sms, "new_num_sms", allow_zero=True)
         if new_num_sms % 2:
             raise ValueError(f"new_num_sms: the SM count must be even (DeepEP's rule), got "
                              f"{new_num_sms}")
@@ -367,8 +404,9 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An `EventOverlap` (nothing to record under XLA)."""
-        return EventOverlap()
+        """An `EventOverlap` holding an `EventHandle`, as DeepEP's (nothing to record under
+        XLA)."""
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

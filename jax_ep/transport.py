@@ -141,7 +141,10 @@ def check_backend(backend: str) -> str:
 
 
 def axis_rank_and_size(axis_name):
-    """(this rank's index, P) on the expert axis; ValueError if the axis is not bound."""
+    """(this rank's index, P) on the expert axis; ValueError if the axis is not bound, or if a
+    tuple of axes names one twice (JAX multiplies such a size in, a rank layout no mesh has)."""
+    if isinstance(axis_name, (tuple, list)) and len(set(axis_name)) != len(axis_name):
+        raise ValueError(f"axis_name: expected distinct mesh axes, got {tuple(axis_name)!r}")
     try:
         size = jax.lax.axis_size(axis_name)
     except NameError as err:

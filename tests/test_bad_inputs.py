@@ -102,6 +102,18 @@ def test_dispatch_with_a_handle_checks_the_weights():
             run_ep(again(weights), mesh, x, idx, w)
 
 
+def test_an_axis_named_twice_is_refused():
+    # JAX sizes the pair (ep, ep) as P^2, a rank layout no mesh has: every token went to the
+    # wrong experts (the flat pair) or the message blamed num_experts
+    mesh = ep_mesh(4)
+    idx, w = _routing(4)
+    for pair in ((AXIS, AXIS), [AXIS, AXIS]):
+        with pytest.raises(ValueError, match="^axis_name: expected distinct mesh axes"):
+            run_ep(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=16,
+                                                   axis_name=pair)[0],
+                   mesh, np.ones((4 * T, H), np.float32), idx, w)
+
+
 def test_chunked_forward_checks_x_against_the_routing():
     mesh = ep_mesh(2)
     idx, w = _routing(2)

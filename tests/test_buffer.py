@@ -133,7 +133,11 @@ def test_inert_pieces():
     assert jax_ep.UCCLBuffer.get_dispatch_config(48) == jax_ep.Config(20)
     with pytest.raises(ValueError, match="num_ranks"):
         jax_ep.Buffer.get_dispatch_config(0)
-    assert buf.destroy() is None and buf.reset_rdma_buffer() is None
+    assert buf.reset_rdma_buffer() is None
+    # as DeepEP, only a buffer made with explicitly_destroy=True may be destroyed
+    assert jax_ep.Buffer(AXIS, explicitly_destroy=True).destroy() is None
+    with pytest.raises(ValueError, match="^explicitly_destroy: destroy"):
+        buf.destroy()
     assert buf.clean_low_latency_buffer(128, 256, 16) is None
     try:
         assert jax_ep.Buffer.set_num_sms(24) is None and jax_ep.Buffer.num_sms == 24
@@ -186,6 +190,59 @@ def test_deepep_init_keywords_and_positional_order():
         jax_ep.Buffer(AXIS, use_fabric=1)
     with pytest.raises(ValueError, match="^enable_shrink: expected a bool, got 'yes'$"):
         jax_ep.UCCLBuffer(AXIS, enable_shrink="yes")
+    assert jax_ep.Buffer(AXIS, is_intranode=np.True_).is_intranode is True
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_nvl_bytes=-1), "^num_nvl_bytes: expected an int >= 0, got -1"),
+    (dict(num_nvl_bytes=100), "^num_nvl_bytes: expected a multiple of 128 bytes"),
+    (dict(num_nvl_bytes="1GB"), "^num_nvl_bytes: expected an int, got '1GB'"),
+    (dict(num_rdma_bytes=1.5), "^num_rdma_bytes: expected an int, got 1.5"),
+    (dict(num_qps_per_rank=-3), "^num_qps_per_rank: expected an int >= 0, got -3"),
+    (dict(low_latency_mode=True, num_qps_per_rank=0), "^num_qps_per_rank: expected an int > 0"),
+    (dict(low_latency_mode="no"), "^low_latency_mode: expected a bool, got 'no'"),
+    (dict(allow_nvlink_for_low_latency_mode=None),
+     "^allow_nvlink_for_low_latency_mode: expected a bool, got None"),
+    (dict(allow_mnnvl="x"), "^allow_mnnvl: expected a bool"),
+    (dict(explicitly_destroy=1), "^explicitly_destroy: expected a bool, got 1"),
+    (dict(is_intranode="no"), "^is_intranode: expected a bool, got 'no'"),
+    (dict(group=("ep", "ep")), "^group: expected the name"),
+])
+def test_buffer_arguments_are_checked_as_deepep_asserts_them(kwargs, match):
+    """DeepEP asserts its byte sizes are multiples of 128 and QPs > 0 in low-latency mode, and
+    takes its flags as bools: here each is a ValueError naming the argument (a string flag
+    was stored and read as true; a pair naming one axis twice routed to the wrong experts)."""
+    kwargs = dict(dict(group=AXIS), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        jax_ep.Buffer(**kwargs)
+    assert jax_ep.Buffer(AXIS, int(2e9), 1 << 20).num_nvl_bytes == int(2e9)
+
+
+def test_config_is_checked_as_deepeps_constructor_asserts():
+    """jax_ep.Config takes what DeepEP's Config asserts (ints, num_sms >= 0, chunks > 0, NVLink
+    send < receive, RDMA send <= half the receive rounded up to a multiple of it) and stores
+    Python ints: a numpy-int Config's size hints wrapped at int32 before, and a negative field
+    gave negative hints."""
+    big = jax_ep.Config(*np.int32([48, 32, 720, 12, 128]))  # DeepEP's 144-rank row, 48 SMs
+    assert type(big.num_sms) is int
+    assert big.get_nvl_buffer_size_hint(7168 * 2, 8) == 2266033920  # > 2^31: no int32 wrap
+    assert jax_ep.Config(0).num_sms == 0
+    for args, match in (((-2,), "^num_sms: expected an int >= 0"),
+                        ((21.5,), "^num_sms: expected an int, got 21.5"),
+                        (("20",), "^num_sms: expected an int"),
+                        ((20, 0), "^num_max_nvl_chunked_send_tokens: expected an int > 0"),
+                        ((20, 6, -256), "^num_max_nvl_chunked_recv_tokens: expected an int > 0"),
+                        ((20, 256, 256), "^num_max_nvl_chunked_send_tokens: expected fewer"),
+                        ((20, 6, 256, 6, -128),
+                         "^num_max_rdma_chunked_recv_tokens: expected an int > 0"),
+                        ((20, 6, 256, 128, 100),
+                         "^num_max_rdma_chunked_send_tokens: expected at most half")):
+        with pytest.raises(ValueError, match=match):
+            jax_ep.Config(*args)
+    for table in (jax_ep.buffer._DISPATCH_CONFIGS, jax_ep.buffer._COMBINE_CONFIGS,
+                  jax_ep.buffer._UCCL_DISPATCH_CONFIGS, jax_ep.buffer._UCCL_COMBINE_CONFIGS):
+        for row in table.values():  # the recommended configs all pass
+            assert jax_ep.Config(20, *row).num_max_nvl_chunked_send_tokens == row[0]
 
 
 def test_top_level_deepep_names():
@@ -543,7 +600,7 @@ def test_internode_methods_and_whole_results_leave_shard_map(nodes, local):
     layout, plain, inter, combined, inter_combined, event = mapped(*sharded)
     for out in (layout, plain, inter, combined, inter_combined):
         assert type(out[-1]) is jax_ep.EventOverlap
-    assert type(event) is jax_ep.EventOverlap and event.event is None
+    assert type(event) is jax_ep.EventOverlap and type(event.event) is jax_ep.EventHandle
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(inter), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(combined[:2], inter_combined[:2], strict=True):
