@@ -93,9 +93,10 @@ def peer_unavailable() -> str | None:
     it needs every device of the mesh in this process and every mesh axis manual (inside
     `jax.shard_map` over all of them), since the devices find their peers by mesh position."""
     if jax.process_count() > 1:
+        instead = "'all_to_all'" if _ffi.trace_platform() == "cpu" else "'ragged' or 'all_to_all'"
         return (f"this is one of {jax.process_count()} processes (jax.distributed): the peer "
-                "transport reads peers' buffers inside one process only; across processes use "
-                "'all_to_all' or 'ragged' (docs/peer_transport.md)")
+                f"transport reads peers' buffers inside one process only; across processes use "
+                f"{instead} (docs/peer_transport.md)")
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.manual_axes:
         return "it runs inside jax.shard_map only (the mesh names the peers), not under vmap"

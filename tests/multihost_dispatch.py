@@ -71,6 +71,13 @@ def main():
                 combined)
 
     spec = P(axes)
+    if args.num_processes > 1:  # the peer transport is refused by name across processes
+        try:
+            jax.jit(jax.shard_map(lambda x, i, w: jax_ep.dispatch(
+                x, i, w, num_experts=EXPERTS, axis_name="local", transport="peer")[0],
+                mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)).trace(x, idx, weights)
+        except ValueError as error:
+            print(f"peer refused: {error}", flush=True)
     outs = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 3,
                                  out_specs=(spec,) * 7))(x, idx, weights)
     names = ("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens",

@@ -93,15 +93,21 @@ DISPATCH_SCRIPT = ROOT / "tests" / "multihost_dispatch.py"
 def test_two_hop_dispatch_combine_across_processes_match_one_process(tmp_path):
     """Two-hop dispatch + combine with each of 2 processes one node of a (2, 4) expert axis:
     every rank's received rows, ids, weights, counts and combined rows are bitwise those of
-    the 8-device single-process run (tests/multihost_dispatch.py)."""
+    the 8-device single-process run (tests/multihost_dispatch.py); the peer transport is
+    refused by name in both processes."""
 
     single = tmp_path / "single.npz"
     subprocess.run([sys.executable, str(DISPATCH_SCRIPT), "--out", str(single)], check=True,
                    env=_env(), timeout=300)
     multi = tmp_path / "multi.npz"
-    _run_two_processes(lambda i, coordinator: [
+    logs = _run_two_processes(lambda i, coordinator: [
         sys.executable, str(DISPATCH_SCRIPT), "--out", str(multi), "--num-processes", "2",
         "--process-id", str(i), "--coordinator", coordinator], timeout=300)
+    # "peer" across processes: refused at trace time in both, naming what runs on XLA:CPU
+    for log in logs:
+        refusal = next(line for line in log.splitlines() if line.startswith("peer refused"))
+        assert "inside one process only" in refusal and "use 'all_to_all'" in refusal
+        assert "ragged" not in refusal, refusal
     a, b = np.load(single), np.load(multi)
     assert sorted(a.files) == sorted(b.files)
     for name in a.files:
