@@ -673,10 +673,12 @@ def main(argv=None):
                     ylabel="MiB per step (log)", log=True,
                     title=f"bytes on the wire per step (T={a.tokens}/rank, H={a.hidden}, "
                           f"{a.dtype})")
-    extra = ""
+    extra, fp8_plot = "", os.path.join(a.out, "bench_dispatch_fp8.png")
+    if "fp8" not in results and os.path.exists(fp8_plot):
+        os.remove(fp8_plot)  # an earlier run's: this one timed no FP8 mode
     if "fp8" in results:
         names = list(results["fp8"]["time"])
-        common.bar_plot(os.path.join(a.out, "bench_dispatch_fp8.png"), names,
+        common.bar_plot(fp8_plot, names,
                         {label: [results["fp8"]["time"][n][part]["median_s"] * 1e3
                                  for n in names]
                          for part, label in (("forward", "forward"),
