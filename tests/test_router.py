@@ -675,6 +675,11 @@ def test_router_gradients_stay_finite_for_very_negative_logits(score_function, l
     aux = jax.grad(lambda l: routing.compute_routing_scores_for_aux_loss(
         l, 2, score_function)[1][:, 0].sum())(aux_logits)
     assert np.isfinite(np.asarray(aux)).all()
+    # logits low enough that float32 scores underflow to 0 (a whole row): finite gradients,
+    # the old quotient rule's 0 * inf gave NaN even for a zero cotangent
+    zero_row = logits.at[0].set(low * 2 - 100)
+    assert np.isfinite(np.asarray(jax.grad(loss)(zero_row))).all()
+    assert np.isfinite(np.asarray(jax.jvp(jax.grad(loss), (zero_row,), (v,))[1])).all()
     # the scores' second derivative too (the slope divided by a flushed score before)
     second = jax.grad(jax.grad(lambda v: routing._unnormalised_scores(v, score_function)))
     assert np.isfinite(float(second(jnp.float32(low))))

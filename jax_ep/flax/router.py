@@ -89,14 +89,15 @@ def _sqrt_softplus_jvp(primals, tangents):
 
 
 def _normalised(scores):
-    """scores [T,N] (>= 0) / (their row sum + 1e-20), Megatron's renormalisation, with
-    derivatives of every order that stay finite. A row whose largest score is below 2^-30
-    (sigmoid logits under about -21) is first divided by that score, a constant to
-    differentiation, and eps with it: the same ratio, but JAX's quotient rule no longer squares
-    a row sum of ~5e-20 (sigmoid logits under -45), which overflowed to inf. Other rows are
-    Megatron's arithmetic exactly."""
+    """scores [T,N] (>= 0) / (their row sum + 1e-20), Megatron's renormalisation, with finite
+    first and second derivatives. A row whose largest score is below 2^-30 (sigmoid logits
+    under about -21) is first divided by that score (at least 2^-100, so an all-zero row of
+    underflowed scores is divided too), a constant to differentiation, and eps with it: the
+    same ratio, but JAX's quotient rule no longer squares a row sum of ~5e-20 (sigmoid logits
+    under -45: inf) or the bare 1e-20 of a zero row (0 * inf: NaN). Other rows are Megatron's
+    arithmetic exactly."""
     row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-    scale = jnp.where((row_max < 2.0**-30) & (row_max > 0), row_max, 1.0)
+    scale = jnp.where(row_max < 2.0**-30, jnp.maximum(row_max, 2.0**-100), 1.0)
     scaled = scores / scale
     return scaled / (scaled.sum(axis=-1, keepdims=True) + 1e-20 / scale)
 
