@@ -431,7 +431,11 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
         y = local_kernel(recv_x, handle.recv_topk_idx, recv_w)
         check_combine_rows(y, handle, "local_kernel's result")
         outputs[i] = _combine_rows(y, handle)
-    # empty chunks: zero rows of the kernel's result width and dtype (x's where none ran)
-    like = next(iter(outputs.values()), x)
+    # empty chunks: zero rows of the kernel's result width and dtype; where none ran (T = 0),
+    # the shape the kernel gives zero received rows (traced only)
+    like = next(iter(outputs.values())) if outputs else jax.eval_shape(
+        local_kernel, jax.ShapeDtypeStruct((0,) + x.shape[1:], x.dtype),
+        jax.ShapeDtypeStruct((0,) + topk_idx.shape[1:], jnp.int32),
+        jax.ShapeDtypeStruct((0,) + topk_weights.shape[1:], topk_weights.dtype))
     empty = _ffi.vary_like(jnp.zeros((0,) + like.shape[1:], like.dtype), x)
     return jnp.concatenate([outputs.get(i, empty) for i in range(len(bounds))], axis=0)

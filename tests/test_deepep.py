@@ -609,14 +609,16 @@ def test_chunked_forward_checks_chunks_on_any_mesh(num_ranks):
                 axis_name=AXIS, chunks=chunks), ep_mesh(num_ranks), x, idx, w)
 
 
-@pytest.mark.parametrize("chunks", [2, 8])
-def test_chunked_forward_takes_the_kernels_width(chunks):
+@pytest.mark.parametrize("chunks, T", [(2, 4), (8, 4), (2, 0)])
+def test_chunked_forward_takes_the_kernels_width(chunks, T):
     # A kernel changing the row width (H -> 2H) gives [T, 2H], as combine does, with empty
-    # chunks (T = 4 per rank < 8 chunks) as well: their zero rows take the kernel's width.
+    # chunks (T = 4 per rank < 8 chunks) as well: their zero rows take the kernel's width;
+    # with T = 0 no chunk runs and the width is the kernel's on zero rows.
     mesh = ep_mesh(2)
     rng = np.random.default_rng(14)
-    idx, w = random_routing(rng, 8, 2, 4)
-    x = rng.standard_normal((8, 8)).astype(np.float32)
+    idx, w = random_routing(rng, max(2 * T, 1), 2, 4)
+    idx, w = idx[:2 * T], w[:2 * T]
+    x = rng.standard_normal((2 * T, 8)).astype(np.float32)
 
     def kernel(rx, ri, rw):
         return jnp.concatenate([rx, 2 * rx], axis=1) * rw.sum(axis=1, keepdims=True)
@@ -629,7 +631,7 @@ def test_chunked_forward_takes_the_kernels_width(chunks):
         rx, ri, rw, handle = jax_ep.dispatch(x, i, w, num_experts=4, axis_name=AXIS)
         return jax_ep.combine(kernel(rx, ri, rw), handle)[0]
     got, want = (np.asarray(run_ep(f, mesh, x, idx, w)) for f in (chunked, plain))
-    assert got.shape == (8, 16)
+    assert got.shape == want.shape == (2 * T, 16)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
