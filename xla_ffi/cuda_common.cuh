@@ -120,6 +120,9 @@ template <>
 struct DeviceFloat<Fp16Tag> {
   using Storage = uint16_t;
   static __device__ __forceinline__ float Load(uint16_t v) {
+    if ((v & 0x7c00u) == 0x7c00u && (v & 0x3ffu)) {  // NaN: quieted, sign and payload kept
+      return BitsFloat((uint32_t(v & 0x8000u) << 16) | 0x7fc00000u | (uint32_t(v & 0x3ffu) << 13));
+    }
     return __half2float(__ushort_as_half(v));
   }
   static __device__ __forceinline__ uint16_t Store(float v) {

@@ -467,6 +467,23 @@ def test_unpermute_matches_cpu_handler(dtype):
     assert_bitwise(got, want, "unpermute vs CPU handler")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_unpermute_keeps_nan_bits_as_the_cpu_handler(dtype):
+    # NaN rows of every sign and payload (signalling ones included) come out quieted with
+    # their sign and payload, as the CPU conversions give them; the f16 load once made every
+    # NaN 0x7fff (the toolkit's host __half2float drops sign and payload).
+    nans = np.arange(0x7c01, 0x7c01 + 64, dtype=np.uint16)
+    if dtype == jnp.bfloat16:
+        nans = np.arange(0x7f81, 0x7f81 + 64, dtype=np.uint16)
+    bits_in = np.concatenate([nans, nans | 0x8000]).reshape(8, 16)
+    x = bits_in.view(jnp.dtype(dtype))
+    idx = np.arange(8, dtype=np.int32)
+    got = run(ops.unpermute, x, idx, num_tokens=8)
+    want = run(ops.unpermute, x, idx, num_tokens=8, on_cpu=True)
+    assert_bitwise(got, want, "unpermute NaN rows vs CPU handler")
+    assert (bits(got) >> 15 == bits_in >> 15).all()  # signs kept
+
+
 def test_unpermute_edge_cases():
     rng = np.random.default_rng(9)
     H = 64
