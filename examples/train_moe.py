@@ -510,23 +510,27 @@ def train(args):
     return records
 
 
-# The flags the model's parameters (their shapes, their layout, what they mean) depend on: a
-# checkpoint records them, and --resume refuses a run that changes one.
+# The flags the model's parameters (their shapes, their layout, what they mean) and its routing
+# depend on: a checkpoint records them, and --resume refuses a run that changes one. It also
+# records every state array's path, shape and dtype (Checkpoints._layout), which catches what
+# no flag names (an aux-loss tracker that --aux-loss-coeff 0 leaves out).
 MODEL_FLAGS = ("experts", "topk", "d_model", "ffn", "shared_ffn", "layers", "heads", "seq",
                "etp", "latent_size", "gated_linear_unit", "glu_interleave_size",
                "add_bias_linear", "activation", "glu_linear_offset", "activation_clamp",
                "score_function", "expert_bias", "router_num_groups", "router_group_topk",
                "topk_scaling_factor", "apply_probs_on_input", "shared_expert_gate",
-               "load_balancing")
+               "load_balancing", "force_load_balancing", "force_biased", "input_jitter_eps")
 
 
 class Checkpoints:
     """Orbax checkpoints of a training run in `directory`, one per saved step: all nnx state of
     the model (parameters and non-trainable variables such as an expert bias) and of the
     optimizer, sharded as they are on the mesh, plus as JSON the data position (the batch
-    sampler's RNG state and the number of steps done) and `model_flags` (the MODEL_FLAGS'
-    values: restore refuses a checkpoint saved with others). Without `resume` the directory
-    must hold no checkpoint (orbax would skip every step up to its latest)."""
+    sampler's RNG state and the number of steps done), `model_flags` (the MODEL_FLAGS' values)
+    and the state's layout: restore refuses a checkpoint whose flags or layout differ from
+    this run's, naming them, before reading an array (a checkpoint written before they were
+    recorded is restored unchecked). Without `resume` the directory must hold no checkpoint
+    (orbax would skip every step up to its latest)."""
 
     def __init__(self, directory, *, resume=False, model_flags=None):
         import orbax.checkpoint as ocp
@@ -547,7 +551,7 @@ class Checkpoints:
         ocp = self._ocp
         state = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
         data = {"steps_done": steps_done, "sampler": rng.bit_generator.state,
-                "model_flags": self.model_flags}
+                "model_flags": self.model_flags, "state_layout": self._layout(state)}
         if not self.manager.save(steps_done, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data))):
             raise RuntimeError(f"orbax saved no checkpoint at step {steps_done} in "
@@ -565,16 +569,9 @@ class Checkpoints:
             raise SystemExit(f"--resume: no checkpoint in {self.manager.directory}")
         data = self.manager.restore(latest, args=ocp.args.Composite(
             data=ocp.args.JsonRestore())).data
-        saved = data.get("model_flags", {})
-        changed = [flag for flag in sorted(set(saved) | set(self.model_flags))
-                   if saved.get(flag) != self.model_flags.get(flag)]
-        if changed:
-            def flags(values):
-                return " ".join(f"--{flag.replace('_', '-')} {values.get(flag)}"
-                                for flag in changed)
-            raise SystemExit(f"--resume: the checkpoint at step {latest} was saved with "
-                             f"{flags(saved)}; this run has {flags(self.model_flags)}")
         target = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+        if "model_flags" in data:
+            self._check_same_model(latest, data, target)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         restored = self.manager.restore(latest, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract)))
@@ -582,6 +579,34 @@ class Checkpoints:
         nnx.update(optimizer, restored.state["optimizer"])
         rng.bit_generator.state = data["sampler"]
         return int(data["steps_done"])
+
+    def _check_same_model(self, step, data, target):
+        """SystemExit naming the MODEL_FLAGS, or else the state arrays, in which the checkpoint
+        of `step` (its JSON `data`) differs from this run (its state `target`)."""
+        saved = data["model_flags"]
+        changed = [flag for flag in sorted(set(saved) | set(self.model_flags))
+                   if saved.get(flag) != self.model_flags.get(flag)]
+        if changed:
+            def flags(values):
+                return " ".join(f"--{flag.replace('_', '-')} {values.get(flag)}"
+                                for flag in changed)
+            raise SystemExit(f"--resume: the checkpoint at step {step} was saved with "
+                             f"{flags(saved)}; this run has {flags(self.model_flags)}")
+        old, new = data["state_layout"], self._layout(target)
+        differ = sorted(path for path in set(old) | set(new) if old.get(path) != new.get(path))
+        if differ:
+            shown = "; ".join(f"{path}: {old.get(path, 'absent')} saved, "
+                              f"{new.get(path, 'absent')} now" for path in differ[:3])
+            raise SystemExit(f"--resume: the checkpoint at step {step} holds other state "
+                             f"arrays than this run's model ({len(differ)} differ: {shown}); "
+                             f"resume with the flags it was saved with")
+
+    @staticmethod
+    def _layout(state):
+        """{path: "dtype[shape]"} of every array of a state pytree."""
+        import jax
+        return {jax.tree_util.keystr(path): f"{leaf.dtype}{list(leaf.shape)}"
+                for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
 
     def close(self):
         self.manager.wait_until_finished()

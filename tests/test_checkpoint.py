@@ -115,11 +115,43 @@ def test_resume_refuses_another_model_and_a_fresh_run_a_used_directory(train_moe
              "saved with --experts 8 --layers 1; this run has --experts 16 --layers 2")):
         with pytest.raises(SystemExit, match=message):
             run(3, "--resume", *extra)
+    with pytest.raises(SystemExit, match="saved with --input-jitter-eps None; this run has "
+                                         "--input-jitter-eps 0.01"):
+        run(3, "--resume", "--input-jitter-eps", "0.01")
     with pytest.raises(SystemExit, match="holds an earlier run's checkpoints .up to step 2."):
         run(3)
     with pytest.raises(SystemExit, match="--steps 2: the checkpoint .* is at step 2 already"):
         run(2, "--resume")
     assert [r["step"] for r in run(3, "--resume", "--lr", "1e-3")] == [2]  # same model
+
+
+def test_resume_refuses_other_state_arrays_and_reads_unrecorded_checkpoints(train_moe,
+                                                                           tmp_path):
+    """No flag names every state array: global_aux_loss keeps a tracker only while its weight
+    is above 0, so a resume with --aux-loss-coeff 0 is refused by the recorded layout (it
+    failed inside orbax). A checkpoint written before flags and layout were recorded is
+    restored unchecked."""
+    directory = tmp_path / "ck"
+
+    def run(steps, *extra):
+        return train_moe.train(train_moe.parse_args(
+            SMALL + ["--steps", str(steps), "--checkpoint-dir", str(directory), "--out",
+                     str(tmp_path / "out"), "--load-balancing", "global_aux_loss", *extra]))
+    run(2)
+    with pytest.raises(SystemExit, match="holds other state arrays than this run's model "
+                                         r"\(\d+ differ: .*absent now"):
+        run(3, "--resume", "--aux-loss-coeff", "0")
+    # the JSON of a checkpoint from before: no model_flags, no state_layout
+    def data_record(path):  # orbax's file for the JSON item (its name is orbax's choice)
+        try:
+            return "steps_done" in json.loads(path.read_text())
+        except (UnicodeDecodeError, ValueError):
+            return False
+    data = next(p for p in (directory / "2").rglob("*") if p.is_file() and data_record(p))
+    record = json.loads(data.read_text())
+    del record["model_flags"], record["state_layout"]
+    data.write_text(json.dumps(record))
+    assert [r["step"] for r in run(3, "--resume")] == [2]
 
 
 def test_preset_switches_turn_off_and_refused_combinations_are_named(train_moe, tmp_path):
