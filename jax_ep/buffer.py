@@ -10,10 +10,12 @@ call its methods inside `jax.shard_map` over the expert axis `group`.
 Arguments that have no effect under XLA (accepted so that ported calls run unchanged):
 
 - `num_nvl_bytes`, `num_rdma_bytes` (`Buffer(...)`): XLA allocates every buffer of the compiled
-  program.
+  program (checked as DeepEP asserts them: ints >= 0, multiples of 128).
 - `low_latency_mode`, `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`
-  (`Buffer(...)`): both modes are always available; XLA picks the links.
-- `explicitly_destroy` (`Buffer(...)`): nothing to release (`destroy()` does nothing).
+  (`Buffer(...)`): both modes are always available; XLA picks the links (the flags must be
+  bools; QPs an int, > 0 in low-latency mode).
+- `explicitly_destroy` (`Buffer(...)`): nothing to release; `destroy()` does nothing, and as
+  in DeepEP needs `explicitly_destroy=True`.
 - `is_intranode` (`Buffer(...)`): kept as an attribute; `UCCLBuffer` sets it from the group.
 - `use_fabric` (`Buffer(...)`): XLA allocates the buffers (no fabric memory API to pick).
 - `enable_shrink` (`Buffer(...)`): no rank is ever masked (every rank runs the compiled

@@ -253,8 +253,7 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False):
     reference `x * (448.0 / x_amax)` (x * (1 / scale_inv) with round_scale, exact for a power
     of two). Past amax = 2^126, 1 / amax is an fp32 subnormal, rounded to the subnormal grid in
     integers so XLA:CPU's flush to zero cannot zero the block. A block holding an inf or NaN is
-    poisoned:
-    NaN scale_inv (UE8M0 byte 0xff) and NaN codes."""
+    poisoned: NaN scale_inv (UE8M0 byte 0xff) and NaN codes."""
     num_tokens, hidden = x.shape
     padded = pad_to_fp8_blocks(x)
     groups = padded.shape[1] // FP8_BLOCK

@@ -455,12 +455,11 @@ class MoEFlexTokenDispatcher(nnx.Module):
         fills zeros for the other's.
 
         hidden_states [T,H] (or [..., H]: T tokens), token_probs / token_indices [T,K];
-        experts: (rows [N,H],
-        tokens_per_expert i32[L], permuted_probs [N], params) -> [N,H]; params: the arrays it
-        is differentiated in (the expert weights; `experts` must close over no other traced
-        value it needs gradients of). Returns (y [T,H] in the input's shape, overflow i32[]:
-        1 where the fallback ran, else 0, num_dropped i32[]: the rows the branch taken
-        dropped, 0 unless the worst case itself is bounded).
+        experts: (rows [N,H], tokens_per_expert i32[L], permuted_probs [N], params) -> [N,H];
+        params: the arrays it is differentiated in (the expert weights; `experts` must close
+        over no other traced value it needs gradients of). Returns (y [T,H] in the input's
+        shape, overflow i32[]: 1 where the fallback ran, else 0, num_dropped i32[]: the rows
+        the branch taken dropped, 0 unless the worst case itself is bounded).
         """
         cfg = self.config
         if cfg.dropless_buffer_factor is None:
