@@ -3,6 +3,8 @@ shape or value it got."""
 
 from __future__ import annotations
 
+import numbers
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -83,6 +85,12 @@ def check_float_weights(x, name: str) -> None:
     """Weights and probs: any float dtype (they are cast to float32)."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name}: expected a float array, got {x.dtype}")
+
+
+def is_int(value, minimum: int = 1) -> bool:
+    """Whether value is an integer (Python or numpy; not a bool) of at least `minimum`."""
+    return (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+            and value >= minimum)
 
 
 def check_positive(value, name: str, *, allow_zero: bool = False, upper: int | None = None):

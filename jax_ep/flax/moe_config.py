@@ -11,6 +11,7 @@ import warnings
 
 import numpy as np
 
+from jax_ep._checks import is_int
 from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
 from jax_ep.flax.activations import GatedActivation, activation_name
 
@@ -31,11 +32,6 @@ SHARED_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_expert_capacity_fact
 def _require(ok, field, allowed, value):
     if not ok:
         raise ValueError(f"MoEConfig.{field}: expected {allowed}, got {value!r}")
-
-
-def _int(value, minimum=1):
-    return (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-            and value >= minimum)
 
 
 def _real(value, minimum=0.0, strict=False):
@@ -203,14 +199,14 @@ class MoEConfig:
 
     def __post_init__(self):
         E, K = self.num_moe_experts, self.moe_router_topk
-        _require(_int(E), "num_moe_experts", "a positive int", E)
+        _require(is_int(E), "num_moe_experts", "a positive int", E)
         # K > E is accepted, as Megatron's TransformerConfig accepts it (its tests build such
         # a layer); MoELayer refuses it when called (the router cannot pick K of E experts).
-        _require(_int(K), "moe_router_topk", "a positive int", K)
+        _require(is_int(K), "moe_router_topk", "a positive int", K)
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                      "moe_latent_size"):
             v = getattr(self, name)
-            _require(v is None or _int(v), name, "None or a positive int", v)
+            _require(v is None or is_int(v), name, "None or a positive int", v)
         _require(self.moe_router_score_function in SCORE_FUNCTIONS,
                  "moe_router_score_function", f"one of {SCORE_FUNCTIONS}",
                  self.moe_router_score_function)
@@ -252,7 +248,7 @@ class MoEConfig:
         _require(isinstance(self.token_dispatcher, TokenDispatcherConfig), "token_dispatcher",
                  "a TokenDispatcherConfig", self.token_dispatcher)
         etp = self.expert_tensor_parallel_size
-        _require(_int(etp) and (self.moe_ffn_hidden_size or etp) % etp == 0,
+        _require(is_int(etp) and (self.moe_ffn_hidden_size or etp) % etp == 0,
                  "expert_tensor_parallel_size",
                  f"a positive int dividing moe_ffn_hidden_size={self.moe_ffn_hidden_size}", etp)
         self._check_activation()
@@ -394,17 +390,17 @@ class MoEConfig:
         E, K = self.num_moe_experts, self.moe_router_topk
         groups, top = self.moe_router_num_groups, self.moe_router_group_topk
         # None or an int (0 is off, as Megatron tests them for truth)
-        _require(groups is None or _int(groups, 0), "moe_router_num_groups",
+        _require(groups is None or is_int(groups, 0), "moe_router_num_groups",
                  "None or an int >= 0", groups)
-        _require(top is None or _int(top, 0), "moe_router_group_topk", "None or an int >= 0",
+        _require(top is None or is_int(top, 0), "moe_router_group_topk", "None or an int >= 0",
                  top)
         _require(groups is not None or not top, "moe_router_group_topk",
                  "None unless moe_router_num_groups is set (Megatron's rule)", top)
         if not top:  # as Megatron, moe_router_num_groups alone routes without groups
             return
-        _require(_int(groups) and E % groups == 0, "moe_router_num_groups",
+        _require(is_int(groups) and E % groups == 0, "moe_router_num_groups",
                  f"a positive divisor of num_moe_experts={E}", groups)
-        _require(_int(top) and top <= min(groups, K) and K <= top * (E // groups),
+        _require(is_int(top) and top <= min(groups, K) and K <= top * (E // groups),
                  "moe_router_group_topk",
                  f"an int in [1, min(moe_router_num_groups={groups}, moe_router_topk={K})] whose "
                  f"groups hold at least K experts (a group scores its top K // group_topk "
@@ -526,7 +522,7 @@ def megatron_fields(fields: dict) -> dict:
     limited = fields.pop("moe_router_topk_limited_devices", None)
     if limited:
         ep = fields.get("expert_model_parallel_size")
-        _require(not fields.get("moe_router_group_topk") and _int(ep),
+        _require(not fields.get("moe_router_group_topk") and is_int(ep),
                  "moe_router_topk_limited_devices", "None with moe_router_group_topk "
                  "(Megatron's rule), else given with expert_model_parallel_size (Megatron "
                  "routes over that many groups)", limited)

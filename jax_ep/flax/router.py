@@ -21,10 +21,6 @@ __all__ = ["apply_biased_logits", "apply_random_logits", "apply_router_token_dro
            "topk_routing_with_score_function", "z_loss_func", "z_loss_terms"]
 
 
-def _is_int(value):
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
     """Node-limited top-k (DeepSeek-V3; Megatron's group_limited_topk, same arguments): scores
     [num_tokens, num_experts] -> (values [T,topk], ids i32[T,topk]). The experts form
@@ -33,10 +29,10 @@ def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_
     if scores.shape != (num_tokens, num_experts):
         raise ValueError(f"group_limited_topk: scores must be [num_tokens={num_tokens}, "
                          f"num_experts={num_experts}], got {scores.shape}")
-    if not _is_int(num_groups) or num_groups < 1 or num_experts % num_groups:
+    if not _checks.is_int(num_groups) or num_experts % num_groups:
         raise ValueError(f"num_groups: expected a divisor of num_experts {num_experts}, got "
                          f"{num_groups!r}")
-    if not _is_int(group_topk) or not 1 <= group_topk <= num_groups:
+    if not _checks.is_int(group_topk) or group_topk > num_groups:
         raise ValueError(f"group_topk: expected an int in [1, num_groups={num_groups}], got "
                          f"{group_topk!r}")
     _checks.check_top_k(topk, group_topk * (num_experts // num_groups), "topk",
