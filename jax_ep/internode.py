@@ -449,8 +449,7 @@ def two_hop_axes(axis_name, hierarchical=None):
     if hierarchical not in (None, True, False):
         raise ValueError(f"hierarchical: expected None, True or False, got {hierarchical!r}")
     is_pair = isinstance(axis_name, (tuple, list)) and len(axis_name) == 2
-    if is_pair and axis_name[0] == axis_name[1]:
-        raise ValueError(f"axis_name: expected distinct mesh axes, got {tuple(axis_name)!r}")
+    tp.check_distinct_axes(axis_name)
     if hierarchical and not is_pair:
         raise ValueError(f"hierarchical: True needs axis_name=(node_axis, local_axis), got "
                          f"{axis_name!r}")

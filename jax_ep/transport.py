@@ -141,11 +141,17 @@ def check_backend(backend: str) -> str:
     return _IMPL_OF_BACKEND[backend]
 
 
-def axis_rank_and_size(axis_name):
-    """(this rank's index, P) on the expert axis; ValueError if the axis is not bound, or if a
-    tuple of axes names one twice (JAX multiplies such a size in, a rank layout no mesh has)."""
+def check_distinct_axes(axis_name) -> None:
+    """ValueError if a tuple of axes names one twice (JAX multiplies such an axis's size in
+    again: a rank layout no mesh has)."""
     if isinstance(axis_name, (tuple, list)) and len(set(axis_name)) != len(axis_name):
         raise ValueError(f"axis_name: expected distinct mesh axes, got {tuple(axis_name)!r}")
+
+
+def axis_rank_and_size(axis_name):
+    """(this rank's index, P) on the expert axis; ValueError if the axis is not bound or a
+    tuple names one twice."""
+    check_distinct_axes(axis_name)
     try:
         size = jax.lax.axis_size(axis_name)
     except NameError as err:
