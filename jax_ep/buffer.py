@@ -14,8 +14,8 @@ Arguments that have no effect under XLA (accepted so that ported calls run uncha
 - `low_latency_mode`, `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`
   (`Buffer(...)`): both modes are always available; XLA picks the links (the flags must be
   bools; QPs an int, > 0 in low-latency mode).
-- `explicitly_destroy` (`Buffer(...)`): nothing to release; `destroy()` does nothing, and as
-  in DeepEP needs `explicitly_destroy=True`.
+- `explicitly_destroy` (`Buffer(...)`): nothing to release; `destroy()` does nothing, with or
+  without it (DeepEP asserts it first).
 - `is_intranode` (`Buffer(...)`): kept as an attribute; `UCCLBuffer` sets it from the group.
 - `use_fabric` (`Buffer(...)`): XLA allocates the buffers (no fabric memory API to pick).
 - `enable_shrink` (`Buffer(...)`): no rank is ever masked (every rank runs the compiled
@@ -325,11 +325,8 @@ class Buffer:
     # -- no-ops and records --------------------------------------------------------------
 
     def destroy(self) -> None:
-        """Releases nothing (the buffer holds no resources), but as DeepEP only a buffer made
-        with explicitly_destroy=True may be destroyed: a ValueError naming it otherwise."""
-        if not self.explicitly_destroy:
-            raise ValueError("explicitly_destroy: destroy() needs a Buffer made with "
-                             "explicitly_destroy=True (DeepEP's rule)")
+        """Does nothing (the buffer holds no resources), whatever explicitly_destroy says: the
+        contract's `destroy` does nothing, where DeepEP first asserts explicitly_destroy."""
 
     def reset_rdma_buffer(self) -> None:
         """Does nothing: every call's buffers are fresh arrays."""
