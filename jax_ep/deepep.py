@@ -233,7 +233,7 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
             raise ValueError(f"topk_idx: expected {x.shape[0]} rows to match x {x.shape}, got "
                              f"shape {topk_idx.shape}")
         axes = internode.two_hop_axes(axis_name, hierarchical)
-        transports = internode.resolve_transports(transport, axes is not None)
+        transports = internode.resolve_transports(transport, axes is not None, impl)
         if num_worst_rdma_tokens is not None and axes is None:
             raise ValueError(f"num_worst_rdma_tokens: bounds the node hop of a two-hop "
                              f"dispatch; axis_name {axis_name!r} (hierarchical="
@@ -418,7 +418,7 @@ def dispatch_chunked_forward(x, topk_idx, topk_weights, local_kernel, *, num_loc
     counts = jnp.stack([
         ops.get_dispatch_layout(topk_idx[s:e], num_experts=num_experts, num_ranks=num_ranks,
                                 impl=impl)[0] for s, e in bounds])
-    transport = tp.resolve_transport(transport)
+    transport = tp.resolve_transport(transport, tp.xla_only(impl))
     count_matrix = tp.exchange_counts(counts, axis_name, transport)  # [P_src, chunks, P_dst]
     outputs = {}
     for i, (s, e) in enumerate(bounds):

@@ -285,7 +285,7 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
                                              allow_zero=True)
     impl = tp.check_backend(backend)
     axes = internode.two_hop_axes(axis_name, hierarchical)
-    transports = internode.resolve_transports(transport, axes is not None)
+    transports = internode.resolve_transports(transport, axes is not None, impl)
     num_tokens = x.shape[0]
     # At least one aligned group of (unrouted) rows, even at T = 0: every buffer below then
     # has rows, and JAX cannot gather from an empty one.

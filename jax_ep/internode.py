@@ -462,9 +462,10 @@ def two_hop_axes(axis_name, hierarchical=None):
     return node_axis, local_axis
 
 
-def resolve_transports(transport, two_hop):
+def resolve_transports(transport, two_hop, impl):
     """transport (one name, or a (node hop, local hop) pair) -> (node, local) resolved names
-    for two hops, or one name for a flat exchange (a pair's node-hop name).
+    for two hops, or one name for a flat exchange (a pair's node-hop name); impl: the
+    backend's kernels (the "alltoall" backend's "xla" keeps every hop on XLA collectives).
 
     The node hop of two hops stays on XLA collectives: one name "peer" (or "auto") serves the
     local hop with "peer" and the node hop with "auto"'s XLA choice; a pair naming "peer" for
@@ -474,14 +475,15 @@ def resolve_transports(transport, two_hop):
     if len(pair) != 2:
         raise ValueError(f"transport: expected a name or a (node hop, local hop) pair, got "
                          f"{transport!r}")
+    no_peer = tp.xla_only(impl)
     if not two_hop:
-        return tp.resolve_transport(pair[0])
+        return tp.resolve_transport(pair[0], no_peer)
     if is_pair and pair[0] == "peer":
         raise ValueError("transport: the node hop of a two-hop exchange stays on XLA "
                          "collectives ('all_to_all', 'ragged' or 'auto'); 'peer' may serve the "
                          "local hop, e.g. transport=('auto', 'peer')")
-    node = tp.resolve_transport("auto" if pair[0] == "peer" else pair[0], peer_ok=False)
-    return node, tp.resolve_transport(pair[1])
+    node = tp.resolve_transport("auto" if pair[0] == "peer" else pair[0], tp.NODE_HOP)
+    return node, tp.resolve_transport(pair[1], no_peer)
 
 
 def two_hop_plan(topk_idx, num_experts, axes, *, transports, impl, capacity=None,

@@ -305,7 +305,8 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
     check_shape(topk_idx, (x.shape[0], topk_idx.shape[1]), "topk_idx")
     impl = tp.check_backend(backend)
     h = dataclasses.replace(_plan(topk_idx, num_experts, tmax, axis_name,
-                                  tp.resolve_transport(transport), impl), hidden=x.shape[1])
+                                  tp.resolve_transport(transport, tp.xla_only(impl)), impl),
+                                hidden=x.shape[1])
     recv_count = h.layout_range[..., 1].sum(axis=1, dtype=jnp.int32)  # i32 under x64 too
     if not use_fp8:
         return _ll_rows(x, h), recv_count, h

@@ -109,22 +109,22 @@ def peer_unavailable() -> str | None:
     return None
 
 
-def resolve_transport(transport: str, peer_ok: bool = True) -> str:
+def resolve_transport(transport: str, no_peer: str | None = None) -> str:
     """"auto" -> "peer" where it can run (CPU, or CUDA with the CUDA handlers built; one process,
     every mesh axis manual), else "ragged" on GPU/TPU and "all_to_all" on CPU (the platform of
     the mesh's devices, so a CPU mesh on a GPU host gets a CPU transport). Checks the name, and
-    that "peer" / "ragged" can run here. peer_ok=False: "auto" never picks "peer" and "peer"
-    is refused (the node hop of two hops)."""
+    that "peer" / "ragged" can run here. no_peer: None, or why this exchange stays on XLA
+    collectives (`NODE_HOP`, or `xla_only(impl)` of the "alltoall" backend): then "auto" never
+    picks "peer" and "peer" is refused, naming that reason."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     platform = _ffi.trace_platform()
     if transport == "auto":
-        if peer_ok and platform in _PEER_PLATFORMS and not peer_unavailable():
+        if no_peer is None and platform in _PEER_PLATFORMS and not peer_unavailable():
             return "peer"
         return "all_to_all" if platform == "cpu" else "ragged"
-    if transport == "peer" and not peer_ok:
-        raise ValueError("transport: 'peer' cannot serve this exchange (the node hop of a "
-                         "two-hop exchange stays on XLA collectives)")
+    if transport == "peer" and no_peer is not None:
+        raise ValueError(f"transport: 'peer' cannot serve this exchange ({no_peer})")
     if transport == "ragged" and platform == "cpu":
         raise ValueError("transport: 'ragged' (ragged_all_to_all) is not supported by XLA:CPU; "
                          "use 'all_to_all', 'peer' or 'auto'")
@@ -132,6 +132,17 @@ def resolve_transport(transport: str, peer_ok: bool = True) -> str:
             None if platform in _PEER_PLATFORMS else f"no peer handler for {platform!r}")):
         raise ValueError(f"transport: 'peer' cannot run here: {why}")
     return transport
+
+
+#: why the node hop of a two-hop exchange never takes the peer transport
+NODE_HOP = "the node hop of a two-hop exchange stays on XLA collectives"
+
+
+def xla_only(impl: str) -> str | None:
+    """The no_peer reason of a backend's kernels (check_backend's "ffi" / "xla"): the
+    "alltoall" backend is built only from XLA ops, so its "auto" is XLA's collective."""
+    return ("backend 'alltoall' is built only from XLA ops; backend 'deepep' takes the peer "
+            "transport" if impl == "xla" else None)
 
 
 def check_backend(backend: str) -> str:

@@ -47,7 +47,8 @@ def padded_auto(monkeypatch):
 
     real = transport.resolve_transport
     monkeypatch.setattr(transport, "resolve_transport",
-                        lambda t, peer_ok=True: real(t, peer_ok and t != "auto"))
+                        lambda t, no_peer=None: real(t, no_peer or (
+                            "padded_auto" if t == "auto" else None)))
 
 # With JAX_EP_EMU_LAUNCH_LOG=PREFIX (and the emulated CUDA handlers built), each test's emulated
 # kernel launches, by kernel instance, go to PREFIX.<xdist worker> as one JSON line per test;

@@ -477,6 +477,53 @@ def test_auto_is_peer_in_one_process_and_all_to_all_where_peer_cannot_run(monkey
         run_ep(g, ep_mesh(4), np.ones((8, 2), np.float32))
 
 
+def _custom_calls(fn, *arrays):
+    mesh = ep_mesh(4)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * len(arrays), out_specs=P(AXIS))
+    text = jax.jit(mapped).lower(*shard(mesh, *arrays)).as_text()
+    return sorted(set(re.findall(r"custom_call @(\w+)\(", text)))
+
+
+def test_alltoall_backend_is_xla_only_and_auto_takes_xla_collectives():
+    # the contract: backend "alltoall" is built only from XLA ops, so "auto" is XLA's
+    # collective for it (peer for the FFI backends) and an explicit "peer" is refused
+    rng = np.random.default_rng(3)
+    T, H, K, E = 8, 128, 2, 8
+    x = jnp.asarray(rng.standard_normal((4 * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, 4 * T, K, E)
+
+    def normal(backend):
+        def f(x, i, w):
+            rx, _, _, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                          backend=backend)
+            return jax_ep.combine(rx, h)[0]
+        return f
+
+    def chunked(x, i, w):
+        return jax_ep.dispatch_chunked_forward(x, i, w, lambda r, _, __: r * 2,
+                                               num_local_experts=E // 4, axis_name=AXIS,
+                                               chunks=2, backend="alltoall")
+
+    def hybrid(x, i, w):
+        px, _, _, h = hybridep.hybridep_dispatch(x, topk_idx=i, probs=w, num_experts=E,
+                                                 axis_name=AXIS, backend="alltoall")
+        return hybridep.hybridep_combine(px, h)
+
+    def low_latency(x, i, w):
+        recv, _, h = jax_ep.low_latency_dispatch(x, i, num_max_dispatch_tokens_per_rank=T,
+                                                 num_experts=E, axis_name=AXIS,
+                                                 backend="alltoall")
+        return jax_ep.low_latency_combine(recv, i, w, h)
+
+    for fn in (normal("alltoall"), chunked, hybrid, low_latency):
+        assert _custom_calls(fn, x, idx, w) == [], fn
+    assert "jax_ep_peer_exchange" in _custom_calls(normal("deepep"), x, idx, w)
+    with pytest.raises(ValueError, match="'peer' cannot serve this exchange.*alltoall"):
+        run_ep(lambda x, i, w: jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                               backend="alltoall", transport="peer")[0],
+               ep_mesh(4), x, idx, w)
+
+
 def test_peer_refuses_a_mesh_axis_that_is_not_manual():
     mesh = jax.make_mesh((2, 4), ("data", AXIS))
     x = jax.device_put(np.zeros((2, 8), np.float32), NamedSharding(mesh, P(None, AXIS)))

@@ -42,7 +42,7 @@ def ragged(monkeypatch):
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     real = transport.resolve_transport
     monkeypatch.setattr(transport, "resolve_transport",
-                        lambda t: "ragged" if t == "ragged" else real(t))
+                        lambda t, no_peer=None: "ragged" if t == "ragged" else real(t, no_peer))
 
 
 @pytest.mark.parametrize("num_ranks,capacity,num_worst", [(4, None, None), (8, None, None),
