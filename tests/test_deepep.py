@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,7 +161,7 @@ def _ep_moe(mesh, E, backend, **kwargs):
     ("all_unrouted", 4, 2), ("k_gt_l", 8, 5), ("hot_expert", 4, 2)])
 def test_moe_forward_and_grad_match_dense(case, num_ranks, K, backend):
     T, H, F, E = 6, 8, 16, 16
-    rng = np.random.default_rng(hash(case) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(case.encode()))  # the same data every run
     x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
     idx, w = _moe_case(case, rng, num_ranks, T, K, E)
     w_in = (rng.standard_normal((E, H, F)) / np.sqrt(H)).astype(np.float32)
@@ -511,10 +513,8 @@ def test_deepep_and_alltoall_bitwise_equal_bf16():
 
     a = run_ep(body("deepep"), mesh, x, idx, w)
     b = run_ep(body("alltoall"), mesh, x, idx, w)
-    for u, v in zip(a[:3], b[:3]):
+    for u, v in zip(a, b):  # the combine too: both sum a token's copies in fp32, in order
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
-    np.testing.assert_allclose(np.asarray(a[3], np.float32), np.asarray(b[3], np.float32),
-                               rtol=1e-2)
 
 
 def test_checkpoint_policy_by_collective_name_keeps_gradients():

@@ -350,17 +350,30 @@ def test_hybridep_moe_forward_matches_dense():
     assert jax_ep.hybridep_dispatch is hybridep.hybridep_dispatch
 
 
-def test_invalid_expert_id_on_one_rank_is_unrouted():
+@pytest.mark.parametrize("backend", ["deepep", "alltoall"])
+@pytest.mark.parametrize("bad", [-7, 8, 99])
+def test_invalid_expert_id_on_one_rank_is_unrouted_and_counted(bad, backend):
+    # ids outside [-1, E) on one rank: routed nowhere (a layer-1 kernel's error would stop that
+    # rank only) and counted in that rank's handle.num_invalid
     num_ranks, T, H, K, E = 4, 4, 8, 2, 8
     rng = np.random.default_rng(6)
     x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
     idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
     bad_idx, clean_idx = idx.copy(), idx.copy()
-    bad_idx[3, 0], clean_idx[3, 0] = -7, -1
+    bad_idx[3, 0], clean_idx[3, 0] = bad, -1  # rank 0's fourth token
+
+    def body(x, i, w):
+        px, pp, tpe, h = hybridep.hybridep_dispatch(x, topk_idx=i, probs=w, num_experts=E,
+                                                    axis_name=AXIS, num_permuted_tokens=32,
+                                                    backend=backend)
+        return px, pp, tpe, h.num_invalid[None], hybridep.hybridep_combine(px, h)
+
     mesh = ep_mesh(num_ranks)
-    got = _run(mesh, x, bad_idx, w, E, 32, None, compact=True)
-    want = _run(mesh, x, clean_idx, w, E, 32, None, compact=True)
-    for g, c in zip(got, want):
+    got = [np.asarray(a) for a in run_ep(body, mesh, x, bad_idx, w)]
+    want = [np.asarray(a) for a in run_ep(body, mesh, x, clean_idx, w)]
+    np.testing.assert_array_equal(got[3], [1, 0, 0, 0])
+    np.testing.assert_array_equal(want[3], [0, 0, 0, 0])
+    for g, c in zip(got[:3] + got[4:], want[:3] + want[4:]):
         np.testing.assert_array_equal(g, c)
 
 

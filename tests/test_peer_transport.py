@@ -277,12 +277,18 @@ def test_all_to_all_single_runs_on_peer():
 
     y, g = run_ep(f, ep_mesh(P_), x, splits, np.ascontiguousarray(splits.T))
     y, xs = np.asarray(y).reshape(P_, P_ * S, 3), x.reshape(P_, S, 3)
+    want_g = np.zeros_like(x)  # x's row -> the index of the output row it landed in
     for q in range(P_):
         got = [xs[p][splits[p, :q].sum():splits[p, :q + 1].sum()] for p in range(P_)]
         want = np.concatenate(got)
         np.testing.assert_array_equal(y[q][:len(want)], want)
         assert not y[q][len(want):].any()
-    assert np.asarray(g).shape == x.shape
+        row = 0  # the local output row (the weights are arange over one rank's rows)
+        for p in range(P_):
+            for i in range(splits[p, :q].sum(), splits[p, :q + 1].sum()):
+                want_g[p * S + i] = row
+                row += 1
+    np.testing.assert_array_equal(np.asarray(g), want_g)
 
 
 def test_the_program_after_an_exchange_flushes_denormals_as_xla_does():

@@ -31,8 +31,10 @@ if jax.devices()[0].platform != "gpu" and not EMULATED:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ep_utils import (  # noqa: E402
     AXIS,
+    assert_param_grads_close,
     dense_moe,
     ep_mesh,
+    layer_vs_dense,
     local_experts,
     owner_count,
     random_routing,
@@ -190,9 +192,11 @@ def test_low_latency_logfmt_combine_on_gpu():
     assert 0 < diff < 1e-5
 
 def test_moe_layer_trains_on_gpu():
+    """The MoE layer on the device's handlers: its loss sum(y * cot) + aux and every parameter
+    gradient against the dense single-device forward, then one SGD step lowers the loss."""
     from flax import nnx
 
-    from jax_ep.flax import MoELayer, dense_forward, shard_params
+    from jax_ep.flax import MoELayer, shard_params
 
     mesh = jax.make_mesh((1, NUM_RANKS), ("data", "expert"))
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8 * NUM_RANKS, moe_router_topk=2,
@@ -201,12 +205,16 @@ def test_moe_layer_trains_on_gpu():
     twin = MoELayer(cfg, 128, 256, rngs=nnx.Rngs(0), mesh=mesh)
     shard_params(layer, mesh)
     x = jax.random.normal(jax.random.key(0), (4 * NUM_RANKS, 32, 128))
-    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-        ("data", "expert"))))
-    with jax.set_mesh(mesh):
-        y, _ = nnx.jit(lambda l, x: l(x))(layer, xs)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_forward(twin, x)[0]),
-                               rtol=2e-4, atol=2e-4)
+    got, aux, grads, want, want_grads = layer_vs_dense(layer, twin, mesh, x,
+                                                       ("data", "expert"))
+    np.testing.assert_allclose(got, want, rtol=2e-4)
+    assert int(aux["num_dropped"]) == 0
+    assert_param_grads_close(grads, want_grads, rtol=1e-3, atol=1e-4)
+    params = nnx.state(layer, nnx.Param)
+    nnx.update(layer, jax.tree.map(lambda p, g: p - 1e-3 * g, params,
+                                   nnx.state(grads, nnx.Param)))
+    stepped = layer_vs_dense(layer, twin, mesh, x, ("data", "expert"))[0]
+    assert stepped < got - 1e-4 * abs(got), (got, stepped)
 
 
 @pytest.mark.skipif(EMULATED, reason="no CUDA code: on the CPU devices this is "
