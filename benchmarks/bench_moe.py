@@ -223,6 +223,8 @@ def part_calls(a, mesh, layer, x):
     from jax_ep import internode
     from jax_ep import transport as tp
     from jax_ep.flax import moe
+    from jax_ep.flax import router as routing
+    from jax_ep.flax.dispatcher import router_dtype
 
     cfg, d = layer.config, layer.dispatcher
     dcfg = layer.dispatch_config
@@ -234,7 +236,10 @@ def part_calls(a, mesh, layer, x):
     def body(x, router, w_gate_up, w_down, stop):
         tokens = x.reshape(-1, x.shape[-1])
         T = tokens.shape[0]
-        _, probs, ids, _ = moe._route(tokens, (router, None), cfg, None, True)
+        logits = routing.router_gating_linear(
+            tokens, router.T, None, router_dtype(dcfg, tokens.dtype))
+        probs, ids = routing.route(logits, cfg)
+        probs = probs.astype(jnp.float32)
         if stop == "router":
             return jax.lax.pmean(sq(probs), axes)
         hidden, state = d.dispatch_preprocess2(tokens, T, probs, ids)
@@ -242,8 +247,8 @@ def part_calls(a, mesh, layer, x):
             handle = internode.routing_plan(
                 state.token_indices, cfg.num_moe_experts, d.axis_name,
                 transport=tp.resolve_transport(dcfg.transport),
-                impl=tp.check_backend(d.backend), capacity=d._capacity(T),
-                num_worst_tokens=d._num_worst_tokens(T))
+                impl=tp.check_backend(d.backend), capacity=d.rank_capacity(T),
+                num_worst_tokens=d.num_recv_rows(T))
             return jax.lax.pmean(sq(probs) + 1e-9 * handle.recv_topk_idx.sum(), axes)
         received, state = d.dispatch_all_to_all(hidden, state)
         if stop == "dispatch exchange":

@@ -138,6 +138,24 @@ def test_config_takes_numpy_scalars_as_python_numbers():
     assert cfg == plain and hash(cfg) == hash(plain)
 
 
+def test_dispatcher_buffer_sizes_are_the_documented_formulas():
+    """rank_capacity / num_recv_rows: the capacity and num_worst_tokens the dispatcher passes
+    to jax_ep.dispatch, by hand: T = 64, K = 2, E = 16 over P = 8 ranks (L = 2)."""
+    def sizes(**fields):
+        cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=16, moe_router_topk=2, **fields)
+        d = MoEFlexTokenDispatcher(2, range(2), cfg)
+        return d.rank_capacity(64), d.num_recv_rows(64)
+
+    assert sizes() == (None, None)  # no bound: the no-drop worst case
+    # each expert keeps ceil(64 * 2 / 16 * 1.5) = 12 tokens, a rank's 2 experts 24
+    assert sizes(moe_expert_capacity_factor=1.5) == (24, None)
+    # ceil(1.25 * T * min(K, P)) = 160 rows, below P * C = 192 and P * T = 512
+    assert sizes(moe_expert_capacity_factor=1.5, ragged_buffer_factor=1.25) == (24, 160)
+    assert sizes(ragged_buffer_factor=1.25) == (None, 160)
+    assert sizes(moe_expert_capacity_factor=0.5, ragged_buffer_factor=4.0) == (8, 64)
+    assert sizes(num_worst_tokens=100) == (None, 100)
+
+
 def test_dispatcher_and_layer_errors_name_the_argument():
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, expert_axis_name=AXIS)
     with pytest.raises(ValueError, match="num_local_experts"):

@@ -149,8 +149,10 @@ class MoEFlexTokenDispatcher(nnx.Module):
             return ()
         return (HybridEPPipelineRuntimeInitializer(self, hidden_dim, dtype),)
 
-    def _capacity(self, num_tokens):
-        """Per-destination row bound of a deepep-family dispatch (None: no bound)."""
+    def rank_capacity(self, num_tokens):
+        """Per-destination row bound C of a deepep-family dispatch of num_tokens tokens a rank
+        (the `capacity` it passes to `jax_ep.dispatch`): from moe_expert_capacity_factor, or
+        None (no bound)."""
         cfg = self.config
         if cfg.moe_expert_capacity_factor is None:
             return None
@@ -205,15 +207,16 @@ class MoEFlexTokenDispatcher(nnx.Module):
             slots = min(slots, math.ceil(factor * num_tokens * top_k))
         return slots + self.num_local_experts * (pad - 1)
 
-    def _num_worst_tokens(self, num_tokens):
-        """Receive rows of a deepep-family dispatch: config.num_worst_tokens, else with
+    def num_recv_rows(self, num_tokens):
+        """Receive rows R of a deepep-family dispatch of num_tokens tokens a rank (the
+        `num_worst_tokens` it passes to `jax_ep.dispatch`): config.num_worst_tokens, else with
         config.ragged_buffer_factor f min(P*C, ceil(f*T*min(K, P))), else None (P*C, the
         no-drop worst case; C = the per-destination capacity, T without a capacity factor)."""
         cfg = self.config
         if cfg.num_worst_tokens is not None or cfg.ragged_buffer_factor is None:
             return cfg.num_worst_tokens
         balanced = num_tokens * min(cfg.moe_router_topk, self.ep_size)
-        worst = self.ep_size * (self._capacity(num_tokens) or num_tokens)
+        worst = self.ep_size * (self.rank_capacity(num_tokens) or num_tokens)
         return max(1, min(worst, math.ceil(cfg.ragged_buffer_factor * balanced)))
 
     def local_multihot(self, recv_idx, recv_w):
@@ -356,9 +359,9 @@ class MoEFlexTokenDispatcher(nnx.Module):
         recv_x, recv_idx, recv_w, handle = deepep.dispatch(
             hidden_states, state.token_indices, state.token_probs,
             num_experts=cfg.num_moe_experts, axis_name=self.axis_name, backend=self.backend,
-            num_worst_tokens=self._num_worst_tokens(hidden_states.shape[0]),
+            num_worst_tokens=self.num_recv_rows(hidden_states.shape[0]),
             transport=cfg.transport,
-            capacity=self._capacity(hidden_states.shape[0]),
+            capacity=self.rank_capacity(hidden_states.shape[0]),
             use_fp8=cfg.moe_fp8_dispatch, fp8_output="cast_back")
         state = dataclasses.replace(state, handle=handle,
                                     num_dropped=dropped + handle.num_dropped)
