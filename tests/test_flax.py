@@ -1242,6 +1242,32 @@ def test_initialize_metadata_views_probs_per_destination_rank():
         d._initialize_metadata(4, probs)
 
 
+@pytest.mark.parametrize("fusion", [False, True])
+def test_hybridep_metadata_processor_is_nemos(fusion):
+    """NeMo's hybridep_metadata_processor: (token_indices, token_probs) -> (routing_map,
+    multihot_probs) by hand (NeMo's test case), on the hybridep dispatcher only."""
+    from jax_ep.flax import HybridEPMetadataProcessor
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_permute_fusion=fusion)
+    assert MoEFlexTokenDispatcher(2, [0, 1], cfg).hybridep_metadata_processor is None
+    d = MoEFlexTokenDispatcher(2, [0, 1], dataclasses.replace(
+        cfg, moe_flex_dispatcher_backend="hybridep"))
+    processor = d.hybridep_metadata_processor
+    assert isinstance(processor, HybridEPMetadataProcessor)
+    assert (processor.num_experts, processor.permute_fusion) == (8, fusion)
+    routing_map, probs = processor(jnp.array([[0, 3], [1, -1]]),
+                                   jnp.array([[0.6, 0.4], [0.7, 0.0]], jnp.bfloat16))
+    want_map = np.zeros((2, 8), bool)
+    want_map[0, [0, 3]] = want_map[1, 1] = True
+    want_probs = np.zeros((2, 8), np.float32)
+    want_probs[0, [0, 3]] = np.asarray(jnp.array([0.6, 0.4], jnp.bfloat16), np.float32)
+    want_probs[1, 1] = np.asarray(jnp.array(0.7, jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(routing_map), want_map)
+    assert probs.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(probs), want_probs)
+    with pytest.raises(ValueError, match="num_experts"):
+        HybridEPMetadataProcessor(num_experts=0, permute_fusion=False)
+
+
 @pytest.mark.parametrize("backend, tokens, top_k, ep, experts, factor, want", [
     ("deepep", 10, 2, 4, 8, 1.25, 4),  # 25 bounded rows, 8 a token: chunks of 3
     ("hybridep", 10, 2, 4, 8, 1.25, 3),  # 12 tokens' 30 rows: chunks of 4 (aligned)

@@ -1760,6 +1760,11 @@ def test_topk_router_module_matches_megatron(name):
         jax_ep.flax.MoEAuxLossAutoScaler.set_loss_scale(1.0)
     np.testing.assert_allclose(doubled, jax.grad(partial(explicit, scale=2.0))(w), rtol=1e-4,
                                atol=1e-6)
+    try:  # None, Megatron's initial value (NeMo's tests reset it so): a scale of 1
+        jax_ep.flax.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        np.testing.assert_array_equal(jax.grad(loss)(state)["weight"][...], got)
+    finally:
+        jax_ep.flax.MoEAuxLossAutoScaler.set_loss_scale(1.0)
     router.deterministic = True  # eval: no loss attached, as Megatron outside training
     graphdef, state = nnx.split(router)
     np.testing.assert_allclose(jax.grad(loss)(state)["weight"][...], probs_only, rtol=1e-5,

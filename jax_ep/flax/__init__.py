@@ -1,9 +1,9 @@
 """Flax NNX front end: the PyTorch flex dispatcher's method names, Megatron-Core's MoE config
 and router, and a ready MoE layer."""
 
-from jax_ep.flax.dispatcher import (DispatchState, HybridEPPipelineRuntimeInitializer,
-                                    MoEFlexTokenDispatcher, reset_hybrid_ep_buffer,
-                                    shared_dispatcher)
+from jax_ep.flax.dispatcher import (DispatchState, HybridEPMetadataProcessor,
+                                    HybridEPPipelineRuntimeInitializer, MoEFlexTokenDispatcher,
+                                    reset_hybrid_ep_buffer, shared_dispatcher)
 from jax_ep.flax.moe import (
     AuxLossTracker,
     ExpertBias,
@@ -34,6 +34,7 @@ __all__ = [
     "ExpertBias",
     "ForceBalanceStep",
     "ForcedBias",
+    "HybridEPMetadataProcessor",
     "HybridEPPipelineRuntimeInitializer",
     "InputJitterStep",
     "MoEAuxLossAutoScaler",

@@ -24,8 +24,8 @@ from jax_ep import deepep, hybridep, ops, transport
 from jax_ep._checks import as_int32_ids, check_positive, check_top_k, unroute_invalid_experts
 from jax_ep.config import TokenDispatcherConfig
 
-__all__ = ["DispatchState", "HybridEPPipelineRuntimeInitializer", "MoEFlexTokenDispatcher",
-           "reset_hybrid_ep_buffer", "shared_dispatcher"]
+__all__ = ["DispatchState", "HybridEPMetadataProcessor", "HybridEPPipelineRuntimeInitializer",
+           "MoEFlexTokenDispatcher", "reset_hybrid_ep_buffer", "shared_dispatcher"]
 
 _ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64, None: None}
 
@@ -89,6 +89,28 @@ def _check_state(state, method):
                          f"dispatch side, got {type(state).__name__} (pass probs by keyword)")
 
 
+class HybridEPMetadataProcessor:
+    """NeMo's _HybridEPMetadataProcessor (the hybridep dispatcher's
+    `hybridep_metadata_processor`): top-k routing -> HybridEP's dense routing.
+
+    `processor(token_indices, token_probs)`: token_indices int[T,K] global expert ids (-1 =
+    unrouted), token_probs float[T,K] -> (routing_map bool[T,E], multihot_probs f32[T,E]):
+    `ops.indices_to_multihot` on XLA ops, whatever permute_fusion (kept as NeMo's attribute:
+    its fused kernel gives the same values, and XLA fuses this scatter into its neighbours)."""
+
+    def __init__(self, *, num_experts: int, permute_fusion: bool):
+        self.num_experts = check_positive(num_experts, "num_experts")
+        self.permute_fusion = bool(permute_fusion)
+
+    def __call__(self, token_indices, token_probs):
+        return ops.indices_to_multihot(
+            token_indices, jnp.asarray(token_probs, jnp.float32), num_experts=self.num_experts,
+            impl="xla")
+
+
+_HybridEPMetadataProcessor = HybridEPMetadataProcessor  # NeMo's (private) name
+
+
 class MoEFlexTokenDispatcher(nnx.Module):
     """Flex token dispatcher over the "deepep", "uccl_ep", "alltoall" and "hybridep" modes.
 
@@ -117,6 +139,10 @@ class MoEFlexTokenDispatcher(nnx.Module):
         self.axis_name = ep_group or config.expert_axis_name
         self.ep_size = config.num_moe_experts // self.num_local_experts
         self.tp_size = 1
+        self.hybridep_metadata_processor = (
+            HybridEPMetadataProcessor(num_experts=config.num_moe_experts,
+                                      permute_fusion=config.moe_permute_fusion)
+            if self.backend == "hybridep" else None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -313,9 +339,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
                     f"moe_hybridep_compact_routing=True)")
             token_indices, num_invalid = unroute_invalid_experts(token_indices,
                                                                  self.config.num_moe_experts)
-            routing_map, probs = ops.indices_to_multihot(
-                token_indices, token_probs.astype(jnp.float32),
-                num_experts=self.config.num_moe_experts, impl="xla")
+            routing_map, probs = self.hybridep_metadata_processor(token_indices, token_probs)
             return hidden, DispatchState(routing_map=routing_map, probs=probs,
                                          num_invalid=num_invalid, hidden_shape=hidden_shape)
         return hidden, DispatchState(token_indices=token_indices,

@@ -920,13 +920,15 @@ class MoEAuxLossAutoScaler:
     aux_loss: how Megatron's router adds its losses without returning them. The scale is a
     Python float read when `apply` is traced (Megatron reads it in the backward): set it
     before the first trace of a jitted step; a jitted function already traced keeps the scale
-    it was traced with (jit's cache does not see the change)."""
+    it was traced with (jit's cache does not see the change). None (Megatron's initial value,
+    which code resets it to) is 1."""
 
     main_loss_backward_scale: float = 1.0
 
     @staticmethod
     def apply(output, aux_loss):
-        return _with_aux_loss(output, aux_loss, MoEAuxLossAutoScaler.main_loss_backward_scale)
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        return _with_aux_loss(output, aux_loss, 1.0 if scale is None else scale)
 
     @staticmethod
     def set_loss_scale(scale):
