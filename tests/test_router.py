@@ -406,6 +406,12 @@ def test_expert_bias_update_is_megatrons_sign_rule():
     stacked = routing.get_updated_expert_bias(jnp.asarray([[1, 2, 3, 6], [10, 10, 10, 10]]),
                                               jnp.zeros((2, 4)), 0.1)
     np.testing.assert_allclose(np.asarray(stacked), [[0.1, 0.1, 0, -0.1], [0, 0, 0, 0]])
+    # balanced counts over E experts where 1/E is inexact (E = 60: the mean as sum * (1/E)
+    # is 5 + 4.8e-7): every expert sits at the mean, Megatron's sum / E, and none moves
+    for num_experts in (7, 13, 60, 120):
+        balanced = routing.get_updated_expert_bias(jnp.full((num_experts,), 5), jnp.zeros(
+            num_experts), 1e-3)
+        np.testing.assert_array_equal(np.asarray(balanced), np.zeros(num_experts))
     # tp_dp_cp_group: the counts summed over that mesh axis first (Megatron's all-reduce);
     # each device's [2, 1] and [1, 2] sum to [3, 3]: balanced, no move
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
@@ -637,6 +643,25 @@ def _megatron_scores_f64(logits, score_function):
     if score_function == "sigmoid":
         return jax.nn.sigmoid(logits)
     return jnp.sqrt(jnp.log1p(jnp.exp(logits)))
+
+
+@pytest.mark.parametrize("score_function, pre", [("softmax", False), ("softmax", True),
+                                                 ("sigmoid", False), ("sqrtsoftplus", False)])
+def test_float64_logits_are_scored_in_float32_as_megatron(score_function, pre):
+    """Megatron's precision rule: the scores of any logits (float64 included) in fp32, the
+    probs cast back to the logits' dtype: float64 logits give the float32 logits' probs."""
+    logits = np.asarray(jax.random.normal(jax.random.key(5), (12, 8)), np.float64) * 3
+    bias = np.linspace(-0.1, 0.1, 8)
+    kw = dict(score_function=score_function, use_pre_softmax=pre, scaling_factor=2.5,
+              expert_bias=None if score_function == "softmax" else bias, dense_output=True)
+    want_probs, want_ids = routing.topk_routing_with_score_function(
+        jnp.asarray(logits, jnp.float32), 3, **kw)
+    with jax.enable_x64(True):
+        probs, ids = routing.topk_routing_with_score_function(jnp.asarray(logits), 3, **kw)
+        assert probs.dtype == jnp.float64
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+        np.testing.assert_array_equal(np.asarray(probs),
+                                      np.asarray(want_probs).astype(np.float64))
 
 
 @pytest.mark.parametrize("score_function, low", [("sigmoid", -45.0), ("sigmoid", -60.0),

@@ -175,7 +175,7 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
     """Megatron's topk_routing_with_score_function (same arguments and results): logits [T,E]
     -> (routing_probs [T,E], routing_map bool[T,E]), or with dense_output=True (probs [T,topk],
     top_indices i32[T,topk]). As Megatron, the scores are computed in float32 whatever the
-    logits' dtype (float64 logits: in float64): softmax (use_pre_softmax: over all E before
+    logits' dtype (float64 logits too: Megatron's precision rule) and cast back: softmax (use_pre_softmax: over all E before
     the top-k; else over the topk logits chosen), sigmoid or sqrtsoftplus (renormalised over
     the topk chosen when topk > 1; expert_bias shifts the choice, not the probs), times
     scaling_factor (None or 0: none), cast to the logits' dtype. num_groups / group_topk:
@@ -187,7 +187,7 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
         raise ValueError(f"logits: expected [num_tokens, num_experts], got {logits.shape}")
     num_tokens, num_experts = logits.shape
     _checks.check_top_k(topk, num_experts, "topk")
-    wide = jnp.promote_types(logits.dtype, jnp.float32)
+    wide = jnp.float32  # Megatron: scores and every intermediate in fp32
 
     def choose(scores):
         if precomputed_indices is not None:
@@ -427,5 +427,7 @@ def get_updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_r
     counts = jax.lax.stop_gradient(tokens_per_expert).astype(jnp.float32)
     if tp_dp_cp_group is not None:
         counts = jax.lax.psum(counts, tp_dp_cp_group)
-    offset = counts.mean(axis=-1, keepdims=True) - counts
+    # Megatron's sum / E: exact for balanced counts (jnp.mean's sum * (1/E) is not, e.g. E =
+    # 60, and moves experts that sit at the mean)
+    offset = counts.sum(axis=-1, keepdims=True) / counts.shape[-1] - counts
     return expert_bias + jnp.sign(offset) * expert_bias_update_rate
