@@ -427,7 +427,9 @@ def get_updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_r
     counts = jax.lax.stop_gradient(tokens_per_expert).astype(jnp.float32)
     if tp_dp_cp_group is not None:
         counts = jax.lax.psum(counts, tp_dp_cp_group)
-    # Megatron's sum / E: exact for balanced counts (jnp.mean's sum * (1/E) is not, e.g. E =
-    # 60, and moves experts that sit at the mean)
-    offset = counts.sum(axis=-1, keepdims=True) / counts.shape[-1] - counts
+    # sign(mean - count) as sign(sum - E * count): exact for integer counts, so an expert at
+    # the mean stays put (Megatron's sum / E is exact there; jnp.mean, and XLA's rewrite of
+    # a division by the constant E, multiply by the rounded 1/E: balanced counts at E = 7,
+    # 13, 60, ... moved every expert)
+    offset = counts.sum(axis=-1, keepdims=True) - counts * counts.shape[-1]
     return expert_bias + jnp.sign(offset) * expert_bias_update_rate
