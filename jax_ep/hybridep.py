@@ -252,7 +252,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         route a token to every expert). HybridEP sizes N from a host-synced count, or in
         its CPU-free non-blocking mode pre-allocates T*P*min(L, K), the compact bound here;
         static shapes always take the bound. A smaller N drops rows (counted in the handle).
-      pad_multiple: pad every local expert block to a multiple of it.
+      pad_multiple: pad every local expert block to a multiple of it (None or 0: no padding,
+        as HybridEP's 0).
       backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
       axis_name: the expert axis, or a (node_axis, local_axis) pair of N x G ranks: the rows
         then move by DeepEP's two hops (jax_ep.dispatch's internode mode; `transport` may be
@@ -283,6 +284,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
     if num_permuted_tokens is not None:
         num_permuted_tokens = check_positive(num_permuted_tokens, "num_permuted_tokens",
                                              allow_zero=True)
+    if pad_multiple is not None:  # 0 is no padding, as HybridEP's
+        pad_multiple = check_positive(pad_multiple, "pad_multiple", allow_zero=True) or None
     impl = tp.check_backend(backend)
     axes = internode.two_hop_axes(axis_name, hierarchical)
     transports = internode.resolve_transports(transport, axes is not None, impl)

@@ -49,6 +49,20 @@ def test_matches_allgather_oracle(num_ranks, T, num_permuted, pad, compact):
         assert dropped[d] == wd
 
 
+@pytest.mark.parametrize("num_permuted", [40, None])
+def test_pad_multiple_zero_is_no_padding_as_hybridep(num_permuted):
+    num_ranks, T, K, H, E = 4, 6, 3, 8, 16
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    mesh = ep_mesh(num_ranks)
+    for got, want in zip(_run(mesh, x, idx, w, E, num_permuted, 0, compact=True),
+                         _run(mesh, x, idx, w, E, num_permuted, None, compact=True)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="pad_multiple: expected an int >= 0, got -1"):
+        _run(mesh, x, idx, w, E, num_permuted, -1, compact=True)
+
+
 def test_dense_and_compact_routing_agree_and_backends_agree():
     num_ranks, T, K, H, E, N = 8, 5, 4, 16, 32, 48
     rng = np.random.default_rng(3)
