@@ -43,6 +43,20 @@ def check_rank(x, rank: int, name: str) -> None:
         raise ValueError(f"{name}: expected a rank-{rank} array, got shape {tuple(jnp.shape(x))}")
 
 
+def check_row_parts(parts, name: str) -> tuple:
+    """A non-empty tuple of rank-2 row arrays with one row count (e.g. DeepEP's FP8 pair
+    (x_fp8 [T,H], scales [T,G])), else a ValueError naming `name` (or `name`[i])."""
+    parts = tuple(parts)
+    if not parts:
+        raise ValueError(f"{name}: expected an array or a non-empty tuple of row arrays, got ()")
+    for i, part in enumerate(parts):
+        check_rank(part, 2, f"{name}[{i}]")
+        if part.shape[0] != parts[0].shape[0]:
+            raise ValueError(f"{name}[{i}]: expected {parts[0].shape[0]} rows to match "
+                             f"{name}[0] {parts[0].shape}, got shape {part.shape}")
+    return parts
+
+
 def check_rows(x, name: str) -> None:
     """ValueError naming `name` unless x is an array of at least one dimension (rows)."""
     if not hasattr(x, "shape"):

@@ -32,6 +32,7 @@ from jax_ep._checks import (
     check_fp8_dispatch,
     check_positive,
     check_rank,
+    check_row_parts,
     check_routing,
     check_shape,
     check_weights,
@@ -280,13 +281,7 @@ def _dispatch_row_tuple(parts, topk_idx, topk_weights, *, axis_name, backend, ha
                         **routing):
     """dispatch of a tuple of [T,...] row arrays: the first routes (or replays `handle`), the
     others replay its handle, so row r of every received array is the same source row."""
-    if not parts:
-        raise ValueError("x: expected an array or a non-empty tuple of row arrays, got ()")
-    for i, part in enumerate(parts):
-        check_rank(part, 2, f"x[{i}]")
-        if part.shape[0] != parts[0].shape[0]:
-            raise ValueError(f"x[{i}]: expected {parts[0].shape[0]} rows to match x[0] "
-                             f"{parts[0].shape}, got shape {part.shape}")
+    parts = check_row_parts(parts, "x")
     first, recv_idx, recv_w, handle = dispatch(parts[0], topk_idx, topk_weights,
                                                axis_name=axis_name, backend=backend,
                                                handle=handle, **routing)

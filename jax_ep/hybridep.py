@@ -35,6 +35,7 @@ from jax_ep._checks import (
     check_fp8_dispatch,
     check_positive,
     check_rank,
+    check_row_parts,
     check_routing,
     check_shape,
     check_whole_bytes,
@@ -267,9 +268,25 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         is then the pair (float8_e4m3fn[N,H], scales f32[N,H/128] or i32[N,H/512]) or, with
         fp8_output="cast_back", [N,H] in x.dtype, differentiable (straight-through: the
         gradient of the dispatch without FP8 of x's FP8 round trip, moved back in x.dtype).
+      x may also be a tuple of row arrays, e.g. an FP8 pair cast beforehand (x_fp8
+        float8_e4m3fn[T,H], scales f32[T,H/128]: HybridEP's hidden with its scaling_factor):
+        the first routes, every array travels through the same layout, and permuted_x is the
+        tuple of their permuted [N,...] arrays (not with use_fp8).
     Returns (permuted_x [N,H], permuted_probs f32[N] (None without probs),
     tokens_per_expert i32[L], handle).
     """
+    if isinstance(x, (tuple, list)):
+        parts = check_row_parts(x, "x")
+        if use_fp8:
+            raise ValueError("use_fp8: x is a tuple of row arrays (already cast, e.g. an FP8 "
+                             "pair); pass use_fp8=False")
+        first, permuted_probs, tokens_per_expert, h = hybridep_dispatch(
+            parts[0], routing_map=routing_map, topk_idx=topk_idx, probs=probs,
+            num_experts=num_experts, axis_name=axis_name,
+            num_permuted_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
+            transport=transport, backend=backend, hierarchical=hierarchical)
+        rest = tuple(_dispatch_rows(part, h) for part in parts[1:])
+        return (first,) + rest, permuted_probs, tokens_per_expert, h
     if use_fp8:
         check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
     if (routing_map is None) == (topk_idx is None):

@@ -63,6 +63,42 @@ def test_pad_multiple_zero_is_no_padding_as_hybridep(num_permuted):
         _run(mesh, x, idx, w, E, num_permuted, -1, compact=True)
 
 
+@pytest.mark.parametrize("compact", [False, True])
+def test_a_pre_cast_fp8_pair_travels_as_the_fp8_wire_does(compact):
+    """HybridEP's FP8 hidden with its scaling_factor: x = (x_fp8, scales) cast beforehand
+    gives the pair use_fp8=True gives from x, bitwise, and the same probs and counts."""
+    num_ranks, T, K, H, E, N = 4, 6, 3, 256, 16, 48
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((num_ranks * T, H)), jnp.bfloat16)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    rm, pr = dense_routing(idx, w, E)
+    route = (idx, w) if compact else (rm, pr)
+
+    def body(x, a, b):
+        kw = dict(topk_idx=a) if compact else dict(routing_map=a)
+        common = dict(probs=b, num_experts=E, axis_name=AXIS, num_permuted_tokens=N,
+                      pad_multiple=4, **kw)
+        wire, wp, wt, _ = hybridep.hybridep_dispatch(x, use_fp8=True, **common)
+        pair, pp, pt, _ = hybridep.hybridep_dispatch(jax_ep.ops.per_token_cast_to_fp8(x),
+                                                     **common)
+        return (*wire, wp, wt, *pair, pp, pt)
+
+    out = [np.asarray(a) for a in run_ep(body, ep_mesh(num_ranks), x, *route)]
+    assert out[0].dtype == jnp.float8_e4m3fn and out[1].shape == (num_ranks * N, H // 128)
+    for got, want in zip(out[4:], out[:4]):
+        np.testing.assert_array_equal(got.view(np.uint8) if got.dtype == jnp.float8_e4m3fn
+                                      else got, want.view(np.uint8)
+                                      if want.dtype == jnp.float8_e4m3fn else want)
+    with pytest.raises(ValueError, match="^use_fp8: x is a tuple"):
+        run_ep(lambda x, a, b: hybridep.hybridep_dispatch(
+            (x, x), topk_idx=a, probs=b, num_experts=E, axis_name=AXIS, use_fp8=True)[1],
+            ep_mesh(num_ranks), x, idx, w)
+    with pytest.raises(ValueError, match=r"^x\[1\]: expected 6 rows"):
+        run_ep(lambda x, a, b: hybridep.hybridep_dispatch(
+            (x, x[:3]), topk_idx=a, probs=b, num_experts=E, axis_name=AXIS)[1],
+            ep_mesh(num_ranks), x, idx, w)
+
+
 def test_dense_and_compact_routing_agree_and_backends_agree():
     num_ranks, T, K, H, E, N = 8, 5, 4, 16, 32, 48
     rng = np.random.default_rng(3)
