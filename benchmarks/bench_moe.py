@@ -213,9 +213,10 @@ PARTS = ("router", "routing plan", "dispatch exchange", "permute", "expert GEMMs
 def part_calls(a, mesh, layer, x):
     """The deepep layer's step cut after each of PARTS: name -> (jitted forward + backward of
     the prefix's loss with respect to the router and expert weights, args, mesh context). Each
-    prefix runs the layer's own code (jax_ep.flax.moe._route, the dispatcher's methods,
-    swiglu_experts with the layer's tiles) up to its part; its loss is mean(out^2) of the part's
-    output (the routing plan: a vanishing multiple of its received ids, to keep it)."""
+    prefix runs the layer's own code (its router's functions in jax_ep.flax.router, the
+    dispatcher's methods, swiglu_experts with the layer's tiles) up to its part; its loss is
+    mean(out^2) of the part's output (the routing plan: a vanishing multiple of its received
+    ids, to keep it)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -246,7 +247,8 @@ def part_calls(a, mesh, layer, x):
         if stop == "routing plan":
             handle = internode.routing_plan(
                 state.token_indices, cfg.num_moe_experts, d.axis_name,
-                transport=tp.resolve_transport(dcfg.transport),
+                transport=tp.resolve_transport(dcfg.transport,
+                                               tp.xla_only(tp.check_backend(d.backend))),
                 impl=tp.check_backend(d.backend), capacity=d.rank_capacity(T),
                 num_worst_tokens=d.num_recv_rows(T))
             return jax.lax.pmean(sq(probs) + 1e-9 * handle.recv_topk_idx.sum(), axes)

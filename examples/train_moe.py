@@ -107,7 +107,8 @@ def parse_args(argv=None):
                    help="the experts' grouped GEMM (auto: jax_ep's CPU handler, ffi, on CPU; "
                         "on GPUs ragged_dot for at most 8 local experts, tiled beyond)")
     p.add_argument("--transport", default="auto", choices=["auto", "all_to_all", "ragged", "peer"],
-                   help="the expert exchange (auto: peer in one process, docs/peer_transport.md)")
+                   help="the expert exchange (auto: peer in one process, docs/peer_transport.md; "
+                        "XLA's collective for --backend alltoall)")
     p.add_argument("--score-function", default="softmax",
                    choices=["softmax", "sigmoid", "sqrtsoftplus"], help="moe_router_score_function")
     p.add_argument("--load-balancing", default="aux_loss",

@@ -112,6 +112,12 @@ class HybridEPHandle:
         return self.routing.impl
 
 
+def _padded_tokens(num_tokens):
+    """The rows a rank's tokens are padded to: equalized_num_tokens(T), at least one aligned
+    group even at T = 0 (every buffer then has rows; JAX cannot gather from an empty one)."""
+    return max(equalized_num_tokens(num_tokens), TOKEN_ALIGNMENT)
+
+
 def _pad_rows(a, rows, fill):
     return jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
 
@@ -248,9 +254,9 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         is None.
       num_permuted_tokens: N, rows of the permuted output on this rank. None (default): the
         no-drop worst case, every received row's local slots plus the block padding,
-        N = P*T' * S + L*(pad_multiple - 1) with T' = max(equalized_num_tokens(T), 4) the
-        padded token count and S = min(K, L) with compact routing, L with a dense map (it may
-        route a token to every expert). HybridEP sizes N from a host-synced count, or in
+        N = P*T' * S + L*(m - 1) (m = pad_multiple, 1 without padding) with T' =
+        max(equalized_num_tokens(T), 4) the padded token count and S = min(K, L) with compact
+        routing, L with a dense map (it may route a token to every expert). HybridEP sizes N from a host-synced count, or in
         its CPU-free non-blocking mode pre-allocates T*P*min(L, K), the compact bound here;
         static shapes always take the bound. A smaller N drops rows (counted in the handle).
       pad_multiple: pad every local expert block to a multiple of it (None or 0: no padding,
@@ -285,7 +291,10 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
             num_experts=num_experts, axis_name=axis_name,
             num_permuted_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
             transport=transport, backend=backend, hierarchical=hierarchical)
-        rest = tuple(_dispatch_rows(part, h) for part in parts[1:])
+        for i, part in enumerate(parts[1:], 1):
+            check_whole_bytes(part, f"x[{i}]")
+        padded = _padded_tokens(parts[0].shape[0])
+        rest = tuple(_dispatch_rows(_pad_rows(part, padded, 0), h) for part in parts[1:])
         return (first,) + rest, permuted_probs, tokens_per_expert, h
     if use_fp8:
         check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
@@ -307,9 +316,7 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
     axes = internode.two_hop_axes(axis_name, hierarchical)
     transports = internode.resolve_transports(transport, axes is not None, impl)
     num_tokens = x.shape[0]
-    # At least one aligned group of (unrouted) rows, even at T = 0: every buffer below then
-    # has rows, and JAX cannot gather from an empty one.
-    padded = max(equalized_num_tokens(num_tokens), TOKEN_ALIGNMENT)
+    padded = _padded_tokens(num_tokens)
     compact = topk_idx is not None
     if compact:
         topk_idx, _ = check_routing(topk_idx, None, num_experts)

@@ -63,6 +63,8 @@ __all__ = [
     "exchange_counts",
     "make_plan",
     "resolve_transport",
+    "NODE_HOP",
+    "xla_only",
     "receive_buffer",
     "receive_rows",
     "return_buffer_size",

@@ -1254,6 +1254,10 @@ def test_hybridep_metadata_processor_is_nemos(fusion):
     processor = d.hybridep_metadata_processor
     assert isinstance(processor, HybridEPMetadataProcessor)
     assert (processor.num_experts, processor.permute_fusion) == (8, fusion)
+    # a record of the config: equal dispatchers stay equal to nnx (no retrace per instance)
+    twin = MoEFlexTokenDispatcher(2, [0, 1], d.config)
+    assert twin.hybridep_metadata_processor == processor
+    assert nnx.graphdef(twin) == nnx.graphdef(d)
     routing_map, probs = processor(jnp.array([[0, 3], [1, -1]]),
                                    jnp.array([[0.6, 0.4], [0.7, 0.0]], jnp.bfloat16))
     want_map = np.zeros((2, 8), bool)

@@ -89,6 +89,26 @@ def test_a_pre_cast_fp8_pair_travels_as_the_fp8_wire_does(compact):
         np.testing.assert_array_equal(got.view(np.uint8) if got.dtype == jnp.float8_e4m3fn
                                       else got, want.view(np.uint8)
                                       if want.dtype == jnp.float8_e4m3fn else want)
+    # gradients through every array of the tuple (T = 6 is padded to 8 rows inside): those of
+    # each array dispatched alone
+    x2 = jnp.asarray(rng.standard_normal((num_ranks * T, 3)), jnp.float32)
+
+    def grads(x, x2, a, b):
+        def loss(x, x2, together):
+            kw = dict(topk_idx=a, probs=b, num_experts=E, axis_name=AXIS)
+            if together:
+                (px, px2), *_ = hybridep.hybridep_dispatch((x, x2), **kw)
+            else:
+                px, px2 = (hybridep.hybridep_dispatch(v, **kw)[0] for v in (x, x2))
+            return jnp.sum(jnp.sin(px)) + jnp.sum(px2 * px2)
+        return (*jax.grad(loss, (0, 1))(x, x2, True), *jax.grad(loss, (0, 1))(x, x2, False))
+
+    together_x, together_x2, alone_x, alone_x2 = run_ep(
+        grads, ep_mesh(num_ranks), x.astype(jnp.float32), x2, idx, w)
+    np.testing.assert_array_equal(np.asarray(together_x), np.asarray(alone_x))
+    np.testing.assert_array_equal(np.asarray(together_x2), np.asarray(alone_x2))
+    np.testing.assert_allclose(np.asarray(together_x2), 2 * np.asarray(x2) * (
+        np.asarray(idx) >= 0).sum(1, keepdims=True), rtol=1e-6)
     with pytest.raises(ValueError, match="^use_fp8: x is a tuple"):
         run_ep(lambda x, a, b: hybridep.hybridep_dispatch(
             (x, x), topk_idx=a, probs=b, num_experts=E, axis_name=AXIS, use_fp8=True)[1],

@@ -25,7 +25,7 @@ from jax_ep._checks import as_int32_ids, check_positive, check_top_k, unroute_in
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "HybridEPMetadataProcessor", "HybridEPPipelineRuntimeInitializer",
-           "MoEFlexTokenDispatcher", "reset_hybrid_ep_buffer", "shared_dispatcher"]
+           "MoEFlexTokenDispatcher", "reset_hybrid_ep_buffer", "router_dtype", "shared_dispatcher"]
 
 _ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64, None: None}
 
@@ -89,6 +89,7 @@ def _check_state(state, method):
                          f"dispatch side, got {type(state).__name__} (pass probs by keyword)")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class HybridEPMetadataProcessor:
     """NeMo's _HybridEPMetadataProcessor (the hybridep dispatcher's
     `hybridep_metadata_processor`): top-k routing -> HybridEP's dense routing.
@@ -96,19 +97,20 @@ class HybridEPMetadataProcessor:
     `processor(token_indices, token_probs)`: token_indices int[T,K] global expert ids (-1 =
     unrouted), token_probs float[T,K] -> (routing_map bool[T,E], multihot_probs f32[T,E]):
     `ops.indices_to_multihot` on XLA ops, whatever permute_fusion (kept as NeMo's attribute:
-    its fused kernel gives the same values, and XLA fuses this scatter into its neighbours)."""
+    its fused kernel gives the same values, and XLA fuses this scatter into its neighbours).
+    A frozen record: processors of the same fields are equal."""
 
-    def __init__(self, *, num_experts: int, permute_fusion: bool):
-        self.num_experts = check_positive(num_experts, "num_experts")
-        self.permute_fusion = bool(permute_fusion)
+    num_experts: int
+    permute_fusion: bool
+
+    def __post_init__(self):
+        object.__setattr__(self, "num_experts", check_positive(self.num_experts, "num_experts"))
+        object.__setattr__(self, "permute_fusion", bool(self.permute_fusion))
 
     def __call__(self, token_indices, token_probs):
         return ops.indices_to_multihot(
             token_indices, jnp.asarray(token_probs, jnp.float32), num_experts=self.num_experts,
             impl="xla")
-
-
-_HybridEPMetadataProcessor = HybridEPMetadataProcessor  # NeMo's (private) name
 
 
 class MoEFlexTokenDispatcher(nnx.Module):
@@ -139,16 +141,21 @@ class MoEFlexTokenDispatcher(nnx.Module):
         self.axis_name = ep_group or config.expert_axis_name
         self.ep_size = config.num_moe_experts // self.num_local_experts
         self.tp_size = 1
-        self.hybridep_metadata_processor = (
-            HybridEPMetadataProcessor(num_experts=config.num_moe_experts,
-                                      permute_fusion=config.moe_permute_fusion)
-            if self.backend == "hybridep" else None)
 
     # ------------------------------------------------------------------ helpers
 
     @property
     def backend(self):
         return self.config.moe_flex_dispatcher_backend
+
+    @property
+    def hybridep_metadata_processor(self):
+        """NeMo's attribute: a HybridEPMetadataProcessor of the config on the hybridep backend
+        (what dispatch_preprocess2 runs there), else None."""
+        if self.backend != "hybridep":
+            return None
+        return HybridEPMetadataProcessor(num_experts=self.config.num_moe_experts,
+                                         permute_fusion=self.config.moe_permute_fusion)
 
     def _initialize_metadata(self, num_local_tokens, probs):
         """NeMo's: probs [num_local_tokens, E] (float) viewed per destination of the TPxEP

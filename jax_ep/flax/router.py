@@ -175,9 +175,10 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
     """Megatron's topk_routing_with_score_function (same arguments and results): logits [T,E]
     -> (routing_probs [T,E], routing_map bool[T,E]), or with dense_output=True (probs [T,topk],
     top_indices i32[T,topk]). As Megatron, the scores are computed in float32 whatever the
-    logits' dtype (float64 logits too: Megatron's precision rule) and cast back: softmax (use_pre_softmax: over all E before
-    the top-k; else over the topk logits chosen), sigmoid or sqrtsoftplus (renormalised over
-    the topk chosen when topk > 1; expert_bias shifts the choice, not the probs), times
+    logits' dtype (float64 logits too: Megatron's precision rule) and cast back: softmax
+    (use_pre_softmax: over all E before the top-k; else over the topk logits chosen), sigmoid
+    or sqrtsoftplus (renormalised over the topk chosen when topk > 1; expert_bias shifts the
+    choice, not the probs), times
     scaling_factor (None or 0: none), cast to the logits' dtype. num_groups / group_topk:
     group-limited top-k. precomputed_indices i32[T,topk]: the experts, the probs computed at
     them. fused is accepted and has no effect (XLA fuses); router_replay must be None."""
