@@ -474,6 +474,14 @@ def test_moe_config_reads_megatrons_activation_fields():
                          ("activation_func_clamp_value", 0.0)]:
         with pytest.raises(ValueError, match=f"MoEConfig.{field}"):
             MoEConfig(num_moe_experts=8, **{field: value})
+    # Megatron: a clamped SwiGLU takes no linear offset (other clamped GLUs may: gpt-oss's)
+    with pytest.raises(ValueError, match="^MoEConfig.glu_linear_offset: expected 0 when "
+                                         "activation_func_clamp_value is set for SwiGLU"):
+        MoEConfig(num_moe_experts=8, glu_linear_offset=0.5, activation_func_clamp_value=0.3)
+    MoEConfig(num_moe_experts=8, glu_linear_offset=0.5)
+    MoEConfig(num_moe_experts=8, activation_func_clamp_value=0.3)
+    MoEConfig(num_moe_experts=8, gated_linear_unit=False, activation_func="silu",
+              glu_linear_offset=0.5, activation_func_clamp_value=0.3)
 
 
 def test_get_tokens_per_expert_and_token_count_over_a_mesh_axis():

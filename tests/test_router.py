@@ -496,7 +496,7 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
     for recipe, fp4, multiple in (("mxfp8", None, 32), ("delayed", None, 16),
                                   ("mxfp8", "nvfp4", 32)):
         c = MoEConfig.from_dict(dict(base, moe_router_padding_for_quantization=True,
-                                     fp8_recipe=recipe, fp4=fp4))
+                                     fp8="hybrid", fp8_recipe=recipe, fp4=fp4))
         assert c.token_dispatcher.moe_router_expert_pad_multiple == multiple
     c = MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="flex",
                                  moe_flex_dispatcher_backend="hybridep",

@@ -280,6 +280,11 @@ class MoEConfig:
             self.gated_activation()
         except ValueError as e:
             raise ValueError(f"MoEConfig.{e}") from None
+        swiglu_clamped = (self.gated_linear_unit and self.activation_func == "silu"
+                          and self.activation_func_clamp_value is not None)
+        _require(not swiglu_clamped or self.glu_linear_offset == 0.0, "glu_linear_offset",
+                 "0 when activation_func_clamp_value is set for SwiGLU (Megatron's rule)",
+                 self.glu_linear_offset)
 
     def check_glu_interleave(self, ffn_hidden_size: int) -> None:
         """ValueError naming moe_mlp_glu_interleave_size unless its blocks tile each expert
@@ -474,8 +479,10 @@ def megatron_fields(fields: dict) -> dict:
       moe_router_padding_for_quantization / moe_router_padding_for_fp8 (its older name): True
         -> moe_router_expert_pad_multiple 16, or 32 with fp4 set or fp8_recipe "mxfp8"
         (Megatron's alignment for FP8 / MXFP8 / FP4 grouped GEMMs; here zero rows, see the
-        config); fp4 and fp8_recipe are read for that only. (Megatron refuses the padding
-        with the "allgather" dispatcher; here every backend pads.)
+        config); fp4 and fp8_recipe are read for that only, and fp8 (the format) is accepted
+        (Megatron requires fp8 or fp4 with the padding; here the padding needs neither).
+        (Megatron refuses the padding with the "allgather" dispatcher; here every backend
+        pads.)
       moe_permute_fusion_into_hybridep -> moe_hybridep_permute_fusion.
       ffn_hidden_size -> moe_ffn_hidden_size where that is not given (Megatron's default).
       moe_expert_rank_capacity_factor f: with the "hybridep" backend (the only one Megatron
@@ -504,7 +511,10 @@ def megatron_fields(fields: dict) -> dict:
                  f"one of {tuple(_DISPATCHER_TYPES)}", kind)
         if _DISPATCHER_TYPES[kind] is not None:
             fields["moe_flex_dispatcher_backend"] = _DISPATCHER_TYPES[kind]
-    recipe, fp4 = fields.pop("fp8_recipe", None), fields.pop("fp4", None)  # both, always
+    # Megatron's low-precision fields, read for the padding multiple only (fp8, the format,
+    # does not change it); all three always, so a pasted config has none "unknown"
+    recipe, fp4 = fields.pop("fp8_recipe", None), fields.pop("fp4", None)
+    fields.pop("fp8", None)
     wide = recipe == "mxfp8" or bool(fp4)
     padded = [name for name in ("moe_router_padding_for_quantization",
                                 "moe_router_padding_for_fp8") if fields.pop(name, False)]
