@@ -256,9 +256,10 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         no-drop worst case, every received row's local slots plus the block padding,
         N = P*T' * S + L*(m - 1) (m = pad_multiple, 1 without padding) with T' =
         max(equalized_num_tokens(T), 4) the padded token count and S = min(K, L) with compact
-        routing, L with a dense map (it may route a token to every expert). HybridEP sizes N from a host-synced count, or in
-        its CPU-free non-blocking mode pre-allocates T*P*min(L, K), the compact bound here;
-        static shapes always take the bound. A smaller N drops rows (counted in the handle).
+        routing, L with a dense map (it may route a token to every expert). HybridEP sizes N
+        from a host-synced count, or in its CPU-free non-blocking mode pre-allocates
+        T*P*min(L, K), the compact bound here; static shapes always take the bound. A smaller
+        N drops rows (counted in the handle).
       pad_multiple: pad every local expert block to a multiple of it (None or 0: no padding,
         as HybridEP's 0).
       backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
