@@ -245,12 +245,11 @@ def part_calls(a, mesh, layer, x):
             return jax.lax.pmean(sq(probs), axes)
         hidden, state = d.dispatch_preprocess2(tokens, T, probs, ids)
         if stop == "routing plan":
+            impl = tp.check_backend(d.backend)
             handle = internode.routing_plan(
                 state.token_indices, cfg.num_moe_experts, d.axis_name,
-                transport=tp.resolve_transport(dcfg.transport,
-                                               tp.xla_only(tp.check_backend(d.backend))),
-                impl=tp.check_backend(d.backend), capacity=d.rank_capacity(T),
-                num_worst_tokens=d.num_recv_rows(T))
+                transport=tp.resolve_transport(dcfg.transport, tp.xla_only(impl)), impl=impl,
+                capacity=d.rank_capacity(T), num_worst_tokens=d.num_recv_rows(T))
             return jax.lax.pmean(sq(probs) + 1e-9 * handle.recv_topk_idx.sum(), axes)
         received, state = d.dispatch_all_to_all(hidden, state)
         if stop == "dispatch exchange":
