@@ -13,6 +13,33 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
 
+
+def _cpu_only() -> bool:
+    """Whether JAX will run on the CPU alone: JAX_PLATFORMS says "cpu", or names nothing and no
+    GPU plugin is installed."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms == "cpu"
+    from importlib import metadata
+    return not any((dist.metadata["Name"] or "").lower().replace("_", "-").startswith(
+        ("jax-cuda", "jax-rocm")) for dist in metadata.distributions())
+
+
+# The CPU suite compiles thousands of small XLA:CPU programs (every eager op is one) and runs
+# most once or twice, so much of its time is LLVM optimising code that then runs for
+# microseconds. LLVM's optimisation level 0 for XLA's generated code cuts the README stage by
+# about a fifth. XLA's HLO passes are the same, and so are the programs the tests inspect
+# (collectives, custom calls, memory analysis: the optimised HLO of the layer's training step
+# is identical text); jax_ep's handlers are built by its own CMake. Float results may differ
+# in the last bits: XLA:CPU's default contracts a*b+c into one FMA, level 0 does not.
+# JAX_EP_TEST_XLA_OPT=default keeps XLA's default (.ci/run's Python 3.12 stage runs so); GPU
+# runs (tests/gpu/device_check.sh sets JAX_PLATFORMS) keep it too.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if os.environ.get("JAX_EP_TEST_XLA_OPT", "fast") == "fast" and _cpu_only() and \
+        "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_FLAGS
+
+
 import json  # noqa: E402
 
 import jax  # noqa: E402

@@ -106,7 +106,10 @@ def test_overlap_padded_blocks_and_ragged_dot_match_dense(extra):
     # the loss sums 768 products of O(1) (squared ReLU's: O(10)) that nearly cancel
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(dx, want_dx, rtol=2e-5, atol=2e-6)
-    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=2e-6)
+    # The latent projection's gradient entries reach 19; one that cancels to 0.09 keeps its
+    # terms' rounding, a few ulp of 19 (4e-6 under conftest's FAST_COMPILE_FLAGS).
+    latent = "moe_latent_size" in extra.get("activation", {})
+    assert_param_grads_close(grads, want_grads, rtol=2e-5, atol=1e-5 if latent else 2e-6)
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -33,7 +33,9 @@ def _losses(out_dir):
 
 def _env():
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the script sets its own device count
+    # The script sets its own device count; other flags (conftest's compile flags) stay.
+    env["XLA_FLAGS"] = " ".join(flag for flag in env.get("XLA_FLAGS", "").split()
+                                if "xla_force_host_platform_device_count" not in flag)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
