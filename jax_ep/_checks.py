@@ -44,13 +44,15 @@ def check_rank(x, rank: int, name: str) -> None:
 
 
 def check_row_parts(parts, name: str) -> tuple:
-    """A non-empty tuple of rank-2 row arrays with one row count (e.g. DeepEP's FP8 pair
-    (x_fp8 [T,H], scales [T,G])), else a ValueError naming `name` (or `name`[i])."""
+    """A non-empty tuple of rank-2 row arrays of whole-byte dtypes with one row count (e.g.
+    DeepEP's FP8 pair (x_fp8 [T,H], scales [T,G])), else a ValueError naming `name` (or
+    `name`[i])."""
     parts = tuple(parts)
     if not parts:
         raise ValueError(f"{name}: expected an array or a non-empty tuple of row arrays, got ()")
     for i, part in enumerate(parts):
         check_rank(part, 2, f"{name}[{i}]")
+        check_whole_bytes(part, f"{name}[{i}]")
         if part.shape[0] != parts[0].shape[0]:
             raise ValueError(f"{name}[{i}]: expected {parts[0].shape[0]} rows to match "
                              f"{name}[0] {parts[0].shape}, got shape {part.shape}")

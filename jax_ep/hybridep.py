@@ -292,8 +292,6 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
             num_experts=num_experts, axis_name=axis_name,
             num_permuted_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
             transport=transport, backend=backend, hierarchical=hierarchical)
-        for i, part in enumerate(parts[1:], 1):
-            check_whole_bytes(part, f"x[{i}]")
         padded = _padded_tokens(parts[0].shape[0])
         rest = tuple(_dispatch_rows(_pad_rows(part, padded, 0), h) for part in parts[1:])
         return (first,) + rest, permuted_probs, tokens_per_expert, h

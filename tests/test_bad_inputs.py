@@ -56,6 +56,18 @@ def test_sub_byte_rows_are_refused_by_every_row_mover(dtype):
     for name, body in cases.items():
         with pytest.raises(ValueError, match=f"^x: .*{PACKED}"):
             run_ep(body, mesh, rows, idx, w)
+    # a tuple of row arrays (an FP8 pair's place): every array is checked before any moves
+    tuples = {
+        "dispatch": lambda x, i, w: jax_ep.dispatch((x, x.astype(dtype)), i, w, num_experts=E,
+                                                    axis_name=AXIS)[0][1],
+        "dispatch alltoall": lambda x, i, w: jax_ep.dispatch(
+            (x, x.astype(dtype)), i, w, num_experts=E, axis_name=AXIS, backend="alltoall")[0][1],
+        "hybridep": lambda x, i, w: jax_ep.hybridep_dispatch(
+            (x, x.astype(dtype)), topk_idx=i, num_experts=E, axis_name=AXIS)[0][1],
+    }
+    for name, body in tuples.items():
+        with pytest.raises(ValueError, match=rf"^x\[1\]: .*{PACKED}"):
+            run_ep(body, mesh, rows, idx, w)
 
 
 def test_sizes_past_int32_are_refused_before_the_kernels():
