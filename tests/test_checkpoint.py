@@ -24,25 +24,17 @@ SMALL = ["--batch", "8", "--seq", "16", "--d-model", "16", "--layers", "1", "--h
          "--experts", "8", "--ffn", "16", "--no-progress"]
 
 
-@pytest.fixture(scope="module")
-def compilation_cache_dir(tmp_path_factory):
-    """The persistent compilation cache the example's runs share: the one configured (CI's), or
-    one for this module. The runs compile the same few programs (a resumed run the straight
-    run's), each then loaded, not compiled again."""
-    return jax.config.jax_compilation_cache_dir or str(tmp_path_factory.mktemp("xla_cache"))
-
-
 @pytest.fixture
-def train_moe(monkeypatch, compilation_cache_dir):
+def train_moe(monkeypatch, tmp_path):
     """The example's module, on a small corpus (parsing the stdlib's takes seconds), with the
-    environment variables its set-up writes restored afterwards, and the persistent
-    compilation cache of `compilation_cache_dir`, restored afterwards too."""
+    environment variables its set-up writes restored afterwards. Its runs share a persistent
+    compilation cache (a resumed run compiles the same program), restored afterwards too."""
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
         monkeypatch.setenv(name, os.environ.get(name, ""))
     import train_moe
     monkeypatch.setattr(train_moe, "stdlib_corpus", lambda: CORPUS)
-    cache = {"jax_compilation_cache_dir": compilation_cache_dir,
+    cache = {"jax_compilation_cache_dir": str(tmp_path / "xla_cache"),
              "jax_persistent_cache_min_compile_time_secs": 0.0,
              "jax_persistent_cache_min_entry_size_bytes": 0}
     previous = {name: getattr(jax.config, name) for name in cache}
