@@ -8,6 +8,8 @@ this file (pytest imports conftest.py before any test module).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -38,12 +40,25 @@ def _cpu_only() -> bool:
 # JAX_EP_TEST_XLA_OPT=default keeps XLA's default: .ci/run's Python 3.12 stage runs so, over
 # the files that inspect compiled programs among others; GPU runs
 # (tests/gpu/device_check.sh sets JAX_PLATFORMS) keep it too.
-FAST_COMPILE_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    " --xla_cpu_use_fusion_emitters=false")
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+ELEMENTAL_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA takes `flag` (jaxlib 0.10 has the elemental emitters, 0.12 has
+    not). XLA aborts the process on an unknown flag, so a child process asks."""
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+                           env=dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu"),
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+# (pytest-xdist's workers inherit the flags the controller process set here)
 if os.environ.get("JAX_EP_TEST_XLA_OPT", "fast") == "fast" and _cpu_only() and \
         "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_FLAGS
+    if _xla_knows(ELEMENTAL_EMITTERS_FLAG):
+        os.environ["XLA_FLAGS"] += " " + ELEMENTAL_EMITTERS_FLAG
 
 
 import json  # noqa: E402
