@@ -625,6 +625,7 @@ def test_empty_batch_gives_empty_output_and_zero_gradients(backend, mesh_shape):
 def test_layer_takes_batches_in_any_layout(axis_type):
     # With Explicit mesh axes shard_map only takes inputs laid out as its in_specs say; the
     # layer reshards a batch that is unsharded, split over "data" only, or made inside jit.
+    # dense_forward takes the same sharded layer and batches.
     kind = getattr(jax.sharding.AxisType, axis_type)
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(kind, kind))
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8)
@@ -641,6 +642,11 @@ def test_layer_takes_batches_in_any_layout(axis_type):
         for name, batch in layouts.items():
             np.testing.assert_allclose(np.asarray(run(layer, batch)), want, rtol=1e-5,
                                        atol=1e-6, err_msg=name)
+            # the reference takes the sharded layer and batch as they are (Explicit axes:
+            # gathered first), eagerly and under jit
+            for reference in (dense_forward, nnx.jit(dense_forward)):
+                np.testing.assert_allclose(np.asarray(reference(layer, batch)[0]), want,
+                                           rtol=1e-5, atol=1e-6, err_msg=name)
         made_inside = nnx.jit(lambda l: l(jax.random.normal(jax.random.key(4), (8, 3, 16)))[0])
         np.testing.assert_allclose(np.asarray(made_inside(layer)), want, rtol=1e-5, atol=1e-6)
 

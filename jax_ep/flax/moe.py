@@ -1192,6 +1192,17 @@ def _laid_out(mesh, args, specs):
     return tuple(place(a, spec) for a, spec in zip(args, specs))
 
 
+def _unsharded(a):
+    """a with the Explicit mesh axes of its type gathered (a itself where it has none): the
+    dense reference multiplies every token by every expert and picks rows by routed id, which
+    Explicit axes would have to say how to shard."""
+    sharding = jax.typeof(a).sharding
+    explicit = set(getattr(sharding.mesh, "explicit_axes", ()))
+    named = {n for part in sharding.spec if part is not None
+             for n in ((part,) if isinstance(part, str) else part)}
+    return jax.sharding.reshard(a, sharding.update(spec=P())) if named & explicit else a
+
+
 def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     """Single-device reference of `layer` (no expert parallelism): the oracle the layer is
     tested against. x [B, ..., H] is taken as num_devices equal blocks of the batch (default:
@@ -1206,7 +1217,10 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
                        else math.prod(layer.mesh.shape[a] for a in layer._token_axes()))
-    x, router, (w_gate_up, w_down, b_gate_up, b_down), shared, latent = layer._weights(x)
+    # one device's computation: arrays on a mesh with Explicit axes are gathered first
+    x, router, (w_gate_up, w_down, b_gate_up, b_down), shared, latent = jax.tree.map(
+        _unsharded, layer._weights(x))
+    padding_mask = None if padding_mask is None else _unsharded(padding_mask)
     if cfg.gated_linear_unit and cfg.moe_mlp_glu_interleave_size is None:
         w_gate_up, b_gate_up = (None if a is None else
                                 gate_up_from_etp(a, cfg.expert_tensor_parallel_size)
