@@ -1170,6 +1170,11 @@ def _names(axis):
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
+def _spec_axes(spec):
+    """The mesh axis names a PartitionSpec shards over, as a set."""
+    return {name for part in spec if part is not None for name in _names(part)}
+
+
 def _laid_out(mesh, args, specs):
     """args resharded to their shard_map in_specs where the mesh axes are Explicit: there
     shard_map takes only inputs already laid out as it says (not a batch split over "data"
@@ -1183,9 +1188,7 @@ def _laid_out(mesh, args, specs):
             return None
         if isinstance(a, tuple):
             return tuple(place(u, v) for u, v in zip(a, spec))
-        named = {n for part in spec if part is not None
-                 for n in ((part,) if isinstance(part, str) else part)}
-        if explicit and named <= explicit:
+        if explicit and _spec_axes(spec) <= explicit:
             return jax.sharding.reshard(a, NamedSharding(mesh, spec))
         return a
 
@@ -1198,9 +1201,8 @@ def _unsharded(a):
     Explicit axes would have to say how to shard."""
     sharding = jax.typeof(a).sharding
     explicit = set(getattr(sharding.mesh, "explicit_axes", ()))
-    named = {n for part in sharding.spec if part is not None
-             for n in ((part,) if isinstance(part, str) else part)}
-    return jax.sharding.reshard(a, sharding.update(spec=P())) if named & explicit else a
+    return (jax.sharding.reshard(a, sharding.update(spec=P()))
+            if _spec_axes(sharding.spec) & explicit else a)
 
 
 def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
