@@ -13,7 +13,9 @@ from jax_ep.reference import FP8_BLOCK
 __all__ = [
     "FLOAT_DTYPES",
     "FP8_OUTPUTS",
+    "as_dtype",
     "as_int32_ids",
+    "check_bool",
     "check_experts",
     "check_float",
     "check_float_weights",
@@ -92,6 +94,14 @@ def check_whole_bytes(x, name: str) -> None:
                          f"first")
 
 
+def as_dtype(value, name: str):
+    """jnp.dtype(value), or a ValueError naming `name` for what is no dtype."""
+    try:
+        return jnp.dtype(value)
+    except TypeError:
+        raise ValueError(f"{name}: expected a dtype, got {value!r}") from None
+
+
 def check_float(x, name: str) -> None:
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise ValueError(f"{name}: expected float32, bfloat16 or float16, got {x.dtype}")
@@ -101,6 +111,14 @@ def check_float_weights(x, name: str) -> None:
     """Weights and probs: any float dtype (they are cast to float32)."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name}: expected a float array, got {x.dtype}")
+
+
+def check_bool(value, name: str) -> bool:
+    """value as a bool (a Python or numpy bool); anything else is a ValueError naming
+    `name` (a string such as "no" would read as True)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name}: expected a bool, got {value!r}")
 
 
 def is_int(value, minimum: int = 1) -> bool:
@@ -140,10 +158,13 @@ def check_top_k(top_k: int, num_experts: int, name: str, experts_name: str = "nu
         raise ValueError(f"{name}: top-k {top_k} exceeds {experts_name} {num_experts}")
 
 
-def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool = False):
-    """Checks topk_idx [T,K] (int) and topk_weights [T,K] (float, may be None); returns the
-    int32 indices and float32 weights. K > num_experts is an error unless any_top_k (ids
-    masked with -1, e.g. a received row's local ids: K slots, L < K local experts)."""
+def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool = False,
+                  weights_name: str = "topk_weights", weights_required: bool = False):
+    """Checks num_experts (an int > 0), topk_idx [T,K] (int) and topk_weights [T,K] (float;
+    None allowed unless weights_required; called `weights_name` in errors); returns the int32
+    indices and float32 weights. K > num_experts is an error unless any_top_k (ids masked with -1, e.g. a
+    received row's local ids: K slots, L < K local experts)."""
+    check_positive(num_experts, "num_experts")
     check_rank(topk_idx, 2, "topk_idx")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise ValueError(f"topk_idx: expected int32 or int64 expert ids, got {topk_idx.dtype}")
@@ -151,16 +172,20 @@ def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool =
     if not any_top_k:
         check_top_k(top_k, num_experts, "topk_idx")
     return (as_int32_ids(topk_idx, num_experts, "topk_idx"),
-            check_weights(topk_weights, (num_tokens, top_k)))
+            check_weights(topk_weights, (num_tokens, top_k), weights_name,
+                          required=weights_required))
 
 
-def check_weights(topk_weights, shape):
-    """topk_weights [T,K] float checked against `shape` and returned as float32 (None: None);
-    ValueError naming topk_weights otherwise."""
+def check_weights(topk_weights, shape, name: str = "topk_weights", *, required: bool = False):
+    """topk_weights [T,K] float checked against `shape` and returned as float32 (None: None
+    unless required); ValueError naming `name` otherwise."""
     if topk_weights is None:
+        if required:
+            raise ValueError(f"{name}: expected a float array of shape {tuple(shape)}, got None")
         return None
-    check_shape(topk_weights, shape, "topk_weights")
-    check_float_weights(topk_weights, "topk_weights")
+    check_rank(topk_weights, len(shape), name)
+    check_shape(topk_weights, shape, name)
+    check_float_weights(topk_weights, name)
     return topk_weights.astype(jnp.float32)
 
 

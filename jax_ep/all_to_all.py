@@ -20,7 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import _ffi, ops
 from jax_ep import transport as tp
-from jax_ep._checks import check_positive, check_rows, check_shape, check_whole_bytes
+from jax_ep._checks import (MAX_INT32, check_positive, check_rows, check_shape,
+                            check_whole_bytes)
 
 __all__ = ["all_to_all_single", "all_to_all_single_equal"]
 
@@ -31,7 +32,8 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
       x: [S, ...] any dtype of whole bytes (int4 / uint4 / float4: ValueError); rows grouped by
         destination rank: input_splits[0] rows for rank 0 first, then rank 1, ... (rows past
         sum(input_splits) are not sent).
-      output_splits: i32[P], rows received from each source rank (as in PyTorch, it must
+      output_splits: i32[P] (or a list of P ints, as PyTorch takes them), rows received
+        from each source rank (as in PyTorch, it must
         agree with the senders' input_splits; it is checked for shape only: the receive
         layout both ways comes from the exchanged input_splits, so a disagreeing
         output_splits cannot misplace rows).
@@ -46,6 +48,10 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
     _, num_ranks = tp.axis_rank_and_size(axis_name)
     check_rows(x, "x")
     check_whole_bytes(x, "x")
+    if isinstance(output_splits, (list, tuple)):
+        output_splits = jnp.asarray(output_splits)
+    if isinstance(input_splits, (list, tuple)):
+        input_splits = jnp.asarray(input_splits)
     for splits, name in ((output_splits, "output_splits"), (input_splits, "input_splits")):
         check_shape(splits, (num_ranks,), name)
         if not jnp.issubdtype(jnp.result_type(splits), jnp.integer):
@@ -53,7 +59,7 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
                              f"{jnp.result_type(splits)}")
     num_send = x.shape[0]
     num_recv = num_ranks * num_send if num_recv is None else check_positive(
-        num_recv, "num_recv", allow_zero=True)
+        num_recv, "num_recv", allow_zero=True, upper=MAX_INT32)
     output_splits = jnp.asarray(output_splits, jnp.int32)
     starts, ends = ops.group_bounds(jnp.asarray(input_splits), num_send)
     input_splits = ends - starts
@@ -110,7 +116,8 @@ def all_to_all_single_equal(x, *, axis_name):
     of S/P rows to rank p; returns [S, ...] with the block from source rank q at q*S/P.
     Differentiable (its VJP is the same exchange)."""
     _, num_ranks = tp.axis_rank_and_size(axis_name)
-    if jnp.ndim(x) < 1 or x.shape[0] % num_ranks:
+    check_rows(x, "x")
+    if x.shape[0] % num_ranks:
         raise ValueError(f"x: expected a leading dimension divisible by the {num_ranks} ranks "
                          f"of {axis_name!r}, got shape {jnp.shape(x)}")
     if num_ranks == 1:

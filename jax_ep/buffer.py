@@ -50,10 +50,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_ep import deepep, low_latency, ops, transport as tp
-from jax_ep._checks import check_positive, check_shape
+from jax_ep._checks import (check_bool, check_experts, check_float, check_positive,
+                            check_routing, check_shape, unroute_invalid_experts)
 from jax_ep.all_to_all import all_to_all_single_equal
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "UCCLBuffer", "topk_idx_t"]
@@ -252,14 +252,6 @@ def _recommended(table, num_ranks) -> Config:
     return Config(Buffer.num_sms, *table[num_ranks])
 
 
-def _check_bool(value, name: str) -> bool:
-    """value as a bool (a Python or numpy bool); anything else is a ValueError naming
-    `name`."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise ValueError(f"{name}: expected a bool, got {value!r}")
-
-
 def _check_buffer_bytes(value, name: str) -> int:
     """A Buffer byte size as DeepEP asserts it: an int >= 0, a multiple of 128."""
     value = check_positive(value, name, allow_zero=True)
@@ -298,19 +290,19 @@ class Buffer:
                  explicitly_destroy: bool = False, is_intranode: bool = False,
                  use_fabric: bool = False, enable_shrink: bool = False, comm=None):
         self.group = _check_group(group)
-        self.use_fabric = _check_bool(use_fabric, "use_fabric")
-        self.enable_shrink = _check_bool(enable_shrink, "enable_shrink")
+        self.use_fabric = check_bool(use_fabric, "use_fabric")
+        self.enable_shrink = check_bool(enable_shrink, "enable_shrink")
         self.comm = comm
         self.num_nvl_bytes = _check_buffer_bytes(num_nvl_bytes, "num_nvl_bytes")
         self.num_rdma_bytes = _check_buffer_bytes(num_rdma_bytes, "num_rdma_bytes")
-        self.low_latency_mode = _check_bool(low_latency_mode, "low_latency_mode")
+        self.low_latency_mode = check_bool(low_latency_mode, "low_latency_mode")
         self.num_qps_per_rank = check_positive(num_qps_per_rank, "num_qps_per_rank",
                                                allow_zero=not self.low_latency_mode)
-        self.allow_nvlink_for_low_latency_mode = _check_bool(
+        self.allow_nvlink_for_low_latency_mode = check_bool(
             allow_nvlink_for_low_latency_mode, "allow_nvlink_for_low_latency_mode")
-        self.allow_mnnvl = _check_bool(allow_mnnvl, "allow_mnnvl")
-        self.explicitly_destroy = _check_bool(explicitly_destroy, "explicitly_destroy")
-        self.is_intranode = _check_bool(is_intranode, "is_intranode")
+        self.allow_mnnvl = check_bool(allow_mnnvl, "allow_mnnvl")
+        self.explicitly_destroy = check_bool(explicitly_destroy, "explicitly_destroy")
+        self.is_intranode = check_bool(is_intranode, "is_intranode")
 
     @property
     def group_size(self):
@@ -347,7 +339,7 @@ class Buffer:
         if num_ranks is not None and rank_to_mask >= num_ranks:
             raise ValueError(f"rank_to_mask: expected a rank below num_ranks={num_ranks}, got "
                              f"{rank_to_mask}")
-        if _check_bool(mask, "mask"):
+        if check_bool(mask, "mask"):
             raise ValueError(f"mask: masking rank {rank_to_mask} is not supported under XLA "
                              "(every rank runs the compiled program, none can be skipped); "
                              "only mask=False, which does nothing, is accepted")
@@ -359,8 +351,9 @@ class Buffer:
         Requires enable_shrink=True, as in DeepEP; the element count is checked against the
         rank count inside the shard_map."""
         self._require_shrink("low_latency_query_mask_buffer")
-        if jnp.dtype(mask_status.dtype) != jnp.dtype(jnp.int32):
-            raise ValueError(f"mask_status: expected int32, got {mask_status.dtype}")
+        if not hasattr(mask_status, "dtype") or jnp.dtype(mask_status.dtype) != jnp.int32:
+            raise ValueError(f"mask_status: expected an int32 array, got "
+                             f"{getattr(mask_status, 'dtype', type(mask_status).__name__)}")
         num_ranks = self._bound_num_ranks()
         if num_ranks is not None and mask_status.size != num_ranks:
             raise ValueError(f"mask_status: expected num_ranks={num_ranks} elements, got shape "
@@ -454,8 +447,13 @@ class Buffer:
         (num_tokens_per_rank i32[P], num_tokens_per_rdma_rank, num_tokens_per_expert
         i32[E], is_token_in_rank bool[T,P], event); num_tokens_per_rdma_rank is i32[N] (this
         rank's tokens going to each node, once per node) when `group` is a (node, local)
-        pair of N x G ranks, else None."""
+        pair of N x G ranks, else None. Ids outside [-1, E) count nowhere (on every platform,
+        as the dispatch routes them: a CPU kernel's error on one rank would leave the other
+        ranks waiting in the next collective); the dispatch counts them in its handle."""
         impl = tp.check_backend(self.backend)
+        check_experts(num_experts, self.group_size)
+        topk_idx = unroute_invalid_experts(check_routing(topk_idx, None, num_experts)[0],
+                                           num_experts)[0]
         per_rank, in_rank, per_expert = ops.get_dispatch_layout(
             topk_idx, num_experts=num_experts, num_ranks=self.group_size, impl=impl)
         per_node = None
@@ -502,6 +500,12 @@ class Buffer:
             raise ValueError("num_tokens_per_expert: expected the i32[E] counts of "
                              f"get_dispatch_layout without a handle (they give E), got {got}")
         num_experts = jnp.shape(num_tokens_per_expert)[0]
+        if not jnp.issubdtype(jnp.result_type(num_tokens_per_expert), jnp.integer) or (
+                num_experts == 0 or num_experts % self.group_size):
+            raise ValueError(f"num_tokens_per_expert: expected get_dispatch_layout's i32[E] "
+                             f"counts, E a positive multiple of the group's {self.group_size} "
+                             f"ranks, got {jnp.result_type(num_tokens_per_expert)} of shape "
+                             f"{jnp.shape(num_tokens_per_expert)}")
         layout = None
         if num_tokens_per_rank is not None and is_token_in_rank is not None:
             layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
@@ -527,6 +531,9 @@ class Buffer:
         num_experts = jnp.shape(num_tokens_per_expert)[0]
         rows = x[0] if isinstance(x, (tuple, list)) else x
         check_shape(is_token_in_rank, (jnp.shape(rows)[0], num_ranks), "is_token_in_rank")
+        if jnp.result_type(is_token_in_rank) != jnp.bool_:
+            raise ValueError(f"is_token_in_rank: expected bool[T,P], got "
+                             f"{jnp.result_type(is_token_in_rank)}")
         first_expert = jnp.arange(num_ranks, dtype=jnp.int32) * (num_experts // num_ranks)
         topk_idx = jnp.where(is_token_in_rank, first_expert, -1)
         recv_x, _, _, handle = deepep.dispatch(
@@ -597,6 +604,9 @@ class Buffer:
             check_shape(cumulative_local_expert_recv_stats, recv_count.shape,
                         "cumulative_local_expert_recv_stats")
             stats = jnp.asarray(cumulative_local_expert_recv_stats)
+            if stats.dtype != jnp.int32:  # DeepEP's: a narrower type wraps, a float drifts
+                raise ValueError(f"cumulative_local_expert_recv_stats: expected int32, got "
+                                 f"{stats.dtype}")
             handle = dataclasses.replace(
                 handle, cumulative_local_expert_recv_stats=stats + recv_count.astype(stats.dtype))
         return recv_x, recv_count, handle, EventOverlap(), _no_hook if return_recv_hook else None
@@ -623,6 +633,7 @@ class Buffer:
                                                    use_logfmt=use_logfmt)
         if out is not None:
             check_shape(out, combined.shape, "out")
+            check_float(out, "out")
             combined = combined.astype(out.dtype)
         return combined, EventOverlap(), _no_hook if return_recv_hook else None
 

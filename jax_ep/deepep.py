@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jax_ep import _ffi, internode, ops, transport as tp
 from jax_ep._checks import (
+    as_dtype,
     check_float,
     check_fp8_dispatch,
     check_positive,
@@ -188,7 +189,8 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         the rows as without a handle).
       layout: a `get_dispatch_layout` result (num_tokens_per_rank i32[P], is_token_in_rank
         bool[T,P], num_tokens_per_expert i32[E]) for the same topk_idx; its per-rank counts
-        feed the count exchange directly.
+        feed the count exchange (a count above topk_idx's own is cut to it; one below it
+        drops that destination's last rows, counted in handle.num_dropped).
       use_fp8: cast x [T,H] f32/bf16/f16 (H % 128 == 0) to FP8 per token and 128 channels
         before the wire (ops.per_token_cast_to_fp8 with round_scale / use_ue8m0; use_ue8m0
         requires round_scale); the codes and scales travel through one layout, as the tuple
@@ -295,9 +297,14 @@ def _check_layout(layout, num_tokens, num_ranks, num_experts):
         raise ValueError("layout: expected the (num_tokens_per_rank, is_token_in_rank, "
                          "num_tokens_per_expert) triple of get_dispatch_layout")
     per_rank, in_rank, per_expert = layout
-    check_shape(per_rank, (num_ranks,), "layout.num_tokens_per_rank")
-    check_shape(in_rank, (num_tokens, num_ranks), "layout.is_token_in_rank")
-    check_shape(per_expert, (num_experts,), "layout.num_tokens_per_expert")
+    parts = ((per_rank, (num_ranks,), "num_tokens_per_rank", jnp.integer, "i32"),
+             (in_rank, (num_tokens, num_ranks), "is_token_in_rank", jnp.bool_, "bool"),
+             (per_expert, (num_experts,), "num_tokens_per_expert", jnp.integer, "i32"))
+    for part, shape, name, kind, expected in parts:
+        check_shape(part, shape, f"layout.{name}")
+        if not jnp.issubdtype(jnp.result_type(part), kind):
+            raise ValueError(f"layout.{name}: expected get_dispatch_layout's {expected} "
+                             f"array, got {jnp.result_type(part)}")
     return per_rank.astype(jnp.int32)
 
 
@@ -313,6 +320,8 @@ def combine(y, handle, dtype=None, *, topk_weights=None, combine_dtype=None):
     rounding for bf16) or in fp32 with combine_dtype=jnp.float32, and the source sums them
     in fp32. A flat handle sums once at the source, combine_dtype changes nothing there.
     """
+    combine_dtype = None if combine_dtype is None else as_dtype(combine_dtype, "combine_dtype")
+    dtype = None if dtype is None else as_dtype(dtype, "dtype")
     if combine_dtype is not None and jnp.dtype(combine_dtype) not in (
             jnp.dtype(jnp.float32), jnp.dtype(y.dtype)):
         raise ValueError(f"combine_dtype: expected None, float32 or y's dtype {y.dtype}, got "

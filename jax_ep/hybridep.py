@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jax_ep import _ffi, internode, ops, reference, transport as tp
 from jax_ep._checks import (
+    MAX_INT32,
     check_experts,
     check_float,
     check_float_weights,
@@ -63,6 +64,7 @@ def required_capacity(num_tokens: int, chunk: int | None = None) -> int:
     if chunk is None:
         chunk = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", COMBINE_CHUNK))
     check_positive(chunk, "chunk")
+    check_positive(num_tokens, "num_tokens", allow_zero=True)
     return -(-max(int(num_tokens), MIN_CAPACITY) // chunk) * chunk
 
 
@@ -308,9 +310,10 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
     num_local = check_experts(num_experts, num_ranks)
     if num_permuted_tokens is not None:
         num_permuted_tokens = check_positive(num_permuted_tokens, "num_permuted_tokens",
-                                             allow_zero=True)
+                                             allow_zero=True, upper=MAX_INT32)
     if pad_multiple is not None:  # 0 is no padding, as HybridEP's
-        pad_multiple = check_positive(pad_multiple, "pad_multiple", allow_zero=True) or None
+        pad_multiple = check_positive(pad_multiple, "pad_multiple", allow_zero=True,
+                                      upper=MAX_INT32) or None
     impl = tp.check_backend(backend)
     axes = internode.two_hop_axes(axis_name, hierarchical)
     transports = internode.resolve_transports(transport, axes is not None, impl)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep import ops, transport as tp
-from jax_ep._checks import check_experts, check_positive, unroute_invalid_experts
+from jax_ep._checks import MAX_INT32, check_experts, check_positive, unroute_invalid_experts
 from jax_ep._index import segment_of
 
 __all__ = [
@@ -169,7 +169,7 @@ def _sizes(num_tokens, num_ranks, capacity, num_worst_tokens):
     capacity = min(capacity, num_tokens)
     if num_worst_tokens is None:
         return capacity, num_ranks * capacity
-    return capacity, check_positive(num_worst_tokens, "num_worst_tokens")
+    return capacity, check_positive(num_worst_tokens, "num_worst_tokens", upper=MAX_INT32)
 
 
 def _per_expert_counts(recv_idx, num_local, expert_alignment):
@@ -191,8 +191,10 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
     capacity: C, rows per destination (None: T); num_worst_tokens: R, receive rows (None:
       P*C); expert_alignment: num_recv_tokens_per_expert is rounded up to a multiple of it.
     count_matrix i32[P_src,P_dst]: the exchanged counts, given to skip the count exchange;
-      send_counts i32[P]: this rank's tokens per destination (get_dispatch_layout's), so the
-      count exchange need not wait for the send layout kernel.
+      send_counts i32[P]: this rank's tokens per destination (get_dispatch_layout's, given
+      by the caller), taken where they do not exceed the send layout's: a count above it is
+      cut to it (no padding row is sent as a token), a count below it drops the rest of
+      that destination's rows, counted in num_dropped.
     Runs one count all_gather (none with count_matrix) and sends the local ids (i32[R,K]).
     """
     rank, num_ranks = tp.axis_rank_and_size(axis_name)
@@ -203,7 +205,8 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
     layout = ops.build_send_layout(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
                                    num_ranks=num_ranks, num_local_experts=num_local, impl=impl)
     if count_matrix is None:
-        counts = layout.send_counts if send_counts is None else send_counts
+        counts = layout.send_counts if send_counts is None else jnp.minimum(
+            send_counts, layout.send_counts)
         count_matrix = tp.exchange_counts(counts, axis_name, transport)
     plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
     # Compact rows past a destination's capacity are dropped (highest token index first).

@@ -25,6 +25,7 @@ import numpy as np
 
 from jax_ep import _ffi, ops, reference, transport as tp
 from jax_ep._checks import (
+    MAX_INT32,
     check_experts,
     check_float,
     check_fp8_dispatch,
@@ -297,7 +298,8 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
         check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
     check_rank(x, 2, "x")
     check_whole_bytes(x, "x")
-    tmax = check_positive(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+    tmax = check_positive(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank",
+                          upper=MAX_INT32)
     if x.shape[0] > tmax:
         raise ValueError(f"x: {x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank "
                          f"({tmax}); got shape {x.shape}")
@@ -348,7 +350,8 @@ def low_latency_combine(y, topk_idx, topk_weights, handle, use_logfmt=False):
     check_combine_rows(y, handle, "y")
     if use_logfmt:
         check_logfmt_rows(y, "y")
-    topk_idx, topk_weights = check_routing(topk_idx, topk_weights, handle.num_experts)
+    topk_idx, topk_weights = check_routing(topk_idx, topk_weights, handle.num_experts,
+                                           weights_required=True)
     check_shape(topk_idx, (handle.num_tokens, topk_idx.shape[1]), "topk_idx")
     _, dense_w = reference.indices_to_multihot(topk_idx, topk_weights,
                                                num_experts=handle.num_experts)

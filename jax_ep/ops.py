@@ -24,7 +24,9 @@ import numpy as np
 from jax_ep import _ffi, reference
 from jax_ep._checks import (
     MAX_INT32,
+    as_dtype,
     as_int32_ids,
+    check_bool,
     check_experts,
     check_float,
     check_positive,
@@ -32,6 +34,7 @@ from jax_ep._checks import (
     check_routing,
     check_rows,
     check_shape,
+    check_weights,
     check_whole_bytes,
 )
 from jax_ep._index import group_bounds, search
@@ -99,7 +102,11 @@ def _typed_like_ffi(outputs, *inputs):
 def get_dispatch_layout(topk_idx, *, num_experts, num_ranks, impl="ffi"):
     """topk_idx [T,K] int (-1 = unrouted) -> (num_tokens_per_rank i32[P], is_token_in_rank
     bool[T,P], num_tokens_per_expert i32[E]). A token counts once per rank owning any of its
-    experts; ranks own contiguous blocks of L = E / P experts."""
+    experts; ranks own contiguous blocks of L = E / P experts. The CPU kernel raises on an id
+    outside [-1, E) (the reference and the GPU kernel count it nowhere): inside shard_map, a
+    raise on one rank leaves the others waiting in their next collective, so a layout meant
+    for a dispatch comes from `jax_ep.Buffer.get_dispatch_layout` (which routes such ids
+    nowhere, as the dispatch does) or from ids already checked."""
     _check_impl(impl)
     check_experts(num_experts, num_ranks)
     topk_idx, _ = check_routing(topk_idx, None, num_experts)
@@ -157,7 +164,7 @@ def _send_layout(topk_idx, topk_weights, num_ranks, num_local_experts, impl, *, 
     num_experts = num_ranks * num_local_experts
     check_experts(num_experts, num_ranks)
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts,
-                                           any_top_k=any_top_k)
+                                           any_top_k=any_top_k, weights_required=True)
     if impl == "xla" or topk_idx.size == 0:
         return _typed_like_ffi(reference.build_send_layout(
             topk_idx, topk_weights, num_ranks=num_ranks, num_local_experts=num_local_experts),
@@ -183,7 +190,8 @@ def indices_to_multihot(topk_idx, topk_probs, *, num_experts, impl="ffi"):
     is the dense gradient gathered at the indices (0 on -1 slots)."""
     _check_impl(impl)
     check_positive(num_experts, "num_experts")
-    topk_idx, topk_probs = check_routing(topk_idx, topk_probs, num_experts, any_top_k=True)
+    topk_idx, topk_probs = check_routing(topk_idx, topk_probs, num_experts, any_top_k=True,
+                                         weights_name="topk_probs", weights_required=True)
     if impl == "xla" or topk_idx.size == 0:
         return _typed_like_ffi(reference.indices_to_multihot(
             topk_idx, topk_probs, num_experts=num_experts), topk_idx, topk_probs)
@@ -223,6 +231,7 @@ def gather_rows(x, row_idx, *, impl="ffi"):
     _check_impl(impl)
     check_rank(row_idx, 1, "row_idx")
     check_rows(x, "x")
+    x = jnp.asarray(x)  # a numpy array in JAX's dtype (float64 -> float32 without x64)
     check_whole_bytes(x, "x")
     row_idx = as_int32_ids(row_idx, x.shape[0], "row_idx")
     if impl == "xla":
@@ -296,9 +305,12 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
     if routing_map.shape[0] != tokens.shape[0]:
         raise ValueError(f"routing_map: expected {tokens.shape[0]} rows to match tokens "
                          f"{tokens.shape}, got shape {routing_map.shape}")
+    drop_and_pad = check_bool(drop_and_pad, "drop_and_pad")
+    if drop_and_pad and routing_map.shape[1] == 0:
+        raise ValueError("routing_map: drop_and_pad needs at least one expert (capacity "
+                         f"num_out_tokens // E), got shape {routing_map.shape}")
     if probs is not None:
-        check_shape(probs, routing_map.shape, "probs")
-        probs = probs.astype(jnp.float32)
+        probs = check_weights(probs, routing_map.shape, "probs")
     num_out_tokens = check_positive(num_out_tokens, "num_out_tokens", allow_zero=True,
                                     upper=MAX_INT32)
     pad = 0 if pad_multiple is None else check_positive(pad_multiple, "pad_multiple",
@@ -368,11 +380,10 @@ def unpermute(permuted, sorted_indices, *, num_tokens, probs=None, impl="ffi"):
     check_rank(permuted, 2, "permuted")
     check_float(permuted, "permuted")
     check_shape(sorted_indices, (permuted.shape[0],), "sorted_indices")
-    num_tokens = check_positive(num_tokens, "num_tokens", allow_zero=True)
+    num_tokens = check_positive(num_tokens, "num_tokens", allow_zero=True, upper=MAX_INT32)
     sorted_indices = as_int32_ids(sorted_indices, num_tokens, "sorted_indices")
     if probs is not None:
-        check_shape(probs, (permuted.shape[0],), "probs")
-        probs = probs.astype(jnp.float32)
+        probs = check_weights(probs, (permuted.shape[0],), "probs")
     if impl == "xla":
         return _typed_like_ffi(reference.unpermute(
             permuted, sorted_indices, num_tokens=num_tokens, probs=probs),
@@ -440,6 +451,8 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     _check_impl(impl)
     check_rank(x, 2, "x")
     check_float(x, "x")
+    round_scale = check_bool(round_scale, "round_scale")
+    use_ue8m0 = check_bool(use_ue8m0, "use_ue8m0")
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0: requires round_scale=True (UE8M0 scales are powers of two)")
     if impl == "xla":
@@ -491,12 +504,13 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
     g * x_fp8 over each 128-channel group (f32); integer UE8M0 scales get no cotangent."""
     _check_impl(impl)
     check_rank(x_fp8, 2, "x_fp8")
+    use_ue8m0 = check_bool(use_ue8m0, "use_ue8m0")
     if x_fp8.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"x_fp8: expected float8_e4m3fn, got {x_fp8.dtype}")
     num_tokens, hidden = x_fp8.shape
     scales, use_ue8m0 = _fp8_scale_rows(scales, num_tokens, hidden, use_ue8m0)
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                                jnp.dtype(jnp.float16)):
+    if as_dtype(dtype, "dtype") not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                                        jnp.dtype(jnp.float16)):
         raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
     if impl == "xla":
         return _typed_like_ffi(reference.per_token_cast_back(
@@ -584,7 +598,7 @@ def logfmt_decode(wire, *, dtype=jnp.float32):
     if hidden is None or hidden % LOGFMT_HIDDEN_MULTIPLE:
         raise ValueError(f"wire: got shape {wire.shape}; its rows must be 2H + H/32 bytes "
                          f"with H a positive multiple of {LOGFMT_HIDDEN_MULTIPLE}")
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    if as_dtype(dtype, "dtype") not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"dtype: expected float32 or bfloat16, got {dtype}")
     out = _sds((wire.shape[0], hidden), dtype)
     if wire.shape[0] == 0:

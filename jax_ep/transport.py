@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import _ffi, ops
@@ -156,7 +157,12 @@ def check_backend(backend: str) -> str:
 
 def check_distinct_axes(axis_name) -> None:
     """ValueError if a tuple of axes names one twice (JAX multiplies such an axis's size in
-    again: a rank layout no mesh has)."""
+    again: a rank layout no mesh has) or a name is an int (JAX reads an int as an array
+    dimension, not a mesh axis)."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not names or any(isinstance(name, (int, np.integer)) for name in names):
+        raise ValueError(f"axis_name: expected a mesh axis name or a tuple of them, got "
+                         f"{axis_name!r}")
     if isinstance(axis_name, (tuple, list)) and len(set(axis_name)) != len(axis_name):
         raise ValueError(f"axis_name: expected distinct mesh axes, got {tuple(axis_name)!r}")
 

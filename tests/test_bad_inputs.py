@@ -241,3 +241,253 @@ def test_a_list_of_rows_is_refused_by_name():
         run_ep(lambda x: jax_ep.all_to_all_single(
             [[1.0]], jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32), axis_name=AXIS),
             ep_mesh(2), np.ones((2, H), np.float32))
+
+
+def test_buffer_layout_with_a_bad_id_on_one_rank_routes_it_nowhere():
+    """DeepEP's flow (Buffer.get_dispatch_layout, then dispatch with that layout) with an
+    expert id >= E on rank 0 only: the id is routed nowhere and counted, as the dispatch does.
+    Before, the layout kernel raised on rank 0 alone and the other ranks waited in the next
+    collective: the peer transport's 60 s bound, or an XLA rendezvous abort of the process."""
+    idx, w = _routing(2)
+    bad = idx.copy()
+    bad[0, 0], bad[T + 1, 1] = E, -1  # rank 0: an invalid id; rank 1: a valid slot unrouted
+    unrouted = bad.copy()
+    unrouted[0, 0] = -1
+    buf = jax_ep.Buffer(AXIS)
+
+    def body(x, i, w):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(i, E)
+        recv_x, recv_i, recv_w, per_local, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=i, topk_weights=w)
+        return recv_x, recv_i, recv_w, per_local, handle.num_invalid[None], per_rank, in_rank
+
+    x = np.random.default_rng(1).standard_normal((2 * T, H)).astype(np.float32)
+    got = run_ep(body, ep_mesh(2), x, bad, w)
+    want = run_ep(body, ep_mesh(2), x, unrouted, w)
+    np.testing.assert_array_equal(np.asarray(got[4]), [1, 0])
+    for name, g, r in zip(["recv_x", "recv_idx", "recv_w", "per_local"], got[:4], want[:4]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+    for g, r in zip(got[5:], want[5:]):  # the layout counts the bad slot nowhere
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+
+
+@pytest.mark.parametrize("transport", ["peer", "all_to_all"])
+def test_layout_counts_that_disagree_with_topk_idx_never_send_padding(transport):
+    """dispatch(layout=) with per-rank counts above topk_idx's: the same result as without a
+    layout (before: zero padding rows arrived as tokens of local expert 0 over all_to_all,
+    and the peer exchange failed naming its row map); counts of 0: every row dropped and
+    counted in num_dropped (before: dropped silently)."""
+    idx, w = _routing(2)
+    x = np.random.default_rng(2).standard_normal((2 * T, H)).astype(np.float32)
+
+    def body(x, i, w):
+        layout = ops.get_dispatch_layout(i, num_experts=E, num_ranks=2)
+        out = []
+        for counts in (None, layout[0] + 1, layout[0] * 0):
+            given = None if counts is None else (counts,) + tuple(layout[1:])
+            recv_x, recv_i, _, h = jax_ep.dispatch(x, i, w, num_experts=E, axis_name=AXIS,
+                                                   transport=transport, layout=given)
+            out += [recv_x, recv_i, h.num_recv_tokens[None], h.num_dropped[None]]
+        return tuple(out) + (layout[0].sum()[None],)
+
+    got = [np.asarray(a) for a in run_ep(body, ep_mesh(2), x, idx, w)]
+    plain, over, zero, sent = got[0:4], got[4:8], got[8:12], got[12]
+    for g, r in zip(over, plain):
+        np.testing.assert_array_equal(g, r)
+    np.testing.assert_array_equal(zero[2], [0, 0])
+    np.testing.assert_array_equal(zero[3], sent)
+    assert not zero[0].any() and (zero[1] == -1).all()
+
+
+def test_router_functions_check_top_k_before_tracing():
+    """A float top-k reached jax.lax.top_k, whose cache then failed every later call with an
+    equal int (2.0 == 2) in the process; 0 routed nothing silently."""
+    from jax_ep.flax import moe_utils, router
+
+    logits = jnp.arange(12.0).reshape(3, 4)
+    for bad in (2.0, 0, None):
+        with pytest.raises(ValueError, match="^topk: expected an int"):
+            moe_utils.topk_routing_with_score_function(logits, bad)
+        with pytest.raises(ValueError, match="^topk: expected an int"):
+            router.compute_routing_scores_for_aux_loss(logits, bad, "softmax")
+    probs, routing_map = moe_utils.topk_routing_with_score_function(logits, 2)
+    np.testing.assert_array_equal(np.asarray(routing_map).sum(axis=1), [2, 2, 2])
+    with pytest.raises(ValueError, match="^topk: top-k 5 exceeds num_experts 4"):
+        router.compute_routing_scores_for_aux_loss(logits, 5, "softmax")
+    with pytest.raises(ValueError, match=r"^precomputed_indices: expected shape \(3, 2\)"):
+        moe_utils.topk_routing_with_score_function(logits, 2,
+                                                   precomputed_indices=jnp.zeros((3, 1), int))
+    with pytest.raises(ValueError, match="^logits: expected a float"):
+        moe_utils.topk_routing_with_score_function(jnp.ones(4), 1)
+
+
+def _in_shard_map(fn, num_ranks=2):
+    """Runs fn() (traced inside a shard_map over the test axis) for its trace-time errors."""
+    return run_ep(lambda x: fn() + 0 * x.sum(), ep_mesh(num_ranks),
+                  np.zeros((num_ranks, 1), np.float32))
+
+
+def _named_argument_cases():
+    """(call, the message an error must start with): each failed before with an error
+    naming another argument or an internal, or was accepted."""
+    from jax_ep import hybridep, low_latency
+    from jax_ep.flax import MoEFlexTokenDispatcher, moe_utils, router
+
+    idx = jnp.zeros((T, K), jnp.int32)
+    w = jnp.ones((T, K), jnp.float32)
+    x = jnp.ones((T, H), jnp.float32)
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       expert_axis_name=AXIS)
+    dispatcher = MoEFlexTokenDispatcher(E // 2, range(E // 2), cfg)
+    buf = jax_ep.Buffer(AXIS)
+    big = 2**31
+
+    def ll_handle():
+        return low_latency.low_latency_dispatch(x, idx, num_max_dispatch_tokens_per_rank=T,
+                                                num_experts=E, axis_name=AXIS)
+    sm = _in_shard_map
+    return {
+        "dispatch num_experts 0": (lambda: sm(lambda: jax_ep.dispatch(
+            x, idx, w, num_experts=0, axis_name=AXIS)[0]), "num_experts: expected an int > 0"),
+        "low_latency num_experts < 0": (lambda: sm(lambda: low_latency.low_latency_dispatch(
+            x, idx, num_max_dispatch_tokens_per_rank=T, num_experts=-2, axis_name=AXIS)[0]),
+            "num_experts: expected an int > 0"),
+        "hybridep num_permuted_tokens": (lambda: sm(lambda: hybridep.hybridep_dispatch(
+            x, topk_idx=idx, num_experts=E, axis_name=AXIS, num_permuted_tokens=big)[0]),
+            "num_permuted_tokens: expected an int <= 2147483647"),
+        "hybridep pad_multiple": (lambda: sm(lambda: hybridep.hybridep_dispatch(
+            x, topk_idx=idx, num_experts=E, axis_name=AXIS, pad_multiple=big)[0]),
+            "pad_multiple: expected an int <= 2147483647"),
+        "low_latency Tmax": (lambda: sm(lambda: low_latency.low_latency_dispatch(
+            x, idx, num_max_dispatch_tokens_per_rank=big, num_experts=E, axis_name=AXIS)[0]),
+            "num_max_dispatch_tokens_per_rank: expected an int <= 2147483647"),
+        "dispatch num_worst_tokens": (lambda: sm(lambda: jax_ep.dispatch(
+            x, idx, w, num_experts=E, axis_name=AXIS, num_worst_tokens=2**40)[0]),
+            "num_worst_tokens: expected an int <= 2147483647"),
+        "all_to_all_single num_recv": (lambda: sm(lambda: jax_ep.all_to_all_single(
+            x, jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int32), axis_name=AXIS,
+            num_recv=big)), "num_recv: expected an int <= 2147483647"),
+        "an int axis_name": (lambda: sm(lambda: jax_ep.dispatch(
+            x, idx, w, num_experts=E, axis_name=0)[0]), "axis_name: expected a mesh axis"),
+        "low_latency_combine weights None": (lambda: sm(lambda: low_latency.low_latency_combine(
+            jnp.zeros((E // 2, 2 * T, H)), idx, None, ll_handle()[2])),
+            r"topk_weights: expected a float array of shape \(4, 2\), got None"),
+        "layout float counts": (lambda: sm(lambda: jax_ep.dispatch(
+            x, idx, w, num_experts=E, axis_name=AXIS,
+            layout=(jnp.ones(2), jnp.ones((T, 2), bool), jnp.ones(E, jnp.int32)))[0]),
+            "layout.num_tokens_per_rank: expected get_dispatch_layout's i32 array"),
+        "Buffer is_token_in_rank float": (lambda: sm(lambda: buf.dispatch(
+            x, is_token_in_rank=jnp.full((T, 2), 0.5),
+            num_tokens_per_expert=jnp.zeros(E, jnp.int32))[0]),
+            r"is_token_in_rank: expected bool\[T,P\], got float32"),
+        "Buffer num_tokens_per_expert E % P": (lambda: sm(lambda: buf.dispatch(
+            x, is_token_in_rank=jnp.ones((T, 2), bool),
+            num_tokens_per_expert=jnp.zeros(1, jnp.int32))[0]),
+            "num_tokens_per_expert: expected get_dispatch_layout's i32"),
+        "Buffer cumulative stats int8": (lambda: sm(lambda: buf.low_latency_dispatch(
+            x, idx, T, E, cumulative_local_expert_recv_stats=jnp.zeros(E // 2, jnp.int8),
+            use_fp8=False)[0]),
+            "cumulative_local_expert_recv_stats: expected int32, got int8"),
+        "Buffer low_latency_combine out int": (lambda: sm(lambda: buf.low_latency_combine(
+            jnp.zeros((E // 2, 2 * T, H), jnp.bfloat16), idx, w, ll_handle()[2],
+            out=jnp.zeros((T, H), jnp.int32))[0]), "out: expected float32"),
+        "combine dtype": (lambda: sm(lambda: jax_ep.combine(
+            jnp.zeros((2 * T, H)), jax_ep.dispatch(x, idx, w, num_experts=E,
+                                                   axis_name=AXIS)[3], dtype="bogus")[0]),
+            "dtype: expected a dtype, got 'bogus'"),
+        "build_send_layout weights None": (lambda: ops.build_send_layout(
+            idx, None, num_ranks=2, num_local_experts=4),
+            r"topk_weights: expected a float array of shape \(4, 2\), got None"),
+        "indices_to_multihot probs None": (lambda: ops.indices_to_multihot(
+            idx, None, num_experts=E), "topk_probs: expected a float array"),
+        "indices_to_multihot probs shape": (lambda: ops.indices_to_multihot(
+            idx, jnp.ones((T, 1)), num_experts=E), r"topk_probs: expected shape \(4, 2\)"),
+        "permute no experts": (lambda: ops.permute(
+            x, jnp.zeros((T, 0), bool), num_out_tokens=4, drop_and_pad=True),
+            "routing_map: drop_and_pad needs at least one expert"),
+        "permute int probs": (lambda: ops.permute(
+            x, jnp.ones((T, 2), bool), jnp.ones((T, 2), jnp.int32), num_out_tokens=8),
+            "probs: expected a float array, got int32"),
+        "permute drop_and_pad str": (lambda: ops.permute(
+            x, jnp.ones((T, 2), bool), num_out_tokens=8, drop_and_pad="no"),
+            "drop_and_pad: expected a bool, got 'no'"),
+        "unpermute num_tokens": (lambda: ops.unpermute(
+            x, jnp.zeros(T, jnp.int32), num_tokens=big),
+            "num_tokens: expected an int <= 2147483647"),
+        "unpermute complex probs": (lambda: ops.unpermute(
+            x, jnp.zeros(T, jnp.int32), num_tokens=T, probs=jnp.ones(T, jnp.complex64)),
+            "probs: expected a float array, got complex64"),
+        "cast_back dtype": (lambda: ops.per_token_cast_back(
+            jnp.zeros((T, 128), jnp.float8_e4m3fn), jnp.ones((T, 1)), dtype="bogus"),
+            "dtype: expected a dtype, got 'bogus'"),
+        "cast round_scale str": (lambda: ops.per_token_cast_to_fp8(
+            jnp.ones((T, 128)), round_scale="no"), "round_scale: expected a bool"),
+        "get_capacity no experts": (lambda: router.get_capacity(10, 0, 1.0),
+                                    "num_experts: expected an int > 0"),
+        "token dropping no experts": (lambda: router.apply_router_token_dropping(
+            jnp.zeros((3, 0)), jnp.zeros((3, 0), bool), 1, 1.0),
+            "routing_probs: expected .* at least one expert"),
+        "token dropping map shape": (lambda: router.apply_router_token_dropping(
+            jnp.zeros((3, 4)), jnp.zeros((3, 2), bool), 1, 1.0),
+            r"routing_map: expected shape \(3, 4\)"),
+        "switch loss top-k 0": (lambda: router.switch_load_balancing_loss_func(
+            jnp.ones((3, 4)), jnp.ones(4), 6, 0, 4, 0.1), "topk: expected an int > 0"),
+        "switch loss counts": (lambda: router.switch_load_balancing_loss_func(
+            jnp.ones((3, 4)), jnp.ones(3), 6, 2, 4, 0.1),
+            r"tokens_per_expert: expected shape \(4,\)"),
+        "expert bias shape": (lambda: router.get_updated_expert_bias(
+            jnp.ones(4), jnp.zeros(3), 0.1), r"expert_bias: expected shape \(4,\)"),
+        "sinkhorn rank": (lambda: router.sinkhorn(jnp.ones(4)), "cost: expected a rank-2"),
+        "sort_chunks out-of-range": (lambda: moe_utils.sort_chunks_by_idxs(
+            jnp.arange(4.0)[:, None], jnp.array([1, 3]), jnp.array([5, 0])),
+            "sorted_idxs: expected a permutation of range"),
+        "sort_chunks repeated": (lambda: moe_utils.sort_chunks_by_idxs(
+            jnp.arange(4.0)[:, None], jnp.array([1, 3]), jnp.array([1, 1])),
+            "sorted_idxs: expected a permutation of range"),
+        "sort_chunks negative size": (lambda: moe_utils.sort_chunks_by_idxs(
+            jnp.arange(4.0)[:, None], jnp.array([-1, 5]), jnp.array([1, 0])),
+            "split_sizes: expected row counts >= 0"),
+        "sort_chunks float sizes": (lambda: moe_utils.sort_chunks_by_idxs(
+            jnp.arange(4.0)[:, None], jnp.array([1.5, 2.5]), jnp.array([1, 0])),
+            "split_sizes: expected integers"),
+        "unpermute restore_shape": (lambda: moe_utils.unpermute(
+            jnp.ones((4, 4)), jnp.zeros(4, jnp.int32), (2.7, 4)), "restore_shape: expected"),
+        "required_capacity None": (lambda: hybridep.required_capacity(None),
+                                   "num_tokens: expected an int"),
+        "dispatcher indices None": (lambda: MoEFlexTokenDispatcher(4, None, cfg),
+                                    "local_expert_indices: expected a list of 4"),
+        "dispatch_preprocess token count": (lambda: dispatcher.dispatch_preprocess(
+            x, 2, jnp.ones((2, E))), "num_local_tokens: expected the 4 tokens"),
+        "dispatch_preprocess float count": (lambda: dispatcher.dispatch_preprocess(
+            x, 4.0, jnp.ones((4, E))), "num_local_tokens: expected the 4 tokens"),
+        "dispatch_preprocess int probs": (lambda: dispatcher.dispatch_preprocess(
+            x, T, jnp.ones((T, E), jnp.int32)), "probs: expected a float array"),
+        "dispatch_preprocess2 token count": (lambda: dispatcher.dispatch_preprocess2(
+            x, -2, w, idx), "num_local_tokens: expected the 4 tokens"),
+    }
+
+
+_CASES = _named_argument_cases()
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_bad_arguments_are_named(case):
+    call, match = _CASES[case]
+    with pytest.raises(ValueError, match="^" + match):
+        call()
+
+
+def test_python_lists_where_pytorch_takes_them():
+    """all_to_all_single's splits as Python lists (PyTorch's output_split_sizes /
+    input_split_sizes are lists); a numpy float64 x of gather_rows without x64 (it failed in
+    the handler's row check)."""
+    x = np.random.default_rng(4).standard_normal((4 * T, H)).astype(np.float32)
+    got = run_ep(lambda x: jax_ep.all_to_all_single(x, [1, 1, 1, 1], [1, 1, 1, 1],
+                                                    axis_name=AXIS), ep_mesh(4), x)
+    want = run_ep(lambda x: jax_ep.all_to_all_single(
+        x, jnp.ones(4, jnp.int32), jnp.ones(4, jnp.int32), axis_name=AXIS), ep_mesh(4), x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    rows = np.arange(8.0).reshape(4, 2)
+    np.testing.assert_array_equal(np.asarray(ops.gather_rows(rows, jnp.array([3, 0]))),
+                                  rows[[3, 0]])

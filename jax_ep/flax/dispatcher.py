@@ -21,7 +21,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import deepep, hybridep, ops, transport
-from jax_ep._checks import as_int32_ids, check_positive, check_top_k, unroute_invalid_experts
+from jax_ep._checks import (as_int32_ids, check_float_weights, check_positive, check_top_k,
+                            is_int, unroute_invalid_experts)
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "HybridEPMetadataProcessor", "HybridEPPipelineRuntimeInitializer",
@@ -72,7 +73,11 @@ def router_dtype(config: TokenDispatcherConfig, default):
 
 def _check_local_expert_indices(indices, num_local_experts, num_experts):
     """The global ids of one rank's experts: L consecutive ids starting at a multiple of L."""
-    ids = tuple(int(i) for i in indices)
+    try:
+        ids = tuple(int(i) for i in indices)
+    except TypeError:
+        raise ValueError(f"local_expert_indices: expected a list of {num_local_experts} "
+                         f"expert ids, got {indices!r}") from None
     first = ids[0] if ids else 0
     expected = tuple(range(first, first + num_local_experts))
     if ids != expected or first % num_local_experts or first + num_local_experts > num_experts:
@@ -81,6 +86,14 @@ def _check_local_expert_indices(indices, num_local_experts, num_experts):
                          f"{num_local_experts - 1} of one rank (num_moe_experts={num_experts}), "
                          f"got {list(ids)}")
     return ids
+
+
+def _check_num_local_tokens(num_local_tokens, hidden):
+    """ValueError naming num_local_tokens unless it is hidden's token count (an int)."""
+    if not is_int(num_local_tokens, 0) or num_local_tokens != hidden.shape[0]:
+        raise ValueError(f"num_local_tokens: expected the {hidden.shape[0]} tokens of "
+                         f"hidden_states (shape [..., H] read as [T, H]), got "
+                         f"{num_local_tokens!r}")
 
 
 def _check_state(state, method):
@@ -294,6 +307,9 @@ class MoEFlexTokenDispatcher(nnx.Module):
                 raise ValueError(f"routing_map: expected bool[T, num_moe_experts={num_experts}]"
                                  f", got {routing_map.dtype}{list(routing_map.shape)}")
             num_local_tokens = routing_map.shape[0]
+        _check_num_local_tokens(num_local_tokens, hidden)
+        probs = jnp.asarray(probs)
+        check_float_weights(probs, "probs")
         if jnp.size(probs) != num_local_tokens * num_experts:
             raise ValueError(f"probs: expected [num_local_tokens={num_local_tokens}, "
                              f"num_moe_experts={num_experts}] values, got shape "
@@ -320,6 +336,9 @@ class MoEFlexTokenDispatcher(nnx.Module):
         """Top-k routing given directly: probs [T,K], indices [T,K] (-1 unrouted)."""
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
+        _check_num_local_tokens(num_local_tokens, hidden)
+        token_probs, token_indices = jnp.asarray(token_probs), jnp.asarray(token_indices)
+        check_float_weights(token_probs, "token_probs")
         if jnp.shape(token_probs) != jnp.shape(token_indices):
             raise ValueError(f"token_probs: expected the shape of token_indices "
                              f"{jnp.shape(token_indices)}, got {jnp.shape(token_probs)}")

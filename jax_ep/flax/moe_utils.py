@@ -25,6 +25,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_ep import _checks, ops
 from jax_ep._index import search, segment_of
@@ -122,8 +123,9 @@ def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routin
     PyTorch). Sums in float32, cast back to permuted_tokens' dtype. Differentiable in
     permuted_tokens and probs."""
     del fused
-    if len(tuple(restore_shape)) != 2:
-        raise ValueError(f"restore_shape: expected (num_tokens, hidden), got {restore_shape}")
+    if len(tuple(restore_shape)) != 2 or not all(_checks.is_int(d, 0) for d in restore_shape):
+        raise ValueError(f"restore_shape: expected (num_tokens, hidden) ints >= 0, got "
+                         f"{restore_shape}")
     num_tokens, hidden = (int(d) for d in restore_shape)
     _checks.check_rank(permuted_tokens, 2, "permuted_tokens")
     if permuted_tokens.shape[1] != hidden:
@@ -151,6 +153,12 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
     (PyTorch requires the sizes to cover the input exactly). Differentiable in input and
     probs."""
     del fused
+    input = jnp.asarray(input)
+    _checks.check_rows(input, "input")
+    for values, name in ((split_sizes, "split_sizes"), (sorted_idxs, "sorted_idxs")):
+        if not jnp.issubdtype(jnp.result_type(values), jnp.integer):
+            raise ValueError(f"{name}: expected integers, got {jnp.result_type(values)}")
+    _check_chunk_values(split_sizes, sorted_idxs)
     split_sizes = jnp.asarray(split_sizes, jnp.int32)
     sorted_idxs = jnp.asarray(sorted_idxs, jnp.int32)
     _checks.check_rank(split_sizes, 1, "split_sizes")
@@ -167,6 +175,20 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
         _checks.check_shape(probs, (num_rows,), "probs")
         sorted_probs = ops.gather_rows(probs, src)
     return ops.gather_rows(input, src), sorted_probs
+
+
+def _check_chunk_values(split_sizes, sorted_idxs):
+    """Where both are concrete (not traced: no host sync), ValueError naming split_sizes unless
+    every size is >= 0, and sorted_idxs unless it is a permutation of range(C)."""
+    try:
+        sizes, idxs = np.asarray(split_sizes), np.asarray(sorted_idxs)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if (sizes < 0).any():
+        raise ValueError(f"split_sizes: expected row counts >= 0, got {sizes.tolist()}")
+    if sorted(idxs.ravel().tolist()) != list(range(idxs.size)):
+        raise ValueError(f"sorted_idxs: expected a permutation of range({idxs.size}), got "
+                         f"{idxs.tolist()}")
 
 
 def get_tokens_per_expert_and_token_count(routing_map, reduce_group, topk=None,

@@ -26,6 +26,7 @@ def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_
     [num_tokens, num_experts] -> (values [T,topk], ids i32[T,topk]). The experts form
     num_groups contiguous groups; a group scores the sum of its top topk // group_topk scores;
     only the best group_topk groups stay eligible (the others' scores -inf)."""
+    topk = _checks.check_positive(topk, "topk")
     if scores.shape != (num_tokens, num_experts):
         raise ValueError(f"group_limited_topk: scores must be [num_tokens={num_tokens}, "
                          f"num_experts={num_experts}], got {scores.shape}")
@@ -105,6 +106,8 @@ def sinkhorn(cost, tol=1e-4):
     towards 1/T and column sums towards 1/E; finite for logits past 80, where Megatron's
     float32 arithmetic is not (see the row shift below). Not differentiated (Megatron runs it
     under no_grad): the input's gradient is cut."""
+    cost = jnp.asarray(cost)
+    _checks.check_rank(cost, 2, "cost")
     cost = jax.lax.stop_gradient(cost).astype(jnp.float32)
     T, E = cost.shape
     if T == 0:
@@ -184,10 +187,16 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
     them. fused is accepted and has no effect (XLA fuses); router_replay must be None."""
     if router_replay is not None:
         raise ValueError("router_replay: not supported in jax_ep (pass None)")
-    if logits.ndim != 2:
-        raise ValueError(f"logits: expected [num_tokens, num_experts], got {logits.shape}")
+    logits = _logits(logits)
     num_tokens, num_experts = logits.shape
+    topk = _checks.check_positive(topk, "topk")
     _checks.check_top_k(topk, num_experts, "topk")
+    if precomputed_indices is not None:
+        precomputed_indices = jnp.asarray(precomputed_indices)
+        _checks.check_shape(precomputed_indices, (num_tokens, topk), "precomputed_indices")
+        if not jnp.issubdtype(precomputed_indices.dtype, jnp.integer):
+            raise ValueError(f"precomputed_indices: expected integer expert ids, got "
+                             f"{precomputed_indices.dtype}")
     wide = jnp.float32  # Megatron: scores and every intermediate in fp32
 
     def choose(scores):
@@ -221,6 +230,16 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
     rows = jnp.arange(num_tokens)[:, None]
     return (jnp.zeros_like(logits).at[rows, ids].set(probs),
             jnp.zeros(logits.shape, bool).at[rows, ids].set(True))
+
+
+def _logits(logits):
+    """logits as a [num_tokens, num_experts] float array (a nested list too), else a
+    ValueError naming logits."""
+    logits = jnp.asarray(logits)
+    if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"logits: expected a float [num_tokens, num_experts] array, got "
+                         f"{logits.dtype} of shape {logits.shape}")
+    return logits
 
 
 def check_top_k(cfg: MoEConfig):
@@ -307,7 +326,9 @@ def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=Fals
     padding_mask bool[T]: True marks padding (as Megatron's code reads it), whose row of both
     is zeroed. fused has no effect (XLA fuses)."""
     del fused
-    logits = logits.astype(jnp.float32)
+    logits = _logits(logits).astype(jnp.float32)
+    topk = _checks.check_positive(topk, "topk")
+    _checks.check_top_k(topk, logits.shape[1], "topk")
     if score_function == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
     else:
@@ -333,10 +354,16 @@ def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens, 
     del fused
     if isinstance(total_num_tokens, (int, float, np.number)) and total_num_tokens <= 0:
         raise ValueError(f"total_num_tokens: expected a count > 0, got {total_num_tokens}")
-    probs = jnp.asarray(probs).astype(jnp.float32)
+    _checks.check_positive(topk, "topk")
+    _checks.check_positive(num_experts, "num_experts")
+    probs = jnp.asarray(probs)
+    _checks.check_rank(probs, 2, "probs")
+    probs = probs.astype(jnp.float32)
     if padding_mask is not None:
         probs = probs * jnp.asarray(padding_mask, bool)[:, None]
-    counts = jnp.asarray(tokens_per_expert).astype(jnp.float32)
+    counts = jnp.asarray(tokens_per_expert)
+    _checks.check_shape(counts, probs.shape[1:], "tokens_per_expert")
+    counts = counts.astype(jnp.float32)
     scale = num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
     return jnp.sum(probs.sum(axis=0) * counts) * scale
 
@@ -372,6 +399,7 @@ def z_loss_func(logits, z_loss_coeff, padding_mask=None):
 def get_capacity(num_tokens, num_experts, capacity_factor, min_capacity=None):
     """Megatron's get_capacity: ceil(num_tokens / num_experts * capacity_factor), at least
     min_capacity when given."""
+    _checks.check_positive(num_experts, "num_experts")
     capacity = deepep.expert_capacity(num_tokens, 1, num_experts, capacity_factor)
     return capacity if min_capacity is None else max(capacity, min_capacity)
 
@@ -388,7 +416,14 @@ def apply_router_token_dropping(routing_probs, routing_map, router_topk, capacit
     if drop_policy not in deepep.DROP_POLICIES:
         raise ValueError(f"drop_policy: expected one of {deepep.DROP_POLICIES}, got "
                          f"{drop_policy!r}")
+    routing_probs = jnp.asarray(routing_probs)
+    _checks.check_rank(routing_probs, 2, "routing_probs")
     num_tokens, num_experts = routing_probs.shape
+    if num_experts == 0:
+        raise ValueError(f"routing_probs: expected [num_tokens, num_experts] with at least one "
+                         f"expert, got shape {routing_probs.shape}")
+    _checks.check_positive(router_topk, "router_topk")
+    _checks.check_shape(routing_map, routing_probs.shape, "routing_map")
     capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
     routing_map = jnp.asarray(routing_map, bool)
     if capacity > num_tokens:
@@ -425,7 +460,9 @@ def get_updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_r
     [layers, E]), down when more, unchanged at the mean. tp_dp_cp_group: the mesh axis name
     (or names) to sum the counts over first, Megatron's all-reduce (call inside shard_map);
     None: the counts are global already (as MoELayer passes them)."""
-    counts = jax.lax.stop_gradient(tokens_per_expert).astype(jnp.float32)
+    counts = jax.lax.stop_gradient(jnp.asarray(tokens_per_expert)).astype(jnp.float32)
+    _checks.check_rows(counts, "tokens_per_expert")
+    _checks.check_shape(expert_bias, counts.shape, "expert_bias")
     if tp_dp_cp_group is not None:
         counts = jax.lax.psum(counts, tp_dp_cp_group)
     # sign(mean - count) as sign(sum - E * count): exact for integer counts, so an expert at
