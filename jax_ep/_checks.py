@@ -162,8 +162,8 @@ def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool =
                   weights_name: str = "topk_weights", weights_required: bool = False):
     """Checks num_experts (an int > 0), topk_idx [T,K] (int) and topk_weights [T,K] (float;
     None allowed unless weights_required; called `weights_name` in errors); returns the int32
-    indices and float32 weights. K > num_experts is an error unless any_top_k (ids masked with -1, e.g. a
-    received row's local ids: K slots, L < K local experts)."""
+    indices and float32 weights. K > num_experts is an error unless any_top_k (ids masked
+    with -1, e.g. a received row's local ids: K slots, L < K local experts)."""
     check_positive(num_experts, "num_experts")
     check_rank(topk_idx, 2, "topk_idx")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):

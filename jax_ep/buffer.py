@@ -352,7 +352,7 @@ class Buffer:
         rank count inside the shard_map."""
         self._require_shrink("low_latency_query_mask_buffer")
         if not hasattr(mask_status, "dtype") or jnp.dtype(mask_status.dtype) != jnp.int32:
-            raise ValueError(f"mask_status: expected an int32 array, got "
+            raise ValueError(f"mask_status: expected int32, got "
                              f"{getattr(mask_status, 'dtype', type(mask_status).__name__)}")
         num_ranks = self._bound_num_ranks()
         if num_ranks is not None and mask_status.size != num_ranks:

@@ -447,7 +447,11 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     scale_inv = max(1e-4, amax) / 448 (next power of two with round_scale); scales f32[T,G],
     G = ceil(H/128), or with use_ue8m0 (requires round_scale) exponent bytes packed
     i32[T,ceil(G/4)] (i32[T,H/512] when H % 512 == 0). Any H: x is zero-padded to whole
-    128-channel blocks, cast, and the codes sliced back to H, as in DeepEP's tests/utils.py."""
+    128-channel blocks, cast, and the codes sliced back to H, as in DeepEP's tests/utils.py.
+    Differentiable straight through (the FP8 dispatch's rule), on both impls: the rounding
+    counts as exact and the scales as constants, so d x = d x_fp8 / scale channel by channel
+    and a cast followed by per_token_cast_back passes its cotangent through unchanged; the
+    scales' own cotangent does not reach x."""
     _check_impl(impl)
     check_rank(x, 2, "x")
     check_float(x, "x")
@@ -455,6 +459,12 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     use_ue8m0 = check_bool(use_ue8m0, "use_ue8m0")
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0: requires round_scale=True (UE8M0 scales are powers of two)")
+    return _cast_to_fp8(x, round_scale, use_ue8m0, impl, jnp.dtype(x.dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _cast_to_fp8(x, round_scale, use_ue8m0, impl, x_dtype):
+    del x_dtype  # the cotangent's dtype, for the backward
     if impl == "xla":
         return _typed_like_ffi(reference.per_token_cast_to_fp8(
             x, round_scale=round_scale, use_ue8m0=use_ue8m0), x)
@@ -469,6 +479,23 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     codes, scales = _ffi.call("jax_ep_cast_to_fp8", results, padded, round_scale=bool(round_scale),
                               use_ue8m0=bool(use_ue8m0))
     return codes[:, :hidden], scales
+
+
+def _cast_to_fp8_fwd(x, round_scale, use_ue8m0, impl, x_dtype):
+    codes, scales = _cast_to_fp8(x, round_scale, use_ue8m0, impl, x_dtype)
+    return (codes, scales), scales
+
+
+def _cast_to_fp8_bwd(round_scale, use_ue8m0, impl, x_dtype, scales, cotangents):
+    del impl
+    d_codes, _ = cotangents
+    # each channel's scale: the cast back of a code of 1
+    scale = reference.per_token_cast_back(jnp.ones(d_codes.shape, jnp.float8_e4m3fn), scales,
+                                          use_ue8m0=use_ue8m0, dtype=jnp.float32)
+    return ((d_codes.astype(jnp.float32) / scale).astype(x_dtype),)
+
+
+_cast_to_fp8.defvjp(_cast_to_fp8_fwd, _cast_to_fp8_bwd)
 
 
 def _fp8_scale_rows(scales, num_tokens, hidden, use_ue8m0):

@@ -439,6 +439,10 @@ def _named_argument_cases():
         "expert bias shape": (lambda: router.get_updated_expert_bias(
             jnp.ones(4), jnp.zeros(3), 0.1), r"expert_bias: expected shape \(4,\)"),
         "sinkhorn rank": (lambda: router.sinkhorn(jnp.ones(4)), "cost: expected a rank-2"),
+        "gating weight width": (lambda: router.router_gating_linear(
+            x, jnp.ones((E, H + 1)), None, jnp.float32), r"weight: expected \[E, H\]"),
+        "gating bias": (lambda: router.router_gating_linear(
+            x, jnp.ones((E, H)), jnp.ones(E + 1), jnp.float32), r"bias: expected shape \(8,\)"),
         "sort_chunks out-of-range": (lambda: moe_utils.sort_chunks_by_idxs(
             jnp.arange(4.0)[:, None], jnp.array([1, 3]), jnp.array([5, 0])),
             "sorted_idxs: expected a permutation of range"),

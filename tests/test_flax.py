@@ -1069,22 +1069,33 @@ def test_remat_gives_the_same_gradients():
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-6, atol=1e-7)
 
 
-def test_scanned_layers_match_the_unrolled_stack():
+@pytest.mark.parametrize("scalar_state", [False, True])
+def test_scanned_layers_match_the_unrolled_stack(scalar_state):
     """Flax's scanned-layers pattern: 3 layers made by nnx.vmap (a leading layer axis on every
     param) and applied by nnx.scan give the loss and the stacked gradients of the same layers
     applied one by one in a Python loop. A layer of the same config built first, outside the
     transform, holds the shared dispatcher (moe_share_token_dispatcher): the vmapped layers
-    must not take it (nnx refuses a module of another trace level)."""
+    must not take it (nnx refuses a module of another trace level). scalar_state: a router
+    with scalar state variables (global_aux_loss's step count, force balancing's draw
+    counter), stacked and scanned with Flax's transform_metadata (the layer axis added to
+    every variable's sharding): the scan failed in Flax's remove_axis (IndexError) while the
+    scalars carried an empty sharding."""
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2)
+    metadata = {}
+    if scalar_state:
+        cfg = MoEConfig(num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=1e-2,
+                        moe_router_load_balancing_type="global_aux_loss",
+                        moe_router_force_load_balancing=True)
+        metadata = dict(transform_metadata={nnx.PARTITION_NAME: None})
     mesh, num_layers = _mesh(), 3
 
     @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
+    @nnx.vmap(in_axes=(0,), out_axes=0, **metadata)
     def make(rngs):
         return MoELayer(cfg, 16, 32, rngs=rngs, mesh=mesh)
 
     def scanned(layers, x):
-        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, **metadata)
         def body(layer, h):
             return h + layer(h)[0]
         return jnp.mean(body(layers, x) ** 2)
@@ -1101,10 +1112,17 @@ def test_scanned_layers_match_the_unrolled_stack():
         layers = make(nnx.Rngs(0))
         assert outside.dispatcher is MoELayer(cfg, 16, 32, rngs=nnx.Rngs(2),
                                               mesh=mesh).dispatcher
+        if scalar_state:
+            assert layers.ga_steps.shape == layers.force_balance_step.shape == (num_layers,)
+            assert layers.w_gate_up.get_metadata()["out_sharding"][0] is None
         x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 4, 16)),
                            NamedSharding(mesh, P(("data", "expert"))))
-        (got, g1), (want, g2) = (nnx.jit(nnx.value_and_grad(f))(layers, x)
-                                 for f in (scanned, unrolled))
+        # each on a copy: a call moves the layers' state (force balancing's draw counters)
+        runs = {f: nnx.clone(layers) for f in (scanned, unrolled)}
+        (got, g1), (want, g2) = (nnx.jit(nnx.value_and_grad(f))(m, x) for f, m in runs.items())
+        if scalar_state:  # the scan wrote each layer's advanced counter back
+            np.testing.assert_array_equal(np.asarray(runs[scanned].force_balance_step[...]),
+                                          np.asarray(layers.force_balance_step[...]) + 1)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
     for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(g1, nnx.Param)),
                                  nnx.to_flat_state(nnx.state(g2, nnx.Param))):

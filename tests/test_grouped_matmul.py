@@ -226,7 +226,8 @@ def test_grouped_matmul_auto_on_cpu_and_argument_checks(monkeypatch):
     text = jax.jit(lambda x, a, b: swiglu_experts(x, sizes, a, b)).lower(
         x, jnp.zeros((4, H, 2 * F)), jnp.zeros((4, F, H))).as_text()
     assert text.count("@jax_ep_grouped_gemm(") == 2
-    # float64 (under jax_enable_x64): the handler computes in float32, "auto" takes "tiled"
+    # the resolution for a float64 dtype (grouped_matmul itself refuses float64 operands):
+    # the handler computes in float32, "auto" takes "tiled"
     assert ops.grouped_matmul_impl("auto", jnp.bfloat16) == "ffi"
     assert ops.grouped_matmul_impl("auto", np.float64) == "tiled"
     with pytest.raises(ValueError, match="impl: 'ffi' computes in float32, the operands are "

@@ -253,7 +253,11 @@ def _as_moe_config(config):
 
 def _replicated(kind, value):
     """A non-trainable state variable of nnx.Variable subclass `kind` holding `value`,
-    replicated over the mesh (every dimension unsharded)."""
+    replicated over the mesh (every dimension unsharded). A scalar carries no sharding
+    metadata: an empty one breaks Flax's scanned layers (nnx.vmap's transform_metadata adds
+    no layer axis to an empty sharding, and nnx.scan's then removes one from it)."""
+    if jnp.ndim(value) == 0:
+        return kind(value, eager_sharding=False)
     return kind(value, eager_sharding=False, **{_SHARDING_KEY: (None,) * jnp.ndim(value)})
 
 

@@ -155,9 +155,11 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
     del fused
     input = jnp.asarray(input)
     _checks.check_rows(input, "input")
+    split_sizes, sorted_idxs = (v if hasattr(v, "dtype") else np.asarray(v)
+                                for v in (split_sizes, sorted_idxs))  # lists, as PyTorch's
     for values, name in ((split_sizes, "split_sizes"), (sorted_idxs, "sorted_idxs")):
-        if not jnp.issubdtype(jnp.result_type(values), jnp.integer):
-            raise ValueError(f"{name}: expected integers, got {jnp.result_type(values)}")
+        if not jnp.issubdtype(values.dtype, jnp.integer):
+            raise ValueError(f"{name}: expected integers, got {values.dtype}")
     _check_chunk_values(split_sizes, sorted_idxs)
     split_sizes = jnp.asarray(split_sizes, jnp.int32)
     sorted_idxs = jnp.asarray(sorted_idxs, jnp.int32)

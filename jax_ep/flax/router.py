@@ -166,6 +166,13 @@ def apply_biased_logits(logits, key, bias):
 def router_gating_linear(inp, weight, bias, router_dtype):
     """Megatron's router_gating_linear: inp [..., H], weight [E, H] (torch's Linear layout), bias
     [E] or None -> logits [..., E] = inp @ weight^T + bias, computed in router_dtype."""
+    _checks.check_rank(weight, 2, "weight")
+    _checks.check_rows(inp, "inp")
+    if inp.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight: expected [E, H] with H = inp's {inp.shape[-1]} channels, got "
+                         f"shape {weight.shape}")
+    if bias is not None:
+        _checks.check_shape(bias, weight.shape[:1], "bias")
     logits = inp.astype(router_dtype) @ weight.astype(router_dtype).T
     return logits if bias is None else logits + bias.astype(router_dtype)
 
