@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import threading
 from functools import partial
 
@@ -22,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import deepep, hybridep, ops, transport
 from jax_ep._checks import (as_int32_ids, check_float_weights, check_positive, check_top_k,
-                            is_int, unroute_invalid_experts)
+                            unroute_invalid_experts)
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "HybridEPMetadataProcessor", "HybridEPPipelineRuntimeInitializer",
@@ -88,12 +89,18 @@ def _check_local_expert_indices(indices, num_local_experts, num_experts):
     return ids
 
 
-def _check_num_local_tokens(num_local_tokens, hidden):
-    """ValueError naming num_local_tokens unless it is hidden's token count (an int)."""
-    if not is_int(num_local_tokens, 0) or num_local_tokens != hidden.shape[0]:
+def _check_num_local_tokens(num_local_tokens, hidden) -> int:
+    """num_local_tokens as an int (a Python, numpy or concrete JAX integer), else a
+    ValueError naming it; it must be hidden's token count."""
+    try:
+        count = None if isinstance(num_local_tokens, bool) else operator.index(num_local_tokens)
+    except TypeError:  # not an integer, or a traced one
+        count = None
+    if count != hidden.shape[0]:
         raise ValueError(f"num_local_tokens: expected the {hidden.shape[0]} tokens of "
                          f"hidden_states (shape [..., H] read as [T, H]), got "
                          f"{num_local_tokens!r}")
+    return count
 
 
 def _check_state(state, method):
@@ -307,7 +314,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
                 raise ValueError(f"routing_map: expected bool[T, num_moe_experts={num_experts}]"
                                  f", got {routing_map.dtype}{list(routing_map.shape)}")
             num_local_tokens = routing_map.shape[0]
-        _check_num_local_tokens(num_local_tokens, hidden)
+        num_local_tokens = _check_num_local_tokens(num_local_tokens, hidden)
         probs = jnp.asarray(probs)
         check_float_weights(probs, "probs")
         if jnp.size(probs) != num_local_tokens * num_experts:
@@ -336,7 +343,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         """Top-k routing given directly: probs [T,K], indices [T,K] (-1 unrouted)."""
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
-        _check_num_local_tokens(num_local_tokens, hidden)
+        num_local_tokens = _check_num_local_tokens(num_local_tokens, hidden)
         token_probs, token_indices = jnp.asarray(token_probs), jnp.asarray(token_indices)
         check_float_weights(token_probs, "token_probs")
         if jnp.shape(token_probs) != jnp.shape(token_indices):
