@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -17,6 +18,7 @@ __all__ = [
     "as_int32_ids",
     "check_bool",
     "check_experts",
+    "check_flag",
     "check_float",
     "check_float_weights",
     "check_fp8_dispatch",
@@ -119,6 +121,25 @@ def check_bool(value, name: str) -> bool:
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def check_flag(value, name: str) -> bool:
+    """A kernel flag as a bool: a Python or numpy bool, an int 0 or 1, or a concrete 0-d bool
+    or integer array of those; anything else (a string such as "no", None, a traced value) is
+    a ValueError naming `name`. Looser than check_bool, which DeepEP's Buffer flags keep."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    if (hasattr(value, "dtype") and jnp.ndim(value) == 0 and
+            (jnp.issubdtype(value.dtype, jnp.bool_) or jnp.issubdtype(value.dtype, jnp.integer))):
+        try:
+            if int(value) in (0, 1):
+                return bool(value)
+        except jax.errors.ConcretizationTypeError:
+            pass
+    raise ValueError(f"{name}: expected a bool (a static one: it selects the kernel), got "
+                     f"{value!r}")
 
 
 def is_int(value, minimum: int = 1) -> bool:
@@ -225,5 +246,6 @@ def check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0) -> None:
     if x.shape[1] % FP8_BLOCK:
         raise ValueError(f"x: hidden size {x.shape[1]} must be a multiple of {FP8_BLOCK} with "
                          f"use_fp8=True, got shape {tuple(x.shape)}")
-    if use_ue8m0 and not round_scale:
+    round_scale = check_flag(round_scale, "round_scale")
+    if check_flag(use_ue8m0, "use_ue8m0") and not round_scale:
         raise ValueError("use_ue8m0: requires round_scale=True (UE8M0 scales are powers of two)")

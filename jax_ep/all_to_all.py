@@ -32,12 +32,12 @@ def all_to_all_single(x, output_splits, input_splits, *, axis_name, num_recv=Non
       x: [S, ...] any dtype of whole bytes (int4 / uint4 / float4: ValueError); rows grouped by
         destination rank: input_splits[0] rows for rank 0 first, then rank 1, ... (rows past
         sum(input_splits) are not sent).
-      output_splits: i32[P] (or a list of P ints, as PyTorch takes them), rows received
-        from each source rank (as in PyTorch, it must
+      output_splits: i32[P], rows received from each source rank (as in PyTorch, it must
         agree with the senders' input_splits; it is checked for shape only: the receive
         layout both ways comes from the exchanged input_splits, so a disagreeing
         output_splits cannot misplace rows).
-      input_splits: i32[P], rows sent to each destination rank (negative counts as 0; a sum
+      input_splits: i32[P], rows sent to each destination rank (both splits may also be
+        lists of P ints, as PyTorch takes them; negative counts as 0; a sum
         above S is cut at S, the last destinations' rows first, as the rows past S do not
         exist).
       num_recv: rows of the result (default P*S, the worst case).

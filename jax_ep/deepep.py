@@ -188,9 +188,10 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
         is then ignored, the routing is the cached one; topk_weights, if given, travel with
         the rows as without a handle).
       layout: a `get_dispatch_layout` result (num_tokens_per_rank i32[P], is_token_in_rank
-        bool[T,P], num_tokens_per_expert i32[E]) for the same topk_idx; its per-rank counts
-        feed the count exchange (a count above topk_idx's own is cut to it; one below it
-        drops that destination's last rows, counted in handle.num_dropped).
+        bool[T,P], num_tokens_per_expert i32[E]) for the same topk_idx (DeepEP's
+        precomputed layout), checked for shapes and dtypes; the exchange takes its counts
+        from topk_idx's own send layout, so a layout whose values disagree with topk_idx
+        cannot misplace, pad or drop rows.
       use_fp8: cast x [T,H] f32/bf16/f16 (H % 128 == 0) to FP8 per token and 128 channels
         before the wire (ops.per_token_cast_to_fp8 with round_scale / use_ue8m0; use_ue8m0
         requires round_scale); the codes and scales travel through one layout, as the tuple
@@ -241,10 +242,9 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
             raise ValueError(f"num_worst_rdma_tokens: bounds the node hop of a two-hop "
                              f"dispatch; axis_name {axis_name!r} (hierarchical="
                              f"{hierarchical}) runs a flat exchange")
-        send_counts = None
         if layout is not None:
             _, num_ranks = tp.axis_rank_and_size(axis_name)
-            send_counts = _check_layout(layout, x.shape[0], num_ranks, num_experts)
+            _check_layout(layout, x.shape[0], num_ranks, num_experts)
         sizes = dict(capacity=capacity, num_worst_tokens=num_worst_tokens,
                      expert_alignment=expert_alignment)
         if axes is not None:
@@ -253,8 +253,7 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
                                             num_worst_rdma_tokens=num_worst_rdma_tokens)
         else:
             handle = internode.routing_plan(topk_idx, num_experts, axis_name,
-                                            transport=transports, impl=impl, **sizes,
-                                            send_counts=send_counts)
+                                            transport=transports, impl=impl, **sizes)
         if backend == "uccl_ep":  # reads as UCCL-EP's handle tuple
             handle = dataclasses.replace(handle, tuple_layout="uccl_ep")
     elif not isinstance(handle, HANDLES):
@@ -292,7 +291,7 @@ def _dispatch_row_tuple(parts, topk_idx, topk_weights, *, axis_name, backend, ha
 
 
 def _check_layout(layout, num_tokens, num_ranks, num_experts):
-    """Validates a get_dispatch_layout triple; returns its num_tokens_per_rank."""
+    """Validates a get_dispatch_layout triple's shapes and dtypes."""
     if not isinstance(layout, (tuple, list)) or len(layout) != 3:
         raise ValueError("layout: expected the (num_tokens_per_rank, is_token_in_rank, "
                          "num_tokens_per_expert) triple of get_dispatch_layout")
@@ -305,7 +304,6 @@ def _check_layout(layout, num_tokens, num_ranks, num_experts):
         if not jnp.issubdtype(jnp.result_type(part), kind):
             raise ValueError(f"layout.{name}: expected get_dispatch_layout's {expected} "
                              f"array, got {jnp.result_type(part)}")
-    return per_rank.astype(jnp.int32)
 
 
 def combine(y, handle, dtype=None, *, topk_weights=None, combine_dtype=None):

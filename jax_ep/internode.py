@@ -180,8 +180,7 @@ def _per_expert_counts(recv_idx, num_local, expert_alignment):
 
 
 def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=None,
-                 num_worst_tokens=None, expert_alignment=1, count_matrix=None,
-                 send_counts=None):
+                 num_worst_tokens=None, expert_alignment=1, count_matrix=None):
     """Plans the one-hop exchange of this rank's tokens -> DispatchHandle.
 
     topk_idx i32[T,K]: global expert ids, -1 unrouted (ids outside [-1, E) are routed
@@ -191,10 +190,6 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
     capacity: C, rows per destination (None: T); num_worst_tokens: R, receive rows (None:
       P*C); expert_alignment: num_recv_tokens_per_expert is rounded up to a multiple of it.
     count_matrix i32[P_src,P_dst]: the exchanged counts, given to skip the count exchange;
-      send_counts i32[P]: this rank's tokens per destination (get_dispatch_layout's, given
-      by the caller), taken where they do not exceed the send layout's: a count above it is
-      cut to it (no padding row is sent as a token), a count below it drops the rest of
-      that destination's rows, counted in num_dropped.
     Runs one count all_gather (none with count_matrix) and sends the local ids (i32[R,K]).
     """
     rank, num_ranks = tp.axis_rank_and_size(axis_name)
@@ -205,9 +200,7 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
     layout = ops.build_send_layout(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
                                    num_ranks=num_ranks, num_local_experts=num_local, impl=impl)
     if count_matrix is None:
-        counts = layout.send_counts if send_counts is None else jnp.minimum(
-            send_counts, layout.send_counts)
-        count_matrix = tp.exchange_counts(counts, axis_name, transport)
+        count_matrix = tp.exchange_counts(layout.send_counts, axis_name, transport)
     plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
     # Compact rows past a destination's capacity are dropped (highest token index first).
     row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)

@@ -26,8 +26,8 @@ from jax_ep._checks import (
     MAX_INT32,
     as_dtype,
     as_int32_ids,
-    check_bool,
     check_experts,
+    check_flag,
     check_float,
     check_positive,
     check_rank,
@@ -305,7 +305,7 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
     if routing_map.shape[0] != tokens.shape[0]:
         raise ValueError(f"routing_map: expected {tokens.shape[0]} rows to match tokens "
                          f"{tokens.shape}, got shape {routing_map.shape}")
-    drop_and_pad = check_bool(drop_and_pad, "drop_and_pad")
+    drop_and_pad = check_flag(drop_and_pad, "drop_and_pad")
     if drop_and_pad and routing_map.shape[1] == 0:
         raise ValueError("routing_map: drop_and_pad needs at least one expert (capacity "
                          f"num_out_tokens // E), got shape {routing_map.shape}")
@@ -448,23 +448,24 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False, impl="ffi"):
     G = ceil(H/128), or with use_ue8m0 (requires round_scale) exponent bytes packed
     i32[T,ceil(G/4)] (i32[T,H/512] when H % 512 == 0). Any H: x is zero-padded to whole
     128-channel blocks, cast, and the codes sliced back to H, as in DeepEP's tests/utils.py.
-    Differentiable straight through (the FP8 dispatch's rule), on both impls: the rounding
-    counts as exact and the scales as constants, so d x = d x_fp8 / scale channel by channel
-    and a cast followed by per_token_cast_back passes its cotangent through unchanged; the
-    scales' own cotangent does not reach x."""
+    Differentiable straight through, in both modes and on both impls: the rounding counts as
+    exact and the scales as constants, so the tangent (and cotangent) of x_fp8 is that of x
+    divided by each channel's scale, in float8_e4m3fn (NaN in a block holding an inf or NaN),
+    and the scales get none. A cast and per_token_cast_back then give d x = e4m3(g * scale) /
+    scale: g up to that rounding (`dispatch(use_fp8=True, fp8_output="cast_back")` passes its
+    cotangent through exactly)."""
     _check_impl(impl)
     check_rank(x, 2, "x")
     check_float(x, "x")
-    round_scale = check_bool(round_scale, "round_scale")
-    use_ue8m0 = check_bool(use_ue8m0, "use_ue8m0")
+    round_scale = check_flag(round_scale, "round_scale")
+    use_ue8m0 = check_flag(use_ue8m0, "use_ue8m0")
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0: requires round_scale=True (UE8M0 scales are powers of two)")
-    return _cast_to_fp8(x, round_scale, use_ue8m0, impl, jnp.dtype(x.dtype))
+    return _cast_to_fp8(x, round_scale, use_ue8m0, impl)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _cast_to_fp8(x, round_scale, use_ue8m0, impl, x_dtype):
-    del x_dtype  # the cotangent's dtype, for the backward
+@partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _cast_to_fp8(x, round_scale, use_ue8m0, impl):
     if impl == "xla":
         return _typed_like_ffi(reference.per_token_cast_to_fp8(
             x, round_scale=round_scale, use_ue8m0=use_ue8m0), x)
@@ -481,21 +482,19 @@ def _cast_to_fp8(x, round_scale, use_ue8m0, impl, x_dtype):
     return codes[:, :hidden], scales
 
 
-def _cast_to_fp8_fwd(x, round_scale, use_ue8m0, impl, x_dtype):
-    codes, scales = _cast_to_fp8(x, round_scale, use_ue8m0, impl, x_dtype)
-    return (codes, scales), scales
-
-
-def _cast_to_fp8_bwd(round_scale, use_ue8m0, impl, x_dtype, scales, cotangents):
-    del impl
-    d_codes, _ = cotangents
-    # each channel's scale: the cast back of a code of 1
-    scale = reference.per_token_cast_back(jnp.ones(d_codes.shape, jnp.float8_e4m3fn), scales,
+@_cast_to_fp8.defjvp
+def _cast_to_fp8_jvp(round_scale, use_ue8m0, impl, primals, tangents):
+    (x,), (t,) = primals, tangents
+    codes, scales = _cast_to_fp8(x, round_scale, use_ue8m0, impl)
+    # each channel's scale (the cast back of a code of 1); a poisoned block's UE8M0 byte 0xff
+    # reads as inf, NaN as its float32 scale is
+    scale = reference.per_token_cast_back(jnp.ones(codes.shape, jnp.float8_e4m3fn), scales,
                                           use_ue8m0=use_ue8m0, dtype=jnp.float32)
-    return ((d_codes.astype(jnp.float32) / scale).astype(x_dtype),)
-
-
-_cast_to_fp8.defvjp(_cast_to_fp8_fwd, _cast_to_fp8_bwd)
+    scale = jnp.where(jnp.isinf(scale), jnp.nan, scale)
+    d_codes = (t.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn)
+    d_scales = (np.zeros(scales.shape, jax.dtypes.float0) if use_ue8m0
+                else jnp.zeros(scales.shape, scales.dtype))
+    return (codes, scales), (d_codes, d_scales)
 
 
 def _fp8_scale_rows(scales, num_tokens, hidden, use_ue8m0):
@@ -531,7 +530,7 @@ def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16, i
     g * x_fp8 over each 128-channel group (f32); integer UE8M0 scales get no cotangent."""
     _check_impl(impl)
     check_rank(x_fp8, 2, "x_fp8")
-    use_ue8m0 = check_bool(use_ue8m0, "use_ue8m0")
+    use_ue8m0 = check_flag(use_ue8m0, "use_ue8m0")
     if x_fp8.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"x_fp8: expected float8_e4m3fn, got {x_fp8.dtype}")
     num_tokens, hidden = x_fp8.shape

@@ -160,7 +160,7 @@ def check_distinct_axes(axis_name) -> None:
     again: a rank layout no mesh has) or a name is an int (JAX reads an int as an array
     dimension, not a mesh axis)."""
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    if not names or any(isinstance(name, (int, np.integer)) for name in names):
+    if any(isinstance(name, (int, np.integer)) for name in names):
         raise ValueError(f"axis_name: expected a mesh axis name or a tuple of them, got "
                          f"{axis_name!r}")
     if isinstance(axis_name, (tuple, list)) and len(set(axis_name)) != len(axis_name):

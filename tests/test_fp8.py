@@ -771,9 +771,10 @@ def test_cast_to_fp8_is_differentiable_straight_through(rng, impl, round_scale, 
     """jax.grad through the cast to FP8 (issue: the FFI cast raised JAX's cannot-be-
     differentiated error while impl="xla" differentiated the reference's formula, NaN in
     places): both impls pass the cotangent straight through, the scales held constant. The
-    cast alone: d x = d codes / scale per channel (H = 200 channels of 2 blocks). A cast and
-    cast back: d x = e4m3(g * scale) / scale (the cast back's cotangent of the codes is FP8
-    itself: g up to that rounding). bf16 x gets a bf16 gradient."""
+    cast alone: d x = d codes / scale per channel (H = 200 channels of 2 blocks), and forward
+    mode the transposed rule; a block holding an inf gets NaN with either scale format. A
+    cast and cast back: d x = e4m3(g * scale) / scale (the cast back's cotangent of the codes
+    is FP8 itself: g up to that rounding). bf16 x gets a bf16 gradient."""
     T, H = 3, 200
     x = jnp.asarray(_scaled_input(rng, T, 256, np.float32)[:, :H])
     g = jnp.asarray(rng.standard_normal((T, H)).astype(np.float32))
@@ -796,3 +797,10 @@ def test_cast_to_fp8_is_differentiable_straight_through(rng, impl, round_scale, 
     np.testing.assert_allclose(np.asarray(codes_only(x)), d_codes / scale, rtol=1e-6)
     assert jax.grad(lambda x: jnp.sum(ops.per_token_cast_to_fp8(
         x, impl=impl)[0].astype(jnp.float32)))(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    (_, _), (t_codes, _) = jax.jvp(lambda x: ops.per_token_cast_to_fp8(
+        x, round_scale=round_scale, use_ue8m0=use_ue8m0, impl=impl), (x,), (g,))
+    np.testing.assert_array_equal(codes(t_codes), codes(
+        (np.asarray(g) / scale).astype(ml_dtypes.float8_e4m3fn)))
+    poisoned = x.at[0, 5].set(jnp.inf)
+    d = np.asarray(codes_only(poisoned))
+    assert np.isnan(d[0, :128]).all() and np.isfinite(d[0, 128:]).all() and np.isfinite(d[1:]).all()

@@ -313,6 +313,9 @@ class MoEFlexTokenDispatcher(nnx.Module):
             if routing_map.dtype != jnp.bool_ or routing_map.shape[1] != num_experts:
                 raise ValueError(f"routing_map: expected bool[T, num_moe_experts={num_experts}]"
                                  f", got {routing_map.dtype}{list(routing_map.shape)}")
+            if routing_map.shape[0] != hidden.shape[0]:
+                raise ValueError(f"routing_map: expected the {hidden.shape[0]} tokens of "
+                                 f"hidden_states as rows, got shape {routing_map.shape}")
             num_local_tokens = routing_map.shape[0]
         num_local_tokens = _check_num_local_tokens(num_local_tokens, hidden)
         probs = jnp.asarray(probs)

@@ -180,17 +180,23 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
 
 
 def _check_chunk_values(split_sizes, sorted_idxs):
-    """Where both are concrete (not traced: no host sync), ValueError naming split_sizes unless
-    every size is >= 0, and sorted_idxs unless it is a permutation of range(C)."""
-    try:
-        sizes, idxs = np.asarray(split_sizes), np.asarray(sorted_idxs)
-    except jax.errors.TracerArrayConversionError:
-        return
-    if (sizes < 0).any():
+    """Each where it is concrete (a traced one is not read: no host sync): ValueError naming
+    split_sizes unless every size is >= 0, and sorted_idxs unless it is a permutation of
+    range(C)."""
+    sizes, idxs = (_concrete(v) for v in (split_sizes, sorted_idxs))
+    if sizes is not None and (sizes < 0).any():
         raise ValueError(f"split_sizes: expected row counts >= 0, got {sizes.tolist()}")
-    if sorted(idxs.ravel().tolist()) != list(range(idxs.size)):
+    if idxs is not None and sorted(idxs.ravel().tolist()) != list(range(idxs.size)):
         raise ValueError(f"sorted_idxs: expected a permutation of range({idxs.size}), got "
                          f"{idxs.tolist()}")
+
+
+def _concrete(values):
+    """values as a numpy array, or None where they are traced."""
+    try:
+        return np.asarray(values)
+    except jax.errors.TracerArrayConversionError:
+        return None
 
 
 def get_tokens_per_expert_and_token_count(routing_map, reduce_group, topk=None,
