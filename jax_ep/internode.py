@@ -180,7 +180,8 @@ def _per_expert_counts(recv_idx, num_local, expert_alignment):
 
 
 def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=None,
-                 num_worst_tokens=None, expert_alignment=1, count_matrix=None):
+                 num_worst_tokens=None, expert_alignment=1, count_matrix=None,
+                 send_counts=None):
     """Plans the one-hop exchange of this rank's tokens -> DispatchHandle.
 
     topk_idx i32[T,K]: global expert ids, -1 unrouted (ids outside [-1, E) are routed
@@ -190,6 +191,10 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
     capacity: C, rows per destination (None: T); num_worst_tokens: R, receive rows (None:
       P*C); expert_alignment: num_recv_tokens_per_expert is rounded up to a multiple of it.
     count_matrix i32[P_src,P_dst]: the exchanged counts, given to skip the count exchange;
+      send_counts i32[P]: this rank's tokens per destination where the caller computed them
+      from the same topk_idx (the two-hop plan's per-node counts), so the count exchange
+      need not wait for the send layout kernel; they must equal the send layout's (a user's
+      layout never comes here: rows would be misplaced).
     Runs one count all_gather (none with count_matrix) and sends the local ids (i32[R,K]).
     """
     rank, num_ranks = tp.axis_rank_and_size(axis_name)
@@ -200,7 +205,8 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
     layout = ops.build_send_layout(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
                                    num_ranks=num_ranks, num_local_experts=num_local, impl=impl)
     if count_matrix is None:
-        count_matrix = tp.exchange_counts(layout.send_counts, axis_name, transport)
+        counts = layout.send_counts if send_counts is None else send_counts
+        count_matrix = tp.exchange_counts(counts, axis_name, transport)
     plan = tp.make_plan(count_matrix, rank, capacity, num_recv)
     # Compact rows past a destination's capacity are dropped (highest token index first).
     row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)
