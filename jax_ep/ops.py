@@ -486,11 +486,10 @@ def _cast_to_fp8(x, round_scale, use_ue8m0, impl):
 def _cast_to_fp8_jvp(round_scale, use_ue8m0, impl, primals, tangents):
     (x,), (t,) = primals, tangents
     codes, scales = _cast_to_fp8(x, round_scale, use_ue8m0, impl)
-    # each channel's scale (the cast back of a code of 1); a poisoned block's UE8M0 byte 0xff
-    # reads as inf, NaN as its float32 scale is
-    scale = reference.per_token_cast_back(jnp.ones(codes.shape, jnp.float8_e4m3fn), scales,
-                                          use_ue8m0=use_ue8m0, dtype=jnp.float32)
-    scale = jnp.where(jnp.isinf(scale), jnp.nan, scale)
+    num_tokens, hidden = codes.shape
+    block_scale = reference.fp8_block_scales(scales, num_tokens, hidden, use_ue8m0=use_ue8m0)
+    block_scale = jnp.where(jnp.isinf(block_scale), jnp.nan, block_scale)  # poisoned: NaN
+    scale = jnp.repeat(block_scale, reference.FP8_BLOCK, axis=1)[:, :hidden]  # per channel
     d_codes = (t.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn)
     d_scales = (np.zeros(scales.shape, jax.dtypes.float0) if use_ue8m0
                 else jnp.zeros(scales.shape, scales.dtype))

@@ -277,16 +277,25 @@ def per_token_cast_to_fp8(x, *, round_scale=False, use_ue8m0=False):
     return x_fp8.reshape(num_tokens, groups * FP8_BLOCK)[:, :hidden], scales
 
 
+def fp8_block_scales(scales, num_tokens, hidden, *, use_ue8m0=False):
+    """The scales of an FP8 cast of [num_tokens, hidden] (per_token_cast_to_fp8's, in any shape
+    holding their elements in row-major order) -> scale_inv f32[T, G], one per token and
+    128-channel block, G = ceil(hidden/128). int32 scales are packed UE8M0 even without
+    use_ue8m0; a poisoned block's UE8M0 byte 0xff reads as inf (its float32 scale is NaN)."""
+    use_ue8m0 = use_ue8m0 or jnp.dtype(scales.dtype) == jnp.dtype(jnp.int32)
+    rows = scales.reshape(num_tokens, fp8_scale_width(hidden, use_ue8m0))
+    groups = fp8_scale_width(hidden, False)
+    return _unpack_ue8m0(rows, groups) if use_ue8m0 else rows.astype(jnp.float32)
+
+
 def per_token_cast_back(x_fp8, scales, *, use_ue8m0=False, dtype=jnp.bfloat16):
     """Inverse of per_token_cast_to_fp8: x_fp8 [T,H], scales -> [T,H] of `dtype`.
     scales may have any shape holding the T*W scales in row-major order (DeepEP's utils view
     them as [T, -1]); int32 scales are packed UE8M0 even without use_ue8m0, as DeepEP's
     per_token_cast_back reads them. H need not be a multiple of 128 (padded, then sliced)."""
     num_tokens, hidden = x_fp8.shape
-    use_ue8m0 = use_ue8m0 or jnp.dtype(scales.dtype) == jnp.dtype(jnp.int32)
-    rows = scales.reshape(num_tokens, fp8_scale_width(hidden, use_ue8m0))
-    groups = fp8_scale_width(hidden, False)
-    scale_inv = _unpack_ue8m0(rows, groups) if use_ue8m0 else rows.astype(jnp.float32)
+    scale_inv = fp8_block_scales(scales, num_tokens, hidden, use_ue8m0=use_ue8m0)
+    groups = scale_inv.shape[1]
     blocks = pad_to_fp8_blocks(x_fp8).astype(jnp.float32).reshape(num_tokens, groups, FP8_BLOCK)
     out = blocks * scale_inv[..., None]
     out = jnp.where(jnp.isnan(out), jnp.float32(jnp.nan), out)  # one NaN, as the handlers store
