@@ -78,6 +78,23 @@ def test_resume_continues_bitwise(train_moe, tmp_path):
     assert any((_state(split, 3)[k] != want[k]).any() for k in want)
 
 
+def test_resume_on_another_mesh_reshards_the_state(train_moe, tmp_path):
+    """A checkpoint restores onto another mesh of the same devices, each array resharded as it
+    loads (the expert axis 4 -> 8 -> 2 ranks: --data-parallel 2, 1, 4), and the run goes on
+    as the straight one does, within fp32 rounding (the reductions' order follows the mesh)."""
+    def run(steps, name, *extra):
+        records = train_moe.train(train_moe.parse_args(
+            SMALL + ["--steps", str(steps), "--out", str(tmp_path / name), *extra]))
+        return [r["loss"] for r in records]
+
+    straight = run(6, "straight")
+    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
+    resumed = (run(2, "a", *ck) + run(4, "b", *ck, "--resume", "--data-parallel", "1")
+               + run(6, "c", *ck, "--resume", "--data-parallel", "4"))
+    assert len(resumed) == 6
+    np.testing.assert_allclose(resumed, straight, rtol=2e-5)
+
+
 def test_checkpoint_flags_are_checked(train_moe, tmp_path, capsys):
     for argv in (["--resume"], ["--save-every", "2"],
                  ["--save-every", "-1", "--checkpoint-dir", str(tmp_path)]):
