@@ -10,6 +10,7 @@ CUDA emulator (xla_ffi/emu). CPU-only targets (the grouped GEMM) keep their CPU 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import threading
@@ -20,7 +21,7 @@ from jax_ep import _jax_ep
 from jax_ep._checks import check_whole_bytes
 
 __all__ = ["EMULATED_CUDA_SUFFIX", "WITH_CUDA", "WITH_CUDA_EMU", "call",
-           "emulated_cuda_launch_counts", "handlers",
+           "emulated_cuda_launch_counts", "gpus_without_peer_access", "handlers",
            "make_varying", "register_stateful_targets", "trace_platform", "use_handlers",
            "vary_like", "vary_together", "varying_axes"]
 
@@ -135,6 +136,23 @@ def use_handlers(kind: str):
         yield
     finally:
         _local.handlers = previous
+
+
+@functools.cache
+def gpus_without_peer_access() -> tuple[tuple[int, int], ...]:
+    """The pairs (a, b), a < b, of this process's CUDA GPUs (local hardware ids, the CUDA
+    ordinals) that cannot read each other's memory (cudaDeviceCanAccessPeer, asked once per
+    process), which the peer transport's CUDA handler needs between every two devices it
+    serves. () without the CUDA handlers or GPUs; RuntimeError naming the CUDA call that
+    failed (a driver older than the toolkit the handlers were built with, say)."""
+    if not WITH_CUDA:
+        return ()
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:  # no GPU backend in this process
+        return ()
+    ordinals = sorted(d.local_hardware_id for d in gpus)
+    return tuple(tuple(pair) for pair in _jax_ep.cuda_peer_pairs_without_access(ordinals))
 
 
 def trace_platform() -> str:

@@ -85,7 +85,13 @@ _REVERSED = {DISPATCH_NAME: COMBINE_NAME, COMBINE_NAME: DISPATCH_NAME}
 
 
 PEER_TIMEOUT_ENV = "JAX_EP_PEER_TIMEOUT_S"
+# The bound's default: 60 s on XLA:CPU, whose emulated devices share few cores and may arrive
+# far apart; 5 s on GPUs, where a meeting waits only for the other devices' host threads to
+# enqueue their work, and XLA's GPU client ends the whole process 10 s after one device's
+# execution fails while others still run (PjRtStreamExecutorLoadedExecutable::Execute): a
+# bound under that fails the waiting devices' calls first, so the error reaches Python.
 DEFAULT_PEER_TIMEOUT_S = 60.0
+DEFAULT_GPU_PEER_TIMEOUT_S = 5.0
 MAX_PEER_TIMEOUT_S = 1e6  # about 11.6 days
 # Platforms with a peer handler: XLA:CPU always, CUDA GPUs when the CUDA handlers were built.
 _PEER_PLATFORMS = ("cpu", "gpu", "cuda") if _ffi.WITH_CUDA else ("cpu",)
@@ -94,7 +100,9 @@ _PEER_PLATFORMS = ("cpu", "gpu", "cuda") if _ffi.WITH_CUDA else ("cpu",)
 def peer_unavailable() -> str | None:
     """Why the "peer" transport cannot run in the program being traced, or None when it can:
     it needs every device of the mesh in this process and every mesh axis manual (inside
-    `jax.shard_map` over all of them), since the devices find their peers by mesh position."""
+    `jax.shard_map` over all of them), since the devices find their peers by mesh position;
+    on GPUs, peer access between every two GPUs of the process (_ffi.gpus_without_peer_access:
+    PCIe topologies and virtual machines may have none)."""
     if jax.process_count() > 1:
         instead = "'all_to_all'" if _ffi.trace_platform() == "cpu" else "'ragged' or 'all_to_all'"
         return (f"this is one of {jax.process_count()} processes (jax.distributed): the peer "
@@ -109,6 +117,16 @@ def peer_unavailable() -> str | None:
         return (f"mesh axes {auto} are not manual in the enclosing jax.shard_map: the peer "
                 "transport needs every axis manual (the devices find their peers by mesh "
                 "position)")
+    if _ffi.trace_platform() in ("gpu", "cuda"):
+        try:
+            pairs = _ffi.gpus_without_peer_access()
+        except RuntimeError as err:
+            return f"CUDA cannot say whether the GPUs reach each other's memory: {err}"
+        if pairs:
+            shown = ", ".join(f"{a} and {b}" for a, b in pairs[:4])
+            return (f"GPUs {shown}{' and more' if len(pairs) > 4 else ''} cannot read each "
+                    f"other's memory (cudaDeviceCanAccessPeer): the peer transport reads "
+                    f"peers' buffers directly; use 'ragged' on this machine")
     return None
 
 
@@ -425,7 +443,7 @@ def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, ax
     others = tuple(a for a in mesh.axis_names if a not in axes and sizes[a] > 1)
     rank = jax.lax.axis_index(axes if len(axes) > 1 else axes[0])
     group = jax.lax.axis_index(others) if others else jnp.zeros((), jnp.int32)
-    timeout_s = peer_timeout_s()
+    timeout_s = peer_timeout_s(_ffi.trace_platform())
     i32 = jnp.int32
     out, recv_counts = _ffi.call(
         "jax_ep_peer_exchange",
@@ -440,11 +458,14 @@ def _peer(src, row_map, send_offsets, send_counts, dest_offsets, *, out_rows, ax
     return checkpoint_name(out, name), recv_counts
 
 
-def peer_timeout_s() -> float:
-    """The peer meetings' bound in seconds: JAX_EP_PEER_TIMEOUT_S (default 60), a number in
-    (0, MAX_PEER_TIMEOUT_S]; anything else is a ValueError naming the variable (the handlers
-    keep their deadlines in int64 nanoseconds, so the bound is capped well inside them)."""
-    text = os.environ.get(PEER_TIMEOUT_ENV, str(DEFAULT_PEER_TIMEOUT_S))
+def peer_timeout_s(platform: str = "cpu") -> float:
+    """The peer meetings' bound in seconds on `platform` ("cpu", "gpu" / "cuda"):
+    JAX_EP_PEER_TIMEOUT_S, by default 60 on the CPU and 5 on GPUs (DEFAULT_GPU_PEER_TIMEOUT_S
+    says why: above 10 s, a device that fails alone ends the process on XLA's GPU client); a
+    number in (0, MAX_PEER_TIMEOUT_S], anything else a ValueError naming the variable (the
+    handlers keep their deadlines in int64 nanoseconds, so the bound is capped well inside)."""
+    default = DEFAULT_PEER_TIMEOUT_S if platform == "cpu" else DEFAULT_GPU_PEER_TIMEOUT_S
+    text = os.environ.get(PEER_TIMEOUT_ENV, str(default))
     try:
         value = float(text)
     except ValueError:

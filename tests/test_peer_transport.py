@@ -613,6 +613,76 @@ def test_a_bad_peer_timeout_is_refused_naming_the_variable(monkeypatch, value):
     assert transport.peer_timeout_s() == 1e6
 
 
+@pytest.mark.parametrize("platform,default_ms", [("cpu", 60000), ("gpu", 5000)])
+def test_the_peer_bound_defaults_per_platform(monkeypatch, platform, default_ms):
+    # 60 s on XLA:CPU; 5 s on GPUs, under the 10 s after which XLA's GPU client ends the
+    # process when one device failed alone; JAX_EP_PEER_TIMEOUT_S sets both. The traced call
+    # carries the bound of the platform it is traced for.
+    monkeypatch.delenv(transport.PEER_TIMEOUT_ENV, raising=False)
+    monkeypatch.setattr(_ffi, "trace_platform", lambda: platform)
+    monkeypatch.setattr(_ffi, "gpus_without_peer_access", lambda: ())
+
+    def timeout_ms_attributes():
+        def f(x):
+            rows = jnp.arange(x.shape[0], dtype=jnp.int32)
+            counts = jnp.full((NUM_RANKS,), 1, jnp.int32)
+            return _peer(x, rows, jnp.arange(NUM_RANKS, dtype=jnp.int32), counts,
+                         jnp.full((NUM_RANKS,), jax.lax.axis_index(AXIS), jnp.int32),
+                         out_rows=NUM_RANKS, axis_name=AXIS, name="t")[0]
+        mesh = ep_mesh(NUM_RANKS)
+        mapped = jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+        x = shard(mesh, np.zeros((NUM_RANKS * NUM_RANKS, 2), np.float32))[0]
+        text = jax.jit(mapped).trace(x).jaxpr.pretty_print()
+        return re.findall(r"'timeout_ms', (\d+)", text)
+
+    assert transport.peer_timeout_s(platform) * 1000 == default_ms
+    assert timeout_ms_attributes() == [str(default_ms)]
+    monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "2.5")
+    assert transport.peer_timeout_s(platform) == 2.5
+    assert timeout_ms_attributes() == ["2500"]
+
+
+@pytest.mark.parametrize("answer", ["pairs", "none", "cuda error"])
+def test_auto_leaves_gpus_without_peer_access_to_ragged(monkeypatch, answer):
+    # On GPUs "auto" asks CUDA whether every two GPUs of the process reach each other's memory
+    # (no P2P path on some PCIe machines and VMs) and takes "ragged" where any pair cannot;
+    # "peer" is refused there naming the GPUs, or the CUDA error that left it unknown.
+    def gpus_without_peer_access():
+        if answer == "cuda error":
+            raise RuntimeError("cudaDeviceCanAccessPeer(0, 1) failed: driver too old")
+        return ((0, 1), (2, 5)) if answer == "pairs" else ()
+
+    monkeypatch.setattr(_ffi, "trace_platform", lambda: "gpu")
+    monkeypatch.setattr(_ffi, "gpus_without_peer_access", gpus_without_peer_access)
+    chosen = {}
+
+    def f(x):
+        chosen["auto"] = transport.resolve_transport("auto")
+        if answer != "none":
+            why = ("GPUs 0 and 1, 2 and 5 cannot read each other's memory" if answer == "pairs"
+                   else "CUDA cannot say whether .* driver too old")
+            with pytest.raises(ValueError, match="transport: 'peer' cannot run here: " + why):
+                transport.resolve_transport("peer")
+        return x
+
+    mesh = ep_mesh(NUM_RANKS)
+    jax.make_jaxpr(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(
+        shard(mesh, np.zeros((NUM_RANKS,), np.float32))[0])
+    assert chosen["auto"] == ("peer" if answer == "none" and _ffi.WITH_CUDA else "ragged")
+
+
+def test_gpu_peer_access_query_on_a_host_without_gpus():
+    # No GPU backend in this process: nothing to ask. The CUDA build's binding itself, asked
+    # about two GPUs here, raises naming the call (no driver) instead of crashing.
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("a host with GPUs")
+    assert _ffi.gpus_without_peer_access() == ()
+    if _ffi.WITH_CUDA:
+        assert _ffi._jax_ep.cuda_peer_pairs_without_access([0]) == []
+        with pytest.raises(RuntimeError, match=r"cudaDeviceCanAccessPeer\(0, 1\) failed"):
+            _ffi._jax_ep.cuda_peer_pairs_without_access([0, 1])
+
+
 def test_a_program_that_expects_more_devices_fails_with_who_arrived(monkeypatch):
     # The op called with num_devices=8 on a 4-device mesh: 4/8 arrive, the bound expires.
     monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1")

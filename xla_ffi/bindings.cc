@@ -2,6 +2,12 @@
 // with the CPU handlers always and the CUDA handlers when the build found nvcc, and
 // state_types() the state types of the targets with an instantiate stage.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "registrations.h"
 
@@ -17,6 +23,10 @@ JAX_EP_DECLARE_STATEFUL(Cuda)
 
 namespace jax_ep {
 const char* CpuFp8Loops();  // fp8.cc
+#ifdef JAX_EP_WITH_CUDA
+std::vector<std::pair<int, int>> PeerPairsWithoutAccess(
+    const std::vector<int>& devices);  // peer.cu
+#endif
 }  // namespace jax_ep
 
 namespace {
@@ -58,6 +68,9 @@ NB_MODULE(_jax_ep, m) {
         "Which loops the CPU FP8 cast handlers run: 'avx512' or 'portable' (JAX_EP_CPU_SIMD=0)");
 #ifdef JAX_EP_WITH_CUDA
   m.attr("with_cuda") = true;
+  m.def("cuda_peer_pairs_without_access", &jax_ep::PeerPairsWithoutAccess, nb::arg("devices"),
+        "[(a, b)]: the pairs a < b of these CUDA device ordinals that cannot read each "
+        "other's memory (cudaDeviceCanAccessPeer); RuntimeError naming the call on a CUDA error");
 #else
   m.attr("with_cuda") = false;
 #endif

@@ -47,6 +47,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -444,7 +445,10 @@ ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t devi
   }
   // Recorded on every path: the peers wait on it after the second meeting.
   ffi::Error recorded = CheckCuda(cudaEventRecord(me.events->done, stream), "cudaEventRecord (done)");
-  const bool departed = rendezvous.Depart(key, meeting, 10 * bound, &error);
+  // The second meeting waits only for the other host threads to enqueue their reads (the
+  // copies run on the streams), so it has the first one's bound: on XLA's GPU client a wait
+  // past 10 s after one device failed alone would end the process (transport.py).
+  const bool departed = rendezvous.Depart(key, meeting, bound, &error);
   // Even when the second meeting failed, this stream waits for the peers' kernels enqueued so
   // far (a late peer's own kernel is not covered: the call fails, and the program with it),
   // and releases the events: a pair returns to its pool only once every participant has.
@@ -462,6 +466,35 @@ ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t devi
 XLA_FFI_TypeInfo cuda_site_type_info = xla::ffi::MakeTypeInfo<CudaSite>();
 
 }  // namespace
+
+// The pairs (a, b), a < b, of the CUDA devices `devices` (ordinals) where a kernel on one
+// cannot read the other's memory (cudaDeviceCanAccessPeer, asked both ways): the peer
+// transport needs none. A runtime error (no driver, no such device) is a std::runtime_error
+// naming the call (the bindings expose this to Python, not to XLA: "auto" asks it up front).
+std::vector<std::pair<int, int>> PeerPairsWithoutAccess(const std::vector<int>& devices) {
+  std::vector<std::pair<int, int>> missing;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    for (size_t j = i + 1; j < devices.size(); ++j) {
+      const int a = std::min(devices[i], devices[j]), b = std::max(devices[i], devices[j]);
+      if (a == b) continue;
+      for (const auto& [reader, owner] : {std::pair<int, int>{a, b}, std::pair<int, int>{b, a}}) {
+        int can_access = 0;
+        const cudaError_t err = cudaDeviceCanAccessPeer(&can_access, reader, owner);
+        if (err != cudaSuccess) {
+          (void)cudaGetLastError();
+          throw std::runtime_error("cudaDeviceCanAccessPeer(" + std::to_string(reader) + ", " +
+                                   std::to_string(owner) + ") failed: " +
+                                   cudaGetErrorString(err));
+        }
+        if (!can_access) {
+          missing.emplace_back(a, b);
+          break;
+        }
+      }
+    }
+  }
+  return missing;
+}
 }  // namespace jax_ep
 
 extern "C" const jax_ep::FfiStateType JaxEpPeerExchangeStateCuda{&jax_ep::CudaSite::id,

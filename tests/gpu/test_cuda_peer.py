@@ -257,3 +257,21 @@ def test_peer_meeting_that_cannot_fill_times_out(rng, monkeypatch):
     got = _on_both(_exchange(8, "ep"), mesh, operands, (P("ep"),) * 5, P("ep"))
     _assert_bitwise(got["cuda_emu"], got["native"])
     np.testing.assert_array_equal(got["cuda_emu"][0], want_out.reshape(got["cuda_emu"][0].shape))
+
+
+# ----------------------------------------------------------------------------- peer access
+
+
+def test_gpus_without_peer_access_are_found(monkeypatch):
+    """GPUs without a P2P path (JAX_EP_CUDA_EMU_NO_PEER_ACCESS here): peer.cu's query, which
+    the CUDA build's "auto" asks before it picks the peer transport (transport.peer_unavailable),
+    names exactly those pairs, each once as (lower, higher), and a CUDA error names the call."""
+    query = _ffi._jax_ep_cuda_emu.peer_pairs_without_access
+    monkeypatch.delenv("JAX_EP_CUDA_EMU_NO_PEER_ACCESS", raising=False)
+    assert query(list(range(NUM_DEVICES))) == []
+    monkeypatch.setenv("JAX_EP_CUDA_EMU_NO_PEER_ACCESS", "2:1,0:3")
+    assert query([3, 2, 1, 0]) == [(0, 3), (1, 2)]
+    assert query(list(range(NUM_DEVICES))) == [(0, 3), (1, 2)]
+    assert query([0, 1]) == [] and query([]) == [] and query([1, 1]) == []
+    with pytest.raises(RuntimeError, match=r"cudaDeviceCanAccessPeer\(0, 99\) failed"):
+        query([0, 99])

@@ -14,6 +14,8 @@
 // claimed as that device's memory for the length of the call (cuda_emu::ClaimMemory), so that
 // a kernel of another device reading them without peer access is refused.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -28,6 +30,11 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
+
+namespace jax_ep {
+std::vector<std::pair<int, int>> PeerPairsWithoutAccess(
+    const std::vector<int>& devices);  // peer.cu
+}  // namespace jax_ep
 
 JAX_EP_DECLARE_HANDLERS(Cuda)
 JAX_EP_DECLARE_STATEFUL(Cuda)
@@ -211,6 +218,9 @@ NB_MODULE(_jax_ep_cuda_emu, m) {
   m.def("state_types", &StateTypes,
         "{'cpu': {state type name: {'type_id': capsule, 'type_info': capsule}}} for "
         "jax.ffi.register_ffi_type, registered before the targets");
+  m.def("peer_pairs_without_access", &jax_ep::PeerPairsWithoutAccess, nb::arg("devices"),
+        "peer.cu's PeerPairsWithoutAccess on the emulated devices (the CUDA build's "
+        "cuda_peer_pairs_without_access)");
   m.def("launch_counts", &LaunchCounts, nb::arg("reset") = false,
         "{kernel instance: launches} the emulator ran since the start or the last reset; "
         "reset=True zeroes them after reading");

@@ -10,6 +10,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -217,6 +218,7 @@ const char* ErrorName(cudaError_t e) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
     case cudaErrorPeerAccessAlreadyEnabled: return "peer access is already enabled";
+    case cudaErrorPeerAccessUnsupported: return "peer access is not supported between devices";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle";
@@ -423,6 +425,23 @@ bool IsDevice(int device) { return device >= 0 && device < DeviceCount(); }
 
 // The device of a valid stream (the default stream is the current device's).
 int StreamDevice(cudaStream_t stream) { return stream ? stream->device : t_device; }
+
+// Whether JAX_EP_CUDA_EMU_NO_PEER_ACCESS ("a:b,c:d", pairs in either order; read at every
+// call, so a test can set it) names the pair of devices {a, b}: those cannot reach each other,
+// as GPUs without a P2P path (PCIe through some root complexes, many virtual machines).
+bool NoPeerAccess(int a, int b) {
+  const char* s = std::getenv("JAX_EP_CUDA_EMU_NO_PEER_ACCESS");
+  for (const char* pair = s; pair != nullptr && *pair != '\0';) {
+    int x = -1, y = -1;
+    if (std::sscanf(pair, "%d:%d", &x, &y) == 2 &&
+        ((x == a && y == b) || (x == b && y == a))) {
+      return true;
+    }
+    pair = std::strchr(pair, ',');
+    if (pair != nullptr) ++pair;
+  }
+  return false;
+}
 
 // peer_enabled[reader * kMaxDevices + owner]: cudaDeviceEnablePeerAccess(owner) ran on reader.
 std::mutex g_peer_mutex;
@@ -860,7 +879,8 @@ cudaError_t cudaDeviceCanAccessPeer(int* can_access, int device, int peer) {
                               "cudaDeviceCanAccessPeer(" + std::to_string(device) + ", " +
                                   std::to_string(peer) + ")");
   }
-  *can_access = device != peer;  // as CUDA: a device is not its own peer
+  // as CUDA: a device is not its own peer
+  *can_access = device != peer && !cuda_emu::NoPeerAccess(device, peer);
   return cudaSuccess;
 }
 
@@ -871,6 +891,9 @@ cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
   if (flags != 0) return cuda_emu::SetError(cudaErrorInvalidValue, call + ": flags must be 0");
   if (!cuda_emu::IsDevice(peer) || peer == device) {
     return cuda_emu::SetError(cudaErrorInvalidDevice, call);
+  }
+  if (cuda_emu::NoPeerAccess(device, peer)) {
+    return cuda_emu::SetError(cudaErrorPeerAccessUnsupported, call);
   }
   std::lock_guard<std::mutex> lock(cuda_emu::g_peer_mutex);
   bool& enabled = cuda_emu::g_peer_enabled[device * cuda_emu::kMaxDevices + peer];

@@ -40,7 +40,8 @@
 // Peer access: every pair of distinct devices can access each other (cudaDeviceCanAccessPeer),
 // once the reading device enabled it (cudaDeviceEnablePeerAccess from that device; enabling
 // twice is cudaErrorPeerAccessAlreadyEnabled, the device itself or one that does not exist is
-// cudaErrorInvalidDevice). Which memory is whose: cudaMalloc'd memory belongs to the device
+// cudaErrorInvalidDevice), except the pairs JAX_EP_CUDA_EMU_NO_PEER_ACCESS names ("a:b,c:d",
+// read at every call): those cannot (enabling is cudaErrorPeerAccessUnsupported). Which memory is whose: cudaMalloc'd memory belongs to the device
 // current at the call, and ClaimMemory declares a range as a device's (bindings_emu.cc claims
 // each FFI call's operands and results for its device for the length of the call: XLA:CPU's
 // buffers are host memory of no device). A kernel's reads of another device's memory go
