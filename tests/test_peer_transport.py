@@ -6,8 +6,12 @@ axis whose ranks cannot all meet (a bounded wait, never a hang), what it refuses
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,7 @@ from jax_ep import _ffi, hybridep, transport
 from jax_ep.transport import _peer
 
 NUM_RANKS = 8
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _assert_same(a, b):
@@ -700,3 +705,26 @@ def test_a_program_that_expects_more_devices_fails_with_who_arrived(monkeypatch)
 
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"4/8 devices arrived"):
         jax.block_until_ready(run_ep(f, ep_mesh(4), np.zeros((8, 2), np.float32)))
+
+
+def test_a_cuda_meeting_that_fails_waits_for_enqueues_under_way_and_refuses_later_ones(
+        tmp_path):
+    # The CUDA handler's blocking rendezvous (xla_ffi/peer_meeting.h) on host threads, under
+    # ThreadSanitizer (tests/cpp/peer_meeting_test.cc): a device that gives up at the second
+    # meeting fails it only once another device's enqueue under way is done (it can then wait
+    # for that kernel), and no device enqueues its reads after the failure (its kernel would
+    # read buffers whose owners returned). Without the enqueue lock both checks fail and
+    # ThreadSanitizer reports races on the meeting's failure.
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("needs a C++ compiler")
+    exe = tmp_path / "peer_meeting_test"
+    build = subprocess.run(
+        [compiler, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-pthread",
+         "-I" + str(ROOT / "xla_ffi"), "-isystem", jax.ffi.include_dir(),
+         str(ROOT / "tests" / "cpp" / "peer_meeting_test.cc"), "-o", str(exe)],
+        capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "failed 0" in done.stdout, done.stdout + done.stderr[-4000:]

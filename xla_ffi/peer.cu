@@ -439,19 +439,25 @@ ffi::Error PeerExchangeCuda(cudaStream_t stream, ffi::RunId run_id, int32_t devi
   }
   const std::string wrong = CheckSides(*meeting, me);
   ffi::Error read = ffi::Error::Success();
-  if (wrong.empty()) {
-    read = ReadFromPeers(*meeting, me_index, a, stream, out->untyped_data(), out_rows,
-                         recv_rows.typed_data(), recv_counts->typed_data());
-  }
-  // Recorded on every path: the peers wait on it after the second meeting.
-  ffi::Error recorded = CheckCuda(cudaEventRecord(me.events->done, stream), "cudaEventRecord (done)");
+  ffi::Error recorded = ffi::Error::Success();
+  // Nothing is enqueued once the meeting has failed (a device gave up at the second meeting:
+  // its buffers may be gone by the time a late kernel would read them); the failure then
+  // reaches this device at the second meeting.
+  rendezvous.EnqueueUnlessFailed(*meeting, [&] {
+    if (wrong.empty()) {
+      read = ReadFromPeers(*meeting, me_index, a, stream, out->untyped_data(), out_rows,
+                           recv_rows.typed_data(), recv_counts->typed_data());
+    }
+    // Recorded whether or not this device reads: the peers wait on it after the second meeting.
+    recorded = CheckCuda(cudaEventRecord(me.events->done, stream), "cudaEventRecord (done)");
+  }, &error);
   // The second meeting waits only for the other host threads to enqueue their reads (the
   // copies run on the streams), so it has the first one's bound: on XLA's GPU client a wait
   // past 10 s after one device failed alone would end the process (transport.py).
   const bool departed = rendezvous.Depart(key, meeting, bound, &error);
-  // Even when the second meeting failed, this stream waits for the peers' kernels enqueued so
-  // far (a late peer's own kernel is not covered: the call fails, and the program with it),
-  // and releases the events: a pair returns to its pool only once every participant has.
+  // Even when the second meeting failed, this stream waits for the peers' kernels enqueued
+  // before the failure (none is enqueued after it), and releases the events: a pair returns to
+  // its pool only once every participant has.
   ffi::Error waited = WaitForReaders(events, device, stream);
   if (!departed) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, Where(a, device) + error);

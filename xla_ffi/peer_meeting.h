@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -126,6 +127,10 @@ struct Meeting {
   bool failed = false;
   std::string failure;
   Clock::time_point failed_at;
+  // Held shared while a device enqueues its reads of the others (EnqueueUnlessFailed), and
+  // exclusively to fail the meeting: a failure waits for the enqueues under way, and no device
+  // enqueues after it (its kernel would read buffers whose owners gave up and returned).
+  std::shared_mutex enqueueing;
 
   bool Has(int32_t device) const {
     return std::find(devices.begin(), devices.end(), device) != devices.end();
@@ -187,6 +192,22 @@ class Rendezvous {
     return meeting;
   }
 
+  // Between the meetings: runs `enqueue` (this device's reads of its peers, then the record
+  // its peers wait on) unless the meeting has failed, and returns whether it ran (else *error
+  // holds the failure). A device that gives up later (Depart's bound) fails the meeting only
+  // once the enqueues under way are done, so it can wait for each of them; a device that comes
+  // after that enqueues nothing, so no kernel reads buffers whose owners have returned.
+  template <typename Enqueue>
+  bool EnqueueUnlessFailed(Meeting& meeting, Enqueue enqueue, std::string* error) {
+    std::shared_lock<std::shared_mutex> lock(meeting.enqueueing);
+    if (meeting.failed) {
+      *error = meeting.failure;
+      return false;
+    }
+    enqueue();
+    return true;
+  }
+
   // The second meeting: this device has read its peers; waits until every device has, so
   // that no buffer is released while a peer still reads it. False with *error on a timeout.
   bool Depart(Key key, const std::shared_ptr<Meeting>& meeting, Clock::duration bound,
@@ -218,7 +239,10 @@ class Rendezvous {
     return text.substr(0, text.find('.') + 2);
   }
 
+  // Called with mutex_ held; waits for the meeting's enqueues under way (they never take
+  // mutex_).
   void Fail(Meeting& meeting, std::string why) {
+    std::unique_lock<std::shared_mutex> no_enqueues(meeting.enqueueing);
     meeting.failed = true;
     meeting.failure = std::move(why);
     meeting.failed_at = Clock::now();
