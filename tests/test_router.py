@@ -509,6 +509,21 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
     assert c.token_dispatcher.moe_router_expert_pad_multiple is None
     with pytest.raises(ValueError, match="MoEConfig.moe_token_dispatcher_type: expected one of"):
         MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="ncclep"))
+    # Megatron's deprecated moe_enable_deepep: flex only, not with hybridep; picks deepep
+    c = MoEConfig.from_dict(dict(base, moe_token_dispatcher_type="flex", moe_enable_deepep=True,
+                                 moe_flex_dispatcher_backend="uccl_ep"))
+    assert c.token_dispatcher.backend == "deepep"
+    for kind, backend in (("alltoall", "deepep"), ("flex", "hybridep")):
+        with pytest.raises(ValueError, match="MoEConfig.moe_enable_deepep: expected False with"):
+            MoEConfig.from_dict(dict(base, moe_token_dispatcher_type=kind, moe_enable_deepep=True,
+                                     moe_flex_dispatcher_backend=backend))
+    # Megatron's deprecated per-backend SM counts, None unless set (a pasted vars() has them)
+    unset = MoEConfig.from_dict(dict(base, moe_deepep_num_sms=None, moe_hybridep_num_sms=None))
+    assert unset == MoEConfig.from_dict(base)
+    assert (unset.token_dispatcher.moe_deepep_num_sms,
+            unset.token_dispatcher.moe_hybridep_num_sms) == (20, 24)
+    assert MoEConfig.from_dict(dict(base, moe_deepep_num_sms=32)
+                               ).token_dispatcher.moe_deepep_num_sms == 32
     # every other Megatron MoE field: a kernel / schedule / memory choice, accepted
     inert = dict(moe_layer_recompute=True, moe_shared_expert_overlap=True,
                  moe_per_layer_logging=True, moe_flex_dispatcher_num_sms=24,

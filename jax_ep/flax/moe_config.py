@@ -483,6 +483,10 @@ def megatron_fields(fields: dict) -> dict:
         (Megatron requires fp8 or fp4 with the padding; here the padding needs neither).
         (Megatron refuses the padding with the "allgather" dispatcher; here every backend
         pads.)
+        With it, moe_enable_deepep=True (deprecated there) needs "flex" and a backend other
+        than "hybridep", and picks "deepep", as Megatron's __post_init__.
+      moe_deepep_num_sms / moe_hybridep_num_sms None (Megatron's default: unset) -> NeMo's
+        defaults (20 / 24; no effect under XLA either way).
       moe_permute_fusion_into_hybridep -> moe_hybridep_permute_fusion.
       ffn_hidden_size -> moe_ffn_hidden_size where that is not given (Megatron's default).
       moe_expert_rank_capacity_factor f: with the "hybridep" backend (the only one Megatron
@@ -511,6 +515,18 @@ def megatron_fields(fields: dict) -> dict:
                  f"one of {tuple(_DISPATCHER_TYPES)}", kind)
         if _DISPATCHER_TYPES[kind] is not None:
             fields["moe_flex_dispatcher_backend"] = _DISPATCHER_TYPES[kind]
+        if fields.get("moe_enable_deepep") is True:  # Megatron's deprecated switch, its rules
+            _require(kind == "flex", "moe_enable_deepep", "False with moe_token_dispatcher_type "
+                     f"{kind!r} (Megatron: DeepEP needs the flex dispatcher)", True)
+            _require(fields.get("moe_flex_dispatcher_backend") != "hybridep",
+                     "moe_enable_deepep", "False with moe_flex_dispatcher_backend 'hybridep' "
+                     "(Megatron: one flex backend)", True)
+            fields["moe_flex_dispatcher_backend"] = "deepep"
+    # Megatron's deprecated per-backend SM counts are None unless set (routed to
+    # moe_flex_dispatcher_num_sms there); unset, they leave NeMo's defaults
+    for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms"):
+        if name in fields and fields[name] is None:
+            del fields[name]
     # Megatron's low-precision fields, read for the padding multiple only (fp8, the format,
     # does not change it); all three always, so a pasted config has none "unknown"
     recipe, fp4 = fields.pop("fp8_recipe", None), fields.pop("fp4", None)
