@@ -129,15 +129,15 @@ def test_low_latency_buffer_sizes():
     assert not [k for k, _ in found if k == "all_gather"]
 
 
-def _layer_step_peak_bytes(**dispatch):
-    """Peak bytes per device (arguments + outputs + temp, XLA's memory analysis, compiled
-    only: the layer is built abstractly) of MoELayer's training step, T = 256 tokens per
-    device, H = F = 128, E = 64, K = 8 on 8 emulated devices as mesh (data 1, expert 8)."""
+def _compiled_layer_step(data=1, **dispatch):
+    """MoELayer's training step compiled (only: the layer is built abstractly), T = 256 tokens
+    per device, H = F = 128, E = 64, K = 8 on 8 emulated devices as mesh (data, expert =
+    8 / data)."""
     from flax import nnx
     from jax.sharding import NamedSharding
 
     from jax_ep.flax import MoELayer
-    mesh = jax.make_mesh((1, 8), ("data", "expert"))
+    mesh = jax.make_mesh((data, 8 // data), ("data", "expert"))
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=64, moe_router_topk=8,
                                        moe_share_token_dispatcher=False, **dispatch)
     graphdef, state = nnx.split(nnx.eval_shape(
@@ -150,7 +150,13 @@ def _layer_step_peak_bytes(**dispatch):
     def loss(state, x):
         return jnp.mean(nnx.merge(graphdef, state)(x)[0] ** 2)
     with jax.set_mesh(mesh):
-        m = jax.jit(jax.grad(loss)).lower(state, x).compile().memory_analysis()
+        return jax.jit(jax.grad(loss)).lower(state, x).compile()
+
+
+def _layer_step_peak_bytes(**dispatch):
+    """Peak bytes per device (arguments + outputs + temp, XLA's memory analysis) of
+    _compiled_layer_step on mesh (data 1, expert 8)."""
+    m = _compiled_layer_step(**dispatch).memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
 
 
@@ -163,3 +169,19 @@ def test_dropless_buffer_factor_bounds_the_programs_memory():
     worst = _layer_step_peak_bytes()
     bounded = _layer_step_peak_bytes(dropless_buffer_factor=1.25)
     assert bounded < 0.5 * worst, (bounded, worst)
+
+
+def test_bounded_fallback_reduces_the_expert_gradients_over_data_once_not_per_chunk():
+    """Mesh (data 2, expert 4): the expert weights are replicated over the data axis, so their
+    gradient is summed over it once per step. The overflow fallback of dropless_buffer_factor
+    runs its chunks in a loop (8 here: 256 tokens, worst case 4 x 32 x 8 rows per chunk
+    against the bounded 2,560); the all-reduce of those gradients stays out of it (it ran in
+    every chunk before)."""
+    text = _compiled_layer_step(data=2, dropless_buffer_factor=1.25).as_text()
+    reduces = [line for line in text.splitlines() if " all-reduce(" in line]
+    weights = [line for line in reduces if "f32[16,128,256]" in line]  # w_gate_up's gradient
+    assert weights and all("groups={{0,4},{1,5},{2,6},{3,7}}" in line.replace("replica_", "")
+                           for line in weights), weights
+    in_loops = [re.search(r'op_name="([^"]*)"', line).group(1) for line in reduces
+                if "/while" in line]
+    assert not in_loops, in_loops

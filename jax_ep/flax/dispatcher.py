@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_ep import deepep, hybridep, ops, transport
+from jax_ep import _ffi, deepep, hybridep, ops, transport
 from jax_ep._checks import (as_int32_ids, check_float_weights, check_positive, check_top_k,
                             unroute_invalid_experts)
 from jax_ep.config import TokenDispatcherConfig
@@ -570,12 +570,22 @@ class MoEFlexTokenDispatcher(nnx.Module):
                                     d_w), (d_h, d_p)
             if chunks == 1:
                 return grads(hidden, probs, indices, dy)
+            # Weights the tokens vary over more axes than (replicated over the data axis) would
+            # have their gradient summed over those axes inside each chunk's vjp (the transpose
+            # of their implicit broadcast): typed as varying like the tokens here, the chunks
+            # give per-device gradients, summed over the devices once after the loop.
+            tokens_axes = _ffi.varying_axes(hidden)
+            weights, tree = jax.tree.flatten(params)
+            extra = [tuple(sorted(tokens_axes - _ffi.varying_axes(w))) for w in weights]
+            params = tree.unflatten([_ffi.make_varying(w, tokens_axes) for w in weights])
             # the weights' gradients summed over the chunks in at least float32 (bf16 weights
             # would otherwise round the running sum once per chunk), then cast back
             d_params, (d_h, d_p) = jax.lax.scan(
                 chunk_vjp, jax.tree.map(lambda w: jnp.zeros_like(
                     w, dtype=jnp.promote_types(w.dtype, jnp.float32)), params),
                 _token_chunks(chunks, hidden, probs, indices, dy))
+            d_params = tree.unflatten([jax.lax.psum(d, axes) if axes else d
+                                       for d, axes in zip(tree.flatten_up_to(d_params), extra)])
             return (d_h.reshape(-1, d_h.shape[-1])[:num_tokens],
                     d_p.reshape(-1, d_p.shape[-1])[:num_tokens],
                     jax.tree.map(lambda d, w: d.astype(w.dtype), d_params, params))
