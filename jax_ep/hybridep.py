@@ -167,7 +167,7 @@ def _return_unpermuted(y, h):
                                axis_name=r.axis_name, transport=r.transport)
     target = jnp.where(h.sorted_rows >= 0, jnp.take(ret_slot, jnp.clip(h.sorted_rows, 0)), -1)
     num_ranks = r.plan.send_counts.shape[0]
-    size = tp.return_buffer_size(r.send_token_idx.shape[0], r.capacity, num_ranks, r.transport)
+    size = tp.return_buffer_size(r.num_recv, r.capacity, num_ranks, r.transport)
     packed = ops.unpermute(flat, target, num_tokens=size, impl=r.impl)
     rows, owner, _ = tp.return_rows(packed, r.send_token_idx, r.plan,
                                     num_send=r.send_token_idx.shape[0], capacity=r.capacity,
@@ -194,7 +194,7 @@ def _recv_probs(probs, h):
 
 
 def _by_rank_rows(r):
-    """i32[T*P]: for each compact send row, its row of a [T*P, ...] table holding each
+    """i32[T*min(K,P)]: for each compact send row, its row of a [T*P, ...] table holding each
     token's columns for each destination rank (token * P + rank; -1 on padding)."""
     num_ranks = r.plan.send_counts.shape[0]
     ranks = tp.send_row_ranks(r.plan, r.send_token_idx.shape[0])

@@ -99,8 +99,9 @@ class DispatchHandle(_DeepEPTupleView):
     """What combine (and a cached dispatch) needs; a pytree of arrays plus static fields.
 
     plan: transport.ExchangePlan of this dispatch.
-    send_token_idx i32[T*P]: source token of each compact send row (-1: padding or dropped).
-    send_row_idx i32[T*P]: the compact send row itself (-1: padding or dropped).
+    send_token_idx i32[T*min(K,P)]: source token of each compact send row (-1: padding or
+      dropped); a token has rows for at most min(K, P) ranks.
+    send_row_idx i32[T*min(K,P)]: the compact send row itself (-1: padding or dropped).
     recv_topk_idx i32[R,K]: local expert ids of the received rows (-1 elsewhere / padding).
     num_recv_tokens i32[]: received rows (the rest of R is padding).
     num_recv_tokens_per_expert i32[L]: rows per local expert, aligned up to expert_alignment.
@@ -212,8 +213,12 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
     row = jnp.arange(num_tokens * num_ranks, dtype=jnp.int32)
     dest = jnp.clip(layout.rank, 0, num_ranks - 1)
     kept = (layout.rank >= 0) & (row - plan.send_offsets[dest] < plan.send_counts[dest])
-    send_row_idx = jnp.where(kept, row, -1)
-    send_token_idx = jnp.where(kept, layout.token_idx, -1)
+    # A token has rows for at most min(K, P) ranks, so the layout's rows past T*min(K, P) are
+    # padding on every rank: the send maps stop there, and with them the combine's return
+    # buffer (one row per send row: [T*P, H] at P > K before, 8x the need at K 8, P 64).
+    num_send = num_tokens * min(topk_idx.shape[1], num_ranks)
+    send_row_idx = jnp.where(kept, row, -1)[:num_send]
+    send_token_idx = jnp.where(kept, layout.token_idx, -1)[:num_send]
 
     recv_idx = tp.send_rows(layout.local_idx, send_row_idx, plan, num_recv=num_recv,
                             capacity=capacity, axis_name=axis_name, transport=transport,

@@ -570,9 +570,10 @@ def send_rows(src, row_map, plan, *, num_recv, capacity, axis_name, transport, i
     return ops.gather_rows(buffer, slot, impl=impl)
 
 
-def return_buffer_size(num_send, capacity, num_ranks, transport):
-    """Rows of the buffer `return_rows` sends from: P*C padded, or the compact send size."""
-    return num_send if _compact(transport, num_ranks) else num_ranks * capacity
+def return_buffer_size(num_recv, capacity, num_ranks, transport):
+    """Rows of the buffer `return_rows` sends from (the received rows, going back): P*C
+    padded, or the compact receive size num_recv."""
+    return num_recv if _compact(transport, num_ranks) else num_ranks * capacity
 
 
 def return_slots(plan, *, num_recv, capacity, axis_name, transport):
