@@ -807,6 +807,40 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
 
 
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_worst_case_buffers_far_above_the_routed_rows_warn_once_bounded_ones_do_not(
+        backend, monkeypatch):
+    # E = 64, K = 8 on 8 expert ranks (L = 8): the no-drop worst case is P*T*min(K, L) = 8x
+    # the T*K routed rows, which at model scale is an unrunnable buffer (DeepSeek-V3, EP 64:
+    # ~157 GiB a device); E = 8, K = 2 on 4 ranks is 4x and stays quiet. The byte threshold
+    # is lowered so that a small layer shows it.
+    import warnings
+
+    from jax_ep.flax import moe
+    monkeypatch.setattr(moe, "UNBOUNDED_BUFFER_WARN_BYTES", 0)
+
+    def messages(num_experts, top_k, mesh_shape, **extra):
+        mesh = jax.make_mesh(mesh_shape, ("data", "expert"))
+        cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=num_experts, moe_router_topk=top_k,
+                                           moe_flex_dispatcher_backend=backend,
+                                           moe_share_token_dispatcher=False, **extra)
+        layer = MoELayer(cfg, 16, 16, rngs=nnx.Rngs(0), mesh=mesh)
+        x = jax.ShapeDtypeStruct((8 * 16, 16), jnp.float32,
+                                 sharding=NamedSharding(mesh, P(("data", "expert"))))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with jax.set_mesh(mesh):
+                nnx.eval_shape(lambda layer, x: layer(x), layer, x)
+        return [str(w.message) for w in seen if "worst-case buffers" in str(w.message)]
+
+    (message,) = messages(64, 8, (1, 8))
+    assert "for 128 routed on average (T*K)" in message, message
+    assert "dropless_buffer_factor=1.25" in message
+    assert messages(64, 8, (1, 8), dropless_buffer_factor=1.25) == []
+    assert messages(64, 8, (1, 8), ragged_buffer_factor=2.0) == []
+    assert messages(8, 2, (2, 4)) == []
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
 @pytest.mark.parametrize("routing", ["skewed", "random"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_bounded_fallback_in_uneven_chunks_matches_the_unbounded_path(backend, routing, fp8):

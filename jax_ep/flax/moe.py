@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from functools import partial
 
 import jax
@@ -126,6 +127,33 @@ def _is_float_dtype(dtype) -> bool:
         return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
     except TypeError:
         return False
+
+
+# Permuted-buffer bytes per device above which a layer whose buffers follow the no-drop worst
+# case, over UNBOUNDED_BUFFER_RATIO times the routed rows, warns once per message.
+UNBOUNDED_BUFFER_WARN_BYTES = 256 << 20
+UNBOUNDED_BUFFER_RATIO = 4
+
+
+def _warn_unbounded_buffers(permuted, routed_rows, dcfg: TokenDispatcherConfig):
+    """A UserWarning (at trace time) when the dropless worst-case buffers (no
+    dropless_buffer_factor, ragged_buffer_factor, num_worst_tokens or num_permuted_tokens)
+    hold more than UNBOUNDED_BUFFER_RATIO times the T*K rows routed on average and
+    UNBOUNDED_BUFFER_WARN_BYTES of rows: permuted [N, H] is the expert GEMMs' input. The worst
+    case grows with the expert axis (P*T*min(K, L) rows) while the need stays T*K: DeepSeek-V3
+    at EP 64 would ask about 157 GiB a device for one layer (docs/porting.md)."""
+    if any(value is not None for value in (dcfg.dropless_buffer_factor, dcfg.ragged_buffer_factor,
+                                           dcfg.num_worst_tokens, dcfg.num_permuted_tokens)):
+        return
+    rows = permuted.shape[0]
+    nbytes = rows * math.prod(permuted.shape[1:]) * permuted.dtype.itemsize
+    if rows > UNBOUNDED_BUFFER_RATIO * max(routed_rows, 1) and nbytes > UNBOUNDED_BUFFER_WARN_BYTES:
+        warnings.warn(
+            f"MoELayer: the dropless worst-case buffers hold {rows} permuted rows per device "
+            f"({nbytes / 2**30:.1f} GiB of {permuted.dtype} [N, H] before the expert "
+            f"activations) for {routed_rows} routed on average (T*K); "
+            f"TokenDispatcherConfig(dropless_buffer_factor=1.25) bounds them and still keeps "
+            f"every token (README, 'Buffer sizes')", stacklevel=2)
 
 
 def _sum_over(axes, *values):
@@ -771,6 +799,7 @@ class MoELayer(_RouterState, nnx.Module):
                                                      expert_weights)
         else:
             permuted, tpe, pp, state = d.token_permutation2(moved, moved.shape[0], probs, ids)
+            _warn_unbounded_buffers(permuted, moved.shape[0] * cfg.moe_router_topk, dcfg)
             y = d.token_unpermutation(weighted_experts(permuted, tpe, pp), state)
             dropped = state.num_dropped
         if latent is not None:
