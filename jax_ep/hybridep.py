@@ -194,8 +194,9 @@ def _recv_probs(probs, h):
 
 
 def _by_rank_rows(r):
-    """i32[T*min(K,P)]: for each compact send row, its row of a [T*P, ...] table holding each
-    token's columns for each destination rank (token * P + rank; -1 on padding)."""
+    """i32[S] (S = T*min(max(K,1),P) compact send rows): each one's row of a [T*P, ...] table
+    holding each token's columns for each destination rank (token * P + rank; -1 on
+    padding)."""
     num_ranks = r.plan.send_counts.shape[0]
     ranks = tp.send_row_ranks(r.plan, r.send_token_idx.shape[0])
     return jnp.where(r.send_token_idx >= 0, r.send_token_idx * num_ranks + ranks, -1)

@@ -99,9 +99,10 @@ class DispatchHandle(_DeepEPTupleView):
     """What combine (and a cached dispatch) needs; a pytree of arrays plus static fields.
 
     plan: transport.ExchangePlan of this dispatch.
-    send_token_idx i32[T*min(K,P)]: source token of each compact send row (-1: padding or
-      dropped); a token has rows for at most min(K, P) ranks.
-    send_row_idx i32[T*min(K,P)]: the compact send row itself (-1: padding or dropped).
+    send_token_idx i32[T*min(max(K,1),P)]: source token of each compact send row (-1:
+      padding or dropped); a token has rows for at most min(K, P) ranks.
+    send_row_idx i32[T*min(max(K,1),P)]: the compact send row itself (-1: padding or
+      dropped).
     recv_topk_idx i32[R,K]: local expert ids of the received rows (-1 elsewhere / padding).
     num_recv_tokens i32[]: received rows (the rest of R is padding).
     num_recv_tokens_per_expert i32[L]: rows per local expert, aligned up to expert_alignment.
@@ -216,7 +217,8 @@ def routing_plan(topk_idx, num_experts, axis_name, *, transport, impl, capacity=
     # A token has rows for at most min(K, P) ranks, so the layout's rows past T*min(K, P) are
     # padding on every rank: the send maps stop there, and with them the combine's return
     # buffer (one row per send row: [T*P, H] at P > K before, 8x the need at K 8, P 64).
-    num_send = num_tokens * min(topk_idx.shape[1], num_ranks)
+    # K = 0 keeps T rows of padding (the padded transport gathers from the maps).
+    num_send = num_tokens * min(max(topk_idx.shape[1], 1), num_ranks)
     send_row_idx = jnp.where(kept, row, -1)[:num_send]
     send_token_idx = jnp.where(kept, layout.token_idx, -1)[:num_send]
 

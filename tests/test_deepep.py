@@ -415,6 +415,33 @@ def test_zero_tokens_dispatch_combine_and_gradients(backend):
     assert out.shape == (0, H) and d_x.shape == (0, H) and d_w.shape == (0, K)
 
 
+@pytest.mark.parametrize("num_ranks,transport", [(1, "auto"), (4, "all_to_all"), (4, "peer")])
+def test_top_k_zero_routes_nothing_on_every_transport(num_ranks, transport):
+    # K = 0: no token is sent anywhere; the combine and both gradients are zero. (The send maps
+    # stop at T*min(K, P) rows; at K = 0 they keep T rows of padding, which the padded
+    # transport's gathers need.)
+    T, H, E = 4, 8, 8
+    x = np.arange(num_ranks * T * H, dtype=np.float32).reshape(num_ranks * T, H)
+    idx = np.zeros((num_ranks * T, 0), np.int32)
+    w = np.zeros((num_ranks * T, 0), np.float32)
+
+    def body(x, idx, w):
+        def loss(x, w):
+            rx, ridx, rw, h = jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS,
+                                              transport=transport)
+            out, _ = jax_ep.combine(rx * 2 + 1, h)
+            return jnp.sum(out ** 2) + rw.sum(), (out, h.num_recv_tokens.reshape(1))
+        (_, (out, received)), grads = jax.value_and_grad(loss, argnums=(0, 1),
+                                                         has_aux=True)(x, w)
+        return out, received, *grads
+
+    out, received, d_x, d_w = run_ep(body, ep_mesh(num_ranks), x, idx, w)
+    np.testing.assert_array_equal(out, np.zeros((num_ranks * T, H), np.float32))
+    np.testing.assert_array_equal(received, np.zeros(num_ranks, np.int32))
+    np.testing.assert_array_equal(d_x, np.zeros_like(x))
+    assert d_w.shape == (num_ranks * T, 0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ("uccl_ep",))
 def test_fp8_tuple_dispatch_as_deepep(backend):
     # DeepEP's test_intranode dispatches x as (x_fp8, scales): both arrive on the same rows,

@@ -837,6 +837,8 @@ def test_worst_case_buffers_far_above_the_routed_rows_warn_once_bounded_ones_do_
     assert "dropless_buffer_factor=1.25" in message
     assert messages(64, 8, (1, 8), dropless_buffer_factor=1.25) == []
     assert messages(64, 8, (1, 8), ragged_buffer_factor=2.0) == []
+    # a capacity factor drops by design (and refuses dropless_buffer_factor): no advice
+    assert messages(64, 8, (1, 8), moe_expert_capacity_factor=4.0) == []
     assert messages(8, 2, (2, 4)) == []
 
 

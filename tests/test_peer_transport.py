@@ -725,7 +725,11 @@ def test_a_cuda_meeting_that_fails_waits_for_enqueues_under_way_and_refuses_late
          "-I" + str(ROOT / "xla_ffi"), "-isystem", jax.ffi.include_dir(),
          str(ROOT / "tests" / "cpp" / "peer_meeting_test.cc"), "-o", str(exe)],
         capture_output=True, text=True)
+    if build.returncode != 0 and "tsan" in build.stderr.lower():
+        pytest.skip(f"this compiler cannot link ThreadSanitizer: {build.stderr[-300:]}")
     assert build.returncode == 0, build.stderr[-4000:]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
+    if "FATAL: ThreadSanitizer" in done.stderr:  # e.g. an unexpected memory mapping
+        pytest.skip(f"ThreadSanitizer cannot run here: {done.stderr[-300:]}")
     assert done.returncode == 0 and "failed 0" in done.stdout, done.stdout + done.stderr[-4000:]

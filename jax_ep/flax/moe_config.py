@@ -476,6 +476,8 @@ def megatron_fields(fields: dict) -> dict:
         "alltoall" (the same results by XLA's all-to-all; Megatron ignores its flex backend
         field then, and so does this); "flex" -> the given moe_flex_dispatcher_backend
         (default "deepep").
+        With it, moe_enable_deepep=True (deprecated there) needs "flex" and a backend other
+        than "hybridep", and picks "deepep", as Megatron's __post_init__.
       moe_router_padding_for_quantization / moe_router_padding_for_fp8 (its older name): True
         -> moe_router_expert_pad_multiple 16, or 32 with fp4 set or fp8_recipe "mxfp8"
         (Megatron's alignment for FP8 / MXFP8 / FP4 grouped GEMMs; here zero rows, see the
@@ -483,8 +485,6 @@ def megatron_fields(fields: dict) -> dict:
         (Megatron requires fp8 or fp4 with the padding; here the padding needs neither).
         (Megatron refuses the padding with the "allgather" dispatcher; here every backend
         pads.)
-        With it, moe_enable_deepep=True (deprecated there) needs "flex" and a backend other
-        than "hybridep", and picks "deepep", as Megatron's __post_init__.
       moe_deepep_num_sms / moe_hybridep_num_sms None (Megatron's default: unset) -> NeMo's
         defaults (20 / 24; no effect under XLA either way).
       moe_permute_fusion_into_hybridep -> moe_hybridep_permute_fusion.

@@ -37,18 +37,18 @@
 // Every operation has run when it is issued, so events order nothing here: recording and
 // waiting check their handles, cudaEventQuery / cudaEventSynchronize report completion.
 //
-// Peer access: every pair of distinct devices can access each other (cudaDeviceCanAccessPeer),
-// once the reading device enabled it (cudaDeviceEnablePeerAccess from that device; enabling
-// twice is cudaErrorPeerAccessAlreadyEnabled, the device itself or one that does not exist is
-// cudaErrorInvalidDevice), except the pairs JAX_EP_CUDA_EMU_NO_PEER_ACCESS names ("a:b,c:d",
-// read at every call): those cannot (enabling is cudaErrorPeerAccessUnsupported). Which memory is whose: cudaMalloc'd memory belongs to the device
-// current at the call, and ClaimMemory declares a range as a device's (bindings_emu.cc claims
-// each FFI call's operands and results for its device for the length of the call: XLA:CPU's
-// buffers are host memory of no device). A kernel's reads of another device's memory go
-// through CheckPeerRead (jax_ep's `FromPeer` in cuda_common.cuh; a plain pointer on the GPU):
-// a read of memory claimed only by devices the kernel's device has not enabled access to
-// fails the launch (cudaErrorLaunchFailure with the emulator's message). Plain loads and
-// stores are not checked; memory nobody claimed is readable from every device.
+// Peer access: every pair of distinct devices can access each other (cudaDeviceCanAccessPeer), once
+// the reading device enabled it (cudaDeviceEnablePeerAccess from that device; enabling twice is
+// cudaErrorPeerAccessAlreadyEnabled, the device itself or one that does not exist is
+// cudaErrorInvalidDevice), except the pairs JAX_EP_CUDA_EMU_NO_PEER_ACCESS names ("a:b,c:d", read
+// at every call): those cannot (enabling is cudaErrorPeerAccessUnsupported). Which memory is whose:
+// cudaMalloc'd memory belongs to the device current at the call, and ClaimMemory declares a range
+// as a device's (bindings_emu.cc claims each FFI call's operands and results for its device for the
+// length of the call: XLA:CPU's buffers are host memory of no device). A kernel's reads of another
+// device's memory go through CheckPeerRead (jax_ep's `FromPeer` in cuda_common.cuh; a plain pointer
+// on the GPU): a read of memory claimed only by devices the kernel's device has not enabled access
+// to fails the launch (cudaErrorLaunchFailure with the emulator's message). Plain loads and stores
+// are not checked; memory nobody claimed is readable from every device.
 //
 // Not modelled: concurrency between blocks or streams, the memory model (no reordering, no
 // caches), timing, warp-synchronous code without __syncwarp (lanes do not run in lockstep),
