@@ -89,7 +89,8 @@ class HybridEPHandle:
     sorted_rows i32[N]: received row of each permuted row (-1 on padding).
     row_expert i32[N]: local expert of each permuted row (L past the last block).
     tokens_per_expert i32[L]: block sizes (padded to pad_multiple, clamped to N).
-    num_dropped i32[]: (row, local expert) pairs that did not fit in N.
+    num_dropped i32[]: (token, rank) rows past num_worst_tokens R (routing.num_dropped) plus
+      the (row, local expert) pairs that did not fit in N.
     num_tokens: T before equalisation; compact: compact routing was used.
     """
 
@@ -247,7 +248,7 @@ _combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted, tp.COMBINE
 def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_experts, axis_name,
                       num_permuted_tokens=None, pad_multiple=None, transport="auto",
                       backend="deepep", use_fp8=False, fp8_output="pair", round_scale=False,
-                      use_ue8m0=False, hierarchical=None):
+                      use_ue8m0=False, hierarchical=None, num_worst_tokens=None):
     """Dispatch fused with the expert permutation (HybridEP). Call inside jax.shard_map.
 
       x: [T,H] tokens of this rank.
@@ -265,6 +266,11 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         N drops rows (counted in the handle).
       pad_multiple: pad every local expert block to a multiple of it (None or 0: no padding,
         as HybridEP's 0).
+      num_worst_tokens: R, rows this rank receives before the permutation (as jax_ep.dispatch's
+        num_worst_tokens): None (default) P*T', the worst case (every rank's every token);
+        a smaller R drops the rows past it (the last source ranks' last tokens), counted in
+        the handle. It bounds the combine's return buffer [R, H] (the peer transport writes
+        the dispatch straight into the N permuted rows).
       backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
       axis_name: the expert axis, or a (node_axis, local_axis) pair of N x G ranks: the rows
         then move by DeepEP's two hops (jax_ep.dispatch's internode mode; `transport` may be
@@ -294,7 +300,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
             parts[0], routing_map=routing_map, topk_idx=topk_idx, probs=probs,
             num_experts=num_experts, axis_name=axis_name,
             num_permuted_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
-            transport=transport, backend=backend, hierarchical=hierarchical)
+            transport=transport, backend=backend, hierarchical=hierarchical,
+            num_worst_tokens=num_worst_tokens)
         padded = _padded_tokens(parts[0].shape[0])
         rest = tuple(_dispatch_rows(_pad_rows(part, padded, 0), h) for part in parts[1:])
         return (first,) + rest, permuted_probs, tokens_per_expert, h
@@ -356,10 +363,11 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         probs = _pad_rows(probs.astype(jnp.float32), padded, 0.0)
     if axes is not None:  # DeepEP's two hops over a (node, local) pair
         routing = internode.two_hop_plan(layout_idx, num_experts, axes, transports=transports,
-                                         impl=impl)
+                                         impl=impl, num_worst_tokens=num_worst_tokens)
     else:
         routing = internode.routing_plan(layout_idx, num_experts, axis_name,
-                                         transport=transports, impl=impl)
+                                         transport=transports, impl=impl,
+                                         num_worst_tokens=num_worst_tokens)
     if compact:
         recv_map, _ = reference.indices_to_multihot(
             routing.recv_topk_idx, jnp.zeros(routing.recv_topk_idx.shape, jnp.float32),
@@ -385,8 +393,9 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
     row_expert = search(jnp.cumsum(tokens_per_expert), jnp.arange(num_permuted_tokens))
     h = HybridEPHandle(routing=routing, recv_map=recv_map, sorted_rows=sorted_rows,
                        row_expert=row_expert,
-                       tokens_per_expert=tokens_per_expert, num_dropped=num_dropped,
-                       num_tokens=num_tokens, compact=compact)
+                       tokens_per_expert=tokens_per_expert,
+                       num_dropped=num_dropped + routing.num_dropped, num_tokens=num_tokens,
+                       compact=compact)
     # first: the programs' collective order
     permuted_probs = None if probs is None else _dispatch_probs(probs, h)
     if use_fp8:

@@ -691,10 +691,10 @@ def test_ragged_buffer_factor_bounds_buffers_and_reports_drops(backend):
     y_bound, aux_bound = run(ragged_buffer_factor=1.0)
     assert int(aux_worst["num_dropped"]) == int(aux_large["num_dropped"]) == 0
     np.testing.assert_array_equal(np.asarray(y_large), np.asarray(y_worst))
-    # Per data slice rank 0 gets 32 (token, rank) rows = 64 (token, expert) pairs. deepep:
-    # R = ceil(1 * T * min(K, P)) = 16 rows (16 dropped), then ceil(1 * T * K) = 16 pairs of
-    # the 32 those rows hold (16 more). hybridep: 16 of the 64 pairs (48 dropped).
-    assert int(aux_bound["num_dropped"]) == 2 * (32 if backend == "deepep" else 48)
+    # Per data slice rank 0 gets 32 (token, rank) rows = 64 (token, expert) pairs. Both
+    # backends: R = ceil(1 * T * min(K, P)) = 16 rows (16 dropped), then ceil(1 * T * K) = 16
+    # pairs of the 32 those rows hold (16 more).
+    assert int(aux_bound["num_dropped"]) == 2 * 32
     assert np.isfinite(np.asarray(y_bound)).all()
 
 

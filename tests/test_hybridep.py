@@ -522,3 +522,36 @@ def test_dispatcher_default_num_permuted_tokens():
         out = run_ep(lambda x, i, w: d.token_permutation2(x, x.shape[0], w, i)[0],
                      ep_mesh(num_ranks), x, idx, w)
         assert out.shape == (num_ranks * want, H), n
+
+
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("transport", ["all_to_all", "peer"])
+def test_num_worst_tokens_bounds_the_receive_rows_by_source_rank(compact, transport):
+    # Every token goes to rank 0 (expert 0). R = 10 receive rows: all 8 tokens of source 0,
+    # the first 2 of source 1, none of sources 2 and 3 (as jax_ep.dispatch's num_worst_tokens);
+    # the senders count the 6 + 8 + 8 rows they dropped, the combine returns the kept tokens
+    # and zero rows for the dropped ones, and rank 0's expert block holds exactly R rows.
+    num_ranks, T, H, E, R = 4, 8, 4, 4, 10
+    x = np.arange(num_ranks * T, dtype=np.float32)[:, None].repeat(H, 1) + 1
+    idx = np.zeros((num_ranks * T, 1), np.int32)
+    probs = np.full(idx.shape, 0.5, np.float32)
+    routing = dict(topk_idx=idx, probs=probs) if compact else dict(
+        routing_map=np.eye(E, dtype=bool)[idx[:, 0]],
+        probs=np.eye(E, dtype=np.float32)[idx[:, 0]] * 0.5)
+    names = list(routing)
+
+    def body(x, a, b):
+        px, _, tpe, h = jax_ep.hybridep_dispatch(
+            x, **{names[0]: a, names[1]: b}, num_experts=E, axis_name=AXIS,
+            num_worst_tokens=R, transport=transport)
+        return (jax_ep.hybridep_combine(px, h), tpe.reshape(1, -1),
+                h.num_dropped.reshape(1), h.routing.num_recv_tokens.reshape(1))
+
+    out, tpe, dropped, received = map(np.asarray, run_ep(
+        body, ep_mesh(num_ranks), x, routing[names[0]], routing[names[1]]))
+    kept = np.zeros(num_ranks * T, bool)
+    kept[:T + 2] = True
+    np.testing.assert_array_equal(np.asarray(out), np.where(kept[:, None], x, 0))
+    np.testing.assert_array_equal(dropped, [0, 6, 8, 8])
+    np.testing.assert_array_equal(received, [R, 0, 0, 0])
+    np.testing.assert_array_equal(tpe[0], [R])

@@ -261,15 +261,18 @@ class MoEFlexTokenDispatcher(nnx.Module):
         return slots + self.num_local_experts * (pad - 1)
 
     def num_recv_rows(self, num_tokens):
-        """Receive rows R of a deepep-family dispatch of num_tokens tokens a rank (the
-        `num_worst_tokens` it passes to `jax_ep.dispatch`): config.num_worst_tokens, else with
-        config.ragged_buffer_factor f min(P*C, ceil(f*T*min(K, P))), else None (P*C, the
-        no-drop worst case; C = the per-destination capacity, T without a capacity factor)."""
+        """Receive rows R of a dispatch of num_tokens tokens a rank (the `num_worst_tokens` it
+        passes to `jax_ep.dispatch` or, with T' = hybridep.equalized_num_tokens(T) tokens,
+        `hybridep_dispatch`): config.num_worst_tokens, else with config.ragged_buffer_factor
+        f min(P*C, ceil(f*T*min(K, P))), else None (P*C, the no-drop worst case; C = the
+        per-destination capacity of a deepep-family dispatch, T without a capacity factor and
+        for hybridep, whose capacity factor drops in the router)."""
         cfg = self.config
         if cfg.num_worst_tokens is not None or cfg.ragged_buffer_factor is None:
             return cfg.num_worst_tokens
         balanced = num_tokens * min(cfg.moe_router_topk, self.ep_size)
-        worst = self.ep_size * (self.rank_capacity(num_tokens) or num_tokens)
+        capacity = None if self.backend == "hybridep" else self.rank_capacity(num_tokens)
+        worst = self.ep_size * (capacity or num_tokens)
         return max(1, min(worst, math.ceil(cfg.ragged_buffer_factor * balanced)))
 
     def local_multihot(self, recv_idx, recv_w):
@@ -408,7 +411,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
                 hidden_states, num_experts=cfg.num_moe_experts, axis_name=self.axis_name,
                 num_permuted_tokens=n, pad_multiple=cfg.moe_router_expert_pad_multiple,
                 transport=cfg.transport, use_fp8=cfg.moe_fp8_dispatch,
-                fp8_output="cast_back", **routing)
+                fp8_output="cast_back", num_worst_tokens=self.num_recv_rows(num_tokens),
+                **routing)
             if state.num_invalid is not None:
                 routing = dataclasses.replace(
                     handle.routing, num_invalid=handle.routing.num_invalid + state.num_invalid)
