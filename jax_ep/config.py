@@ -14,10 +14,14 @@ from jax_ep._checks import MAX_INT32
 from jax_ep.ops import GROUPED_MATMUL_IMPLS
 from jax_ep.transport import TRANSPORTS
 
-__all__ = ["BACKENDS", "ROUTER_DTYPES", "TokenDispatcherConfig"]
+__all__ = ["BACKENDS", "BUFFER_BOUNDS", "ROUTER_DTYPES", "TokenDispatcherConfig"]
 
 BACKENDS = ("deepep", "hybridep", "uccl_ep", "alltoall")
 ROUTER_DTYPES = ("fp32", "fp64", None)
+# Fields that size the buffers below the no-drop worst case (or drop by design): each rules
+# out dropless_buffer_factor, which bounds the buffers itself and keeps every token.
+BUFFER_BOUNDS = ("ragged_buffer_factor", "num_worst_tokens", "num_permuted_tokens",
+                 "moe_expert_capacity_factor")
 
 
 def _require(ok: bool, field: str, allowed: str, value) -> None:
@@ -179,8 +183,7 @@ class TokenDispatcherConfig:
             _require(getattr(self, name) is None or not self.moe_deepep_async_dispatch, name,
                      "None with moe_deepep_async_dispatch=True (the chunked overlap sizes its "
                      "buffers per chunk for no drop)", getattr(self, name))
-        for name in ("ragged_buffer_factor", "num_worst_tokens", "num_permuted_tokens",
-                     "moe_expert_capacity_factor"):
+        for name in BUFFER_BOUNDS:
             _require(self.dropless_buffer_factor is None or getattr(self, name) is None,
                      "dropless_buffer_factor", f"None with {name} set (it bounds the buffers "
                      f"itself and keeps every token)", self.dropless_buffer_factor)

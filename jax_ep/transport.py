@@ -93,8 +93,9 @@ PEER_TIMEOUT_ENV = "JAX_EP_PEER_TIMEOUT_S"
 DEFAULT_PEER_TIMEOUT_S = 60.0
 DEFAULT_GPU_PEER_TIMEOUT_S = 5.0
 MAX_PEER_TIMEOUT_S = 1e6  # about 11.6 days
+_GPU_PLATFORMS = ("gpu", "cuda")
 # Platforms with a peer handler: XLA:CPU always, CUDA GPUs when the CUDA handlers were built.
-_PEER_PLATFORMS = ("cpu", "gpu", "cuda") if _ffi.WITH_CUDA else ("cpu",)
+_PEER_PLATFORMS = ("cpu",) + _GPU_PLATFORMS if _ffi.WITH_CUDA else ("cpu",)
 
 
 def peer_unavailable() -> str | None:
@@ -117,7 +118,7 @@ def peer_unavailable() -> str | None:
         return (f"mesh axes {auto} are not manual in the enclosing jax.shard_map: the peer "
                 "transport needs every axis manual (the devices find their peers by mesh "
                 "position)")
-    if _ffi.trace_platform() in ("gpu", "cuda"):
+    if _ffi.trace_platform() in _GPU_PLATFORMS:
         try:
             pairs = _ffi.gpus_without_peer_access()
         except RuntimeError as err:

@@ -26,7 +26,7 @@ import flax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep.config import TokenDispatcherConfig
+from jax_ep.config import BUFFER_BOUNDS, TokenDispatcherConfig
 from jax_ep.flax import router as routing
 from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_dispatcher
 from jax_ep.flax.moe_config import MoEConfig
@@ -144,9 +144,8 @@ def _warn_unbounded_buffers(permuted, routed_rows, dcfg: TokenDispatcherConfig):
     DeepSeek-V3-shaped layer's training step at EP 64 peaks at 157 GiB a device in XLA's
     memory analysis (benchmarks/RESULTS.md, session 28). A capacity factor drops by design and
     bounds the buffers itself: no warning then."""
-    bounds = (dcfg.dropless_buffer_factor, dcfg.ragged_buffer_factor, dcfg.num_worst_tokens,
-              dcfg.num_permuted_tokens, dcfg.moe_expert_capacity_factor)
-    if any(value is not None for value in bounds):  # bounded, or dropping by design
+    bounds = ("dropless_buffer_factor",) + BUFFER_BOUNDS
+    if any(getattr(dcfg, name) is not None for name in bounds):  # bounded, or dropping
         return
     rows = permuted.shape[0]
     nbytes = rows * math.prod(permuted.shape[1:]) * permuted.dtype.itemsize

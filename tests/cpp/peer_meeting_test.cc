@@ -20,7 +20,7 @@ using jax_ep::peer::Meeting;
 using jax_ep::peer::Rendezvous;
 using std::chrono::milliseconds;
 
-int failures = 0;
+std::atomic<int> failures{0};  // Check runs on both threads
 
 void Check(bool ok, const char* what) {
   if (!ok) {
@@ -33,8 +33,8 @@ double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
 
-// Devices 0 and 1 meet at key (run, site). Device 1 enqueues for `enqueue_ms`; device 0 departs
-// at once with a bound of `bound_ms`, so it gives up while device 1 is still enqueueing.
+// Devices 0 and 1 meet at key (run, 1). Device 1 enqueues for 400 ms; device 0 departs at once
+// with a bound of 50 ms, so it gives up while device 1 is still enqueueing.
 void FailureWaitsForTheEnqueueUnderWay(int64_t run) {
   auto& rendezvous = Rendezvous::Global();
   const Rendezvous::Key key{run, 1};
@@ -104,6 +104,6 @@ void BothEnqueueAndDepart(int64_t run) {
 int main() {
   FailureWaitsForTheEnqueueUnderWay(1);
   BothEnqueueAndDepart(2);
-  std::printf("failed %d\n", failures);
+  std::printf("failed %d\n", failures.load());
   return failures == 0 ? 0 : 1;
 }
