@@ -667,6 +667,7 @@ def report(records, args, tokens_per_step):
     ax3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "train_moe.png", dpi=100)
+    plt.close(fig)  # callers that train in-process (the tests) would keep every figure open
     print(f"wrote {out / 'train_moe.png'} and {out / 'train_moe.json'}")
 
 
