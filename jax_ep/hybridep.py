@@ -89,8 +89,9 @@ class HybridEPHandle:
     sorted_rows i32[N]: received row of each permuted row (-1 on padding).
     row_expert i32[N]: local expert of each permuted row (L past the last block).
     tokens_per_expert i32[L]: block sizes (padded to pad_multiple, clamped to N).
-    num_dropped i32[]: (token, rank) rows past num_worst_tokens R (routing.num_dropped) plus
-      the (row, local expert) pairs that did not fit in N.
+    num_dropped i32[]: (token, rank) rows past num_worst_tokens R (routing.num_dropped) or
+      past a dense map's first top_k owning ranks, plus the (row, local expert) pairs that
+      did not fit in N.
     num_tokens: T before equalisation; compact: compact routing was used.
     """
 
@@ -132,6 +133,22 @@ def _dense_layout_idx(routing_map, num_ranks):
     local = routing_map.reshape(num_tokens, num_ranks, num_experts // num_ranks)
     first = jnp.argmax(local, axis=-1) + jnp.arange(num_ranks) * (num_experts // num_ranks)
     return jnp.where(local.any(axis=-1), first, -1).astype(jnp.int32)
+
+
+def _first_owning_ranks(layout_idx, top_k):
+    """[T,P] one expert id per owning rank (-1 if none) -> ([T,k] the ids of each token's first
+    k = min(top_k, P) owning ranks in rank order, -1 past them; i32[] the owning ranks past
+    them, whose rows are not sent). The send layout is rank-major then token-ascending, so
+    its rows do not depend on the column order, only on which (token, rank) pairs remain."""
+    num_ranks = layout_idx.shape[1]
+    if top_k >= num_ranks:
+        return layout_idx, jnp.zeros((), jnp.int32)
+    owned = layout_idx >= 0
+    earlier_first = jnp.where(owned, num_ranks - jnp.arange(num_ranks, dtype=jnp.int32), 0)
+    keys, cols = jax.lax.top_k(earlier_first, top_k)
+    kept = jnp.where(keys > 0, jnp.take_along_axis(layout_idx, cols, axis=1), -1)
+    cut = jnp.maximum(owned.sum(axis=1, dtype=jnp.int32) - top_k, 0).sum(dtype=jnp.int32)
+    return kept, cut
 
 
 def _two_hop(h):
@@ -248,7 +265,7 @@ _combine_rows = tp.with_transpose(_return_unpermuted, _send_permuted, tp.COMBINE
 def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_experts, axis_name,
                       num_permuted_tokens=None, pad_multiple=None, transport="auto",
                       backend="deepep", use_fp8=False, fp8_output="pair", round_scale=False,
-                      use_ue8m0=False, hierarchical=None, num_worst_tokens=None):
+                      use_ue8m0=False, hierarchical=None, num_worst_tokens=None, top_k=None):
     """Dispatch fused with the expert permutation (HybridEP). Call inside jax.shard_map.
 
       x: [T,H] tokens of this rank.
@@ -260,7 +277,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         no-drop worst case, every received row's local slots plus the block padding,
         N = P*T' * S + L*(m - 1) (m = pad_multiple, 1 without padding) with T' =
         max(equalized_num_tokens(T), 4) the padded token count and S = min(K, L) with compact
-        routing, L with a dense map (it may route a token to every expert). HybridEP sizes N
+        routing, min(top_k, L) with a dense map and top_k, else L (a dense map may route a
+        token to every expert). HybridEP sizes N
         from a host-synced count, or in its CPU-free non-blocking mode pre-allocates
         T*P*min(L, K), the compact bound here; static shapes always take the bound. A smaller
         N drops rows (counted in the handle).
@@ -271,6 +289,14 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         a smaller R drops the rows past it (the last source ranks' last tokens), counted in
         the handle. It bounds the combine's return buffer [R, H] (the peer transport writes
         the dispatch straight into the N permuted rows).
+      top_k: dense routing only (None with topk_idx, whose width is K): the most experts a
+        token selects in routing_map, e.g. the router's top-k. None (default): P, a dense map
+        may route a token to every rank. A token then sends rows to at most min(top_k, P)
+        ranks, so the send layout, and the [rows, H] buffer the combine's rows come back in,
+        hold T'*min(top_k, P) rows instead of T'*P (the peer and ragged transports; the
+        padded all_to_all's [P, T', H] buffers are the same either way). A token owning more
+        ranks keeps its first min(top_k, P) in rank order; the rest are dropped and counted
+        in the handle.
       backend: "deepep" runs the FFI kernels, "alltoall" the XLA reference ops.
       axis_name: the expert axis, or a (node_axis, local_axis) pair of N x G ranks: the rows
         then move by DeepEP's two hops (jax_ep.dispatch's internode mode; `transport` may be
@@ -301,7 +327,7 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
             num_experts=num_experts, axis_name=axis_name,
             num_permuted_tokens=num_permuted_tokens, pad_multiple=pad_multiple,
             transport=transport, backend=backend, hierarchical=hierarchical,
-            num_worst_tokens=num_worst_tokens)
+            num_worst_tokens=num_worst_tokens, top_k=top_k)
         padded = _padded_tokens(parts[0].shape[0])
         rest = tuple(_dispatch_rows(_pad_rows(part, padded, 0), h) for part in parts[1:])
         return (first,) + rest, permuted_probs, tokens_per_expert, h
@@ -335,6 +361,11 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         check_shape(routing_map, (num_tokens, num_experts), "routing_map")
         if routing_map.dtype != jnp.bool_:
             raise ValueError(f"routing_map: expected bool, got {routing_map.dtype}")
+    if top_k is not None:
+        if compact:
+            raise ValueError("top_k: bounds a dense routing_map; compact routing's K is "
+                             "topk_idx's width (pass top_k=None)")
+        top_k = check_positive(top_k, "top_k")
     if probs is not None:
         check_shape(probs, (topk_idx if compact else routing_map).shape, "probs")
     if num_tokens == 0:
@@ -353,11 +384,14 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
             topk_idx = fresh(topk_idx, -1)
         else:
             routing_map = fresh(routing_map, False)
+    num_cut = jnp.zeros((), jnp.int32)
     if compact:
         layout_idx = _pad_rows(topk_idx, padded, -1)
     else:
         routing_map = _pad_rows(routing_map.astype(bool), padded, False)
         layout_idx = _dense_layout_idx(routing_map, num_ranks)
+        if top_k is not None:
+            layout_idx, num_cut = _first_owning_ranks(layout_idx, top_k)
     x = _pad_rows(x, padded, 0)
     if probs is not None:
         probs = _pad_rows(probs.astype(jnp.float32), padded, 0.0)
@@ -382,7 +416,7 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         recv_map = tp.send_rows(by_rank, _by_rank_rows(routing), routing.plan,
                                 **kwargs).astype(bool)
     if num_permuted_tokens is None:
-        slots = min(topk_idx.shape[1], num_local) if compact else num_local
+        slots = min(topk_idx.shape[1] if compact else (top_k or num_local), num_local)
         pad = check_positive(pad_multiple, "pad_multiple") if pad_multiple is not None else 1
         num_permuted_tokens = routing.num_recv * slots + num_local * (pad - 1)
     # The plan alone: one-column dummy rows (the data rows are gathered below, fused).
@@ -394,7 +428,8 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
     h = HybridEPHandle(routing=routing, recv_map=recv_map, sorted_rows=sorted_rows,
                        row_expert=row_expert,
                        tokens_per_expert=tokens_per_expert,
-                       num_dropped=num_dropped + routing.num_dropped, num_tokens=num_tokens,
+                       num_dropped=num_dropped + routing.num_dropped + num_cut,
+                       num_tokens=num_tokens,
                        compact=compact)
     # first: the programs' collective order
     permuted_probs = None if probs is None else _dispatch_probs(probs, h)

@@ -555,3 +555,107 @@ def test_num_worst_tokens_bounds_the_receive_rows_by_source_rank(compact, transp
     np.testing.assert_array_equal(dropped, [0, 6, 8, 8])
     np.testing.assert_array_equal(received, [R, 0, 0, 0])
     np.testing.assert_array_equal(tpe[0], [R])
+
+
+def _dense_dispatch_and_grads(mesh, x, rm, pr, E, N, top_k, transport):
+    """hybridep_dispatch of a dense map then combine: (permuted x, permuted probs, tokens per
+    expert, dropped, send rows, combine, d loss / d x, d loss / d probs) per rank."""
+    def body(x, rm, pr):
+        def loss(x, pr):
+            px, pp, tpe, h = hybridep.hybridep_dispatch(
+                x, routing_map=rm, probs=pr, num_experts=E, axis_name=AXIS,
+                num_permuted_tokens=N, transport=transport, top_k=top_k)
+            y = hybridep.hybridep_combine(px * pp[:, None], h)
+            aux = (px, pp, tpe, h.num_dropped[None],
+                   jnp.full((1,), h.routing.send_token_idx.shape[0]), y)
+            return jnp.sum(y * jnp.cos(y)), aux
+        (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, pr)
+        return aux + grads
+    return [np.asarray(a) for a in run_ep(body, mesh, x, rm, pr)]
+
+
+@pytest.mark.parametrize("transport", ["all_to_all", "peer"])
+def test_top_k_bounds_a_dense_maps_send_rows_and_changes_nothing_within_it(transport):
+    """top_k = K on a dense map of top-K routing: the send layout (and with it the combine's
+    return buffer) holds T'*K rows instead of T'*P; rows, probs, counts, combine and both
+    gradients are bitwise those of top_k=None, the default N uses min(K, L) slots."""
+    num_ranks, T, K, H, E = 8, 6, 3, 8, 32  # T' = 8, L = 4
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E)
+    rm, pr = dense_routing(idx, w, E)
+    mesh = ep_mesh(num_ranks)
+    bounded = _dense_dispatch_and_grads(mesh, x, rm, pr, E, 64, K, transport)
+    unbounded = _dense_dispatch_and_grads(mesh, x, rm, pr, E, 64, None, transport)
+    np.testing.assert_array_equal(bounded[4], [8 * K] * num_ranks)
+    np.testing.assert_array_equal(unbounded[4], [8 * num_ranks] * num_ranks)
+    for i, (a, b) in enumerate(zip(bounded, unbounded)):
+        if i != 4:
+            np.testing.assert_array_equal(a, b, err_msg=str(i))
+    assert not bounded[3].any()
+    # the default N: P*T' rows of min(top_k, L) slots
+    px = _dense_dispatch_and_grads(mesh, x, rm, pr, E, None, K, transport)[0]
+    assert px.shape == (num_ranks * num_ranks * 8 * K, H)
+
+
+def test_top_k_keeps_a_tokens_first_owning_ranks_and_counts_the_rest():
+    """A token of a dense map owning more than top_k ranks keeps its first top_k in rank
+    order: the result is top_k=None's on the map without the later ranks' experts, and the
+    sender counts one dropped row per cut (token, rank)."""
+    num_ranks, T, H, E, top_k = 4, 4, 8, 8, 2  # L = 2
+    rng = np.random.default_rng(32)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    rm = rng.random((num_ranks * T, E)) < 0.5
+    rm[0] = True  # every expert: 4 owning ranks, 2 cut
+    pr = np.where(rm, rng.uniform(0.1, 1.0, rm.shape), 0).astype(np.float32)
+    owning = rm.reshape(-1, num_ranks, E // num_ranks).any(-1)
+    first = np.cumsum(owning, axis=1) <= top_k
+    kept_rm = rm & np.repeat(first & owning, E // num_ranks, axis=1)
+    mesh = ep_mesh(num_ranks)
+    got = _dense_dispatch_and_grads(mesh, x, rm, pr, E, 32, top_k, "peer")
+    want = _dense_dispatch_and_grads(mesh, x, kept_rm, np.where(kept_rm, pr, 0), E, 32, None,
+                                     "peer")
+    for i in (0, 1, 2, 5, 6):
+        np.testing.assert_array_equal(got[i], want[i], err_msg=str(i))
+    cut = np.maximum(owning.sum(1) - top_k, 0).reshape(num_ranks, T).sum(1)
+    assert cut[0] >= 2
+    np.testing.assert_array_equal(got[3], want[3] + cut)
+    # probs of the cut ranks' experts get no gradient: the rows never left the rank
+    np.testing.assert_array_equal(got[7][rm & ~kept_rm], 0)
+
+
+def test_top_k_bad_inputs():
+    mesh = ep_mesh(2)
+    x = np.zeros((8, 8), np.float32)
+    idx = np.zeros((8, 2), np.int32)
+    w = np.ones((8, 2), np.float32)
+    rm, pr = dense_routing(idx, w, 4)
+    with pytest.raises(ValueError, match="top_k: bounds a dense routing_map"):
+        run_ep(lambda x, i, w: hybridep.hybridep_dispatch(
+            x, topk_idx=i, probs=w, num_experts=4, axis_name=AXIS, top_k=2)[0], mesh, x, idx, w)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="top_k: expected an int"):
+            run_ep(lambda x, m, p: hybridep.hybridep_dispatch(
+                x, routing_map=m, probs=p, num_experts=4, axis_name=AXIS, top_k=bad)[0],
+                mesh, x, rm, pr)
+
+
+def test_dispatcher_bounds_the_dense_send_rows_by_moe_router_topk():
+    """The flex dispatcher's dense HybridEP path passes moe_router_topk as top_k: T'*K send
+    rows at P = 8, K = 2 (T'*P before)."""
+    from jax_ep.flax import MoEFlexTokenDispatcher
+    num_ranks, T, K, H, E = 8, 8, 2, 8, 16
+    rng = np.random.default_rng(33)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx, w = random_routing(rng, num_ranks * T, K, E, unrouted=0.0)
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       moe_flex_dispatcher_backend="hybridep",
+                                       expert_axis_name=AXIS)
+    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+    def body(x, i, w):
+        hidden, state = d.dispatch_preprocess2(x, x.shape[0], w, i)
+        _, state = d.dispatch_all_to_all(hidden, state)
+        return jnp.full((1,), state.handle.routing.send_token_idx.shape[0])
+
+    np.testing.assert_array_equal(run_ep(body, ep_mesh(num_ranks), x, idx, w), [T * K] * 8)

@@ -466,7 +466,8 @@ def test_hybridep_over_a_pair_equals_the_flat_exchange(compact, N, G, E):
     """hierarchical=None (two hops) and False (the flat exchange over the pair): the same bits,
     outputs and gradients (K = 2: every sum has at most two terms, so its order is moot).
     At E = 8 over 4 nodes a node has 2 experts: fewer than a dense map's P = 8 slots a row
-    (refused as 'top-k 8 exceeds num_experts 2' before)."""
+    (refused as 'top-k 8 exceeds num_experts 2' before). A dense map bounded by top_k = K
+    gives the same bits over both exchanges."""
     T, H, K, NP = 4, 8, 2, 40
     x, idx, w = _case(23, N * G, T, H, K, E)
     routing = dict(topk_idx=idx, probs=w) if compact else dict(
@@ -478,12 +479,13 @@ def test_hybridep_over_a_pair_equals_the_flat_exchange(compact, N, G, E):
     names = list(routing)
     kinds = []
 
-    def run(hierarchical):
+    def run(hierarchical, top_k=None):
         def body(x, a, b):
             def loss(x, b):
                 px, pp, tpe, h = jax_ep.hybridep_dispatch(
                     x, **{names[0]: a, names[1]: b}, num_experts=E, axis_name=AXES,
-                    num_permuted_tokens=NP, pad_multiple=2, hierarchical=hierarchical)
+                    num_permuted_tokens=NP, pad_multiple=2, hierarchical=hierarchical,
+                    top_k=top_k)
                 kinds.append(type(h.routing))
                 out = jax_ep.hybridep_combine(px * (1.0 + pp[:, None]), h)
                 return jnp.sum(out ** 2), (px, pp, tpe, out)
@@ -493,8 +495,10 @@ def test_hybridep_over_a_pair_equals_the_flat_exchange(compact, N, G, E):
 
     two, flat = run(None), run(False)
     assert kinds == [jax_ep.InternodeHandle, jax_ep.DispatchHandle]
-    for i, (a, b) in enumerate(zip(two, flat)):  # px, pp, tokens_per_expert, out, d_x, d_probs
-        np.testing.assert_array_equal(a, b, err_msg=str(i))
+    bounded = () if compact else (run(None, top_k=K), run(False, top_k=K))
+    for other in (two,) + bounded:  # px, pp, tokens_per_expert, out, d_x, d_probs
+        for i, (a, b) in enumerate(zip(other, flat)):
+            np.testing.assert_array_equal(a, b, err_msg=str(i))
     assert two[0].any() and two[4].any() and two[5].any()
 
 

@@ -404,9 +404,11 @@ class MoEFlexTokenDispatcher(nnx.Module):
                      else cfg.moe_router_topk)
             n = cfg.num_permuted_tokens or self._num_permuted(self.ep_size * num_tokens, top_k,
                                                               num_tokens)
+            # top_k bounds the dense map's send layout (and the combine's return buffer) at
+            # T'*min(top_k, P) rows instead of T'*P
             routing = (dict(topk_idx=state.token_indices, probs=state.token_probs)
                        if state.token_indices is not None
-                       else dict(routing_map=state.routing_map, probs=state.probs))
+                       else dict(routing_map=state.routing_map, probs=state.probs, top_k=top_k))
             px, pp, tpe, handle = hybridep.hybridep_dispatch(
                 hidden_states, num_experts=cfg.num_moe_experts, axis_name=self.axis_name,
                 num_permuted_tokens=n, pad_multiple=cfg.moe_router_expert_pad_multiple,
