@@ -50,8 +50,9 @@ step cannot be lowered (nnx.jit rows) or the backend reports nothing.
 --parts times the deepep layer's step cut after each of its parts (router; + routing plan:
 count exchange and send layout; + dispatch exchange of the rows and weights; + local permute;
 + expert GEMMs; + unpermute; + combine exchange = the whole layer), each prefix's forward +
-backward round-robin with the rest; the differences of consecutive prefixes are the parts'
-costs, printed as a second table with their shares of the whole step.
+backward (in the router weights, and from the expert GEMMs on in the expert weights too)
+round-robin with the rest; the differences of consecutive prefixes are the parts' costs,
+printed as a second table with their shares of the whole step.
 """
 
 from __future__ import annotations
@@ -212,11 +213,14 @@ PARTS = ("router", "routing plan", "dispatch exchange", "permute", "expert GEMMs
 
 def part_calls(a, mesh, layer, x):
     """The deepep layer's step cut after each of PARTS: name -> (jitted forward + backward of
-    the prefix's loss with respect to the router and expert weights, args, mesh context). Each
-    prefix runs the layer's own code (its router's functions in jax_ep.flax.router, the
-    dispatcher's methods, swiglu_experts with the layer's tiles) up to its part; its loss is
-    mean(out^2) of the part's output (the routing plan: a vanishing multiple of its received
-    ids, to keep it)."""
+    the prefix's loss with respect to the router weights, and from the expert GEMMs on also the
+    expert weights, args, mesh context). The prefixes before the GEMMs leave the expert
+    weights out of the gradient: their gradients would be zeros written by those prefixes,
+    so the router's part would carry the cost of writing the expert weights' gradients that
+    belongs to the GEMMs' part. Each prefix runs the layer's own code (its router's functions
+    in jax_ep.flax.router, the dispatcher's methods, swiglu_experts with the layer's tiles)
+    up to its part; its loss is mean(out^2) of the part's output (the routing plan: a
+    vanishing multiple of its received ids, to keep it)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -275,10 +279,12 @@ def part_calls(a, mesh, layer, x):
         fn = jax.shard_map(partial(body, stop=stop), mesh=mesh,
                            in_specs=(spec, P(), P("expert"), P("expert")), out_specs=P())
 
-        def loss(params, x, fn=fn):
-            return fn(x, *params)
+        def loss(router, experts, x, fn=fn):
+            return fn(x, router, *experts)
 
-        calls[f"to {stop}"] = (jax.jit(jax.value_and_grad(loss)), (params, x),
+        uses_experts = PARTS.index(stop) >= PARTS.index("expert GEMMs")
+        grad = jax.value_and_grad(loss, argnums=(0, 1) if uses_experts else 0)
+        calls[f"to {stop}"] = (jax.jit(grad), (params[0], params[1:], x),
                                partial(jax.set_mesh, mesh))
     return calls
 

@@ -273,6 +273,16 @@ def _check_group(group):
                      f"(node_axis, local_axis) pair of two names, got {group!r}")
 
 
+def _check_hook_flags(async_finish, return_recv_hook) -> bool:
+    """A low-latency method's async_finish and return_recv_hook as bools (ValueError naming
+    either when not a bool, or both set: DeepEP asserts they are not) -> return_recv_hook."""
+    if check_bool(async_finish, "async_finish") and check_bool(return_recv_hook,
+                                                               "return_recv_hook"):
+        raise ValueError("async_finish / return_recv_hook: DeepEP's low-latency methods do "
+                         "not take both set; pass at most one")
+    return check_bool(return_recv_hook, "return_recv_hook")
+
+
 class Buffer:
     """DeepEP's expert-parallel communication buffer over the expert mesh axis `group`.
 
@@ -425,7 +435,9 @@ class Buffer:
         2 * hidden; then DeepEP's alignment: the total + 128 rounded down to a multiple of
         128. It is at least what jax_ep's low-latency dispatch + combine exchanges move (P
         blocks of min(L*Tmax, T*min(K, L)) rows, sent and received, with the plan's counts
-        and source tokens)."""
+        and source tokens) without use_logfmt; a LogFMT combine row is 2 * hidden + hidden /
+        32 bytes, which this BF16 sizing does not cover (DeepEP's current formula adds those
+        scale bytes)."""
         tmax = check_positive(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
         hidden = check_positive(hidden, "hidden")
         check_positive(num_ranks, "num_ranks")
@@ -596,6 +608,7 @@ class Buffer:
         cumulative_local_expert_recv_stats i32[L]: returned plus recv_count as
         handle.cumulative_local_expert_recv_stats. hook: a callable returning None when
         return_recv_hook, else None."""
+        return_recv_hook = _check_hook_flags(async_finish, return_recv_hook)
         recv_x, recv_count, handle = low_latency.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts, axis_name=self.group, use_fp8=use_fp8,
@@ -623,7 +636,9 @@ class Buffer:
         channels, 10-bit log codes for each 1024-channel chunk (512 when H % 1024 != 0) whose
         values are below 1 and not constant, raw bf16 for the others), decoded on arrival;
         gradients straight-through. DeepEP forbids it with zero_copy: so does this."""
-        if use_logfmt and zero_copy:
+        return_recv_hook = _check_hook_flags(async_finish, return_recv_hook)
+        use_logfmt = check_bool(use_logfmt, "use_logfmt")
+        if use_logfmt and check_bool(zero_copy, "zero_copy"):
             raise ValueError("use_logfmt: DeepEP's combine does not allow use_logfmt with "
                              "zero_copy=True")
         low_latency.check_combine_rows(x, handle, "x")
@@ -632,6 +647,8 @@ class Buffer:
         combined = low_latency.low_latency_combine(x, topk_idx, topk_weights, handle,
                                                    use_logfmt=use_logfmt)
         if out is not None:
+            if not hasattr(out, "dtype"):
+                raise ValueError(f"out: expected a [T,H] array, got {type(out).__name__}")
             check_shape(out, combined.shape, "out")
             check_float(out, "out")
             combined = combined.astype(out.dtype)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax_ep import _ffi, internode, ops, transport as tp
 from jax_ep._checks import (
     as_dtype,
+    check_flag,
     check_float,
     check_fp8_dispatch,
     check_positive,
@@ -217,6 +218,7 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
     Returns (recv_x [R,H], recv_topk_idx i32[R,K], recv_topk_weights f32[R,K], handle).
     """
     impl = check_backend(backend)
+    use_fp8 = check_flag(use_fp8, "use_fp8")
     if use_fp8:
         check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
     if isinstance(x, (tuple, list)):

@@ -32,6 +32,7 @@ from jax_ep._checks import (
     MAX_INT32,
     check_experts,
     check_float,
+    check_flag,
     check_float_weights,
     check_fp8_dispatch,
     check_positive,
@@ -317,6 +318,7 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
     Returns (permuted_x [N,H], permuted_probs f32[N] (None without probs),
     tokens_per_expert i32[L], handle).
     """
+    use_fp8 = check_flag(use_fp8, "use_fp8")
     if isinstance(x, (tuple, list)):
         parts = check_row_parts(x, "x")
         if use_fp8:

@@ -27,6 +27,7 @@ from jax_ep import _ffi, ops, reference, transport as tp
 from jax_ep._checks import (
     MAX_INT32,
     check_experts,
+    check_flag,
     check_float,
     check_fp8_dispatch,
     check_positive,
@@ -294,6 +295,7 @@ def low_latency_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank, num_e
     (the gradient of the non-FP8 dispatch of x's FP8 round trip); the FP8 pair is
     forward-only and differentiating it raises.
     """
+    use_fp8 = check_flag(use_fp8, "use_fp8")
     if use_fp8:
         check_fp8_dispatch(x, fp8_output, round_scale, use_ue8m0)
     check_rank(x, 2, "x")
@@ -348,6 +350,7 @@ def low_latency_combine(y, topk_idx, topk_weights, handle, use_logfmt=False):
     the identity (d y is the non-LogFMT combine's, moved in y.dtype), topk_weights see the
     decoded rows."""
     check_combine_rows(y, handle, "y")
+    use_logfmt = check_flag(use_logfmt, "use_logfmt")
     if use_logfmt:
         check_logfmt_rows(y, "y")
     topk_idx, topk_weights = check_routing(topk_idx, topk_weights, handle.num_experts,
@@ -362,4 +365,4 @@ def low_latency_combine(y, topk_idx, topk_weights, handle, use_logfmt=False):
                                                                          fill_value=0.0)
     # Typed like y: with T = 0 nothing above varies over the expert axis, but y's cotangent does.
     slot_weights = _ffi.vary_like(jnp.where(handle.send_token >= 0, slot_weights, 0.0), y)
-    return _ll_combine_rows(y, slot_weights, handle, bool(use_logfmt))
+    return _ll_combine_rows(y, slot_weights, handle, use_logfmt)

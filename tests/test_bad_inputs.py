@@ -475,6 +475,36 @@ def _named_argument_cases():
         "dispatch fp8 flag str": (lambda: sm(lambda: jax_ep.dispatch(
             jnp.ones((T, 128)), idx, w, num_experts=E, axis_name=AXIS, use_fp8=True,
             round_scale="no")[0]), "round_scale: expected a bool"),
+        # use_fp8 / use_logfmt / the Buffer's hook flags were read by truthiness: "False"
+        # sent FP8, returned a hook
+        "dispatch use_fp8 str": (lambda: sm(lambda: jax_ep.dispatch(
+            jnp.ones((T, 128)), idx, w, num_experts=E, axis_name=AXIS,
+            use_fp8="False")[0]), "use_fp8: expected a bool .*, got 'False'"),
+        "hybridep use_fp8 str": (lambda: sm(lambda: hybridep.hybridep_dispatch(
+            jnp.ones((T, 128)), topk_idx=idx, probs=w, num_experts=E, axis_name=AXIS,
+            use_fp8="False")[0]), "use_fp8: expected a bool .*, got 'False'"),
+        "low_latency use_fp8 str": (lambda: sm(lambda: low_latency.low_latency_dispatch(
+            x, idx, num_max_dispatch_tokens_per_rank=T, num_experts=E, axis_name=AXIS,
+            use_fp8="False")[0]), "use_fp8: expected a bool .*, got 'False'"),
+        "low_latency_combine use_logfmt str": (lambda: sm(
+            lambda: low_latency.low_latency_combine(
+                jnp.zeros((E // 2, 2 * T, H)), idx, w, ll_handle()[2], use_logfmt="False")),
+            "use_logfmt: expected a bool .*, got 'False'"),
+        "Buffer return_recv_hook str": (lambda: sm(lambda: buf.low_latency_dispatch(
+            x, idx, T, E, use_fp8=False, return_recv_hook="False")[0]),
+            "return_recv_hook: expected a bool, got 'False'"),
+        "Buffer async_finish and return_recv_hook": (lambda: sm(
+            lambda: buf.low_latency_dispatch(x, idx, T, E, use_fp8=False, async_finish=True,
+                                             return_recv_hook=True)[0]),
+            "async_finish / return_recv_hook: DeepEP's low-latency methods do not take both"),
+        "Buffer low_latency_combine zero_copy str": (lambda: sm(
+            lambda: buf.low_latency_combine(jnp.zeros((E // 2, 2 * T, H), jnp.bfloat16), idx,
+                                            w, ll_handle()[2], use_logfmt=True,
+                                            zero_copy="False")[0]),
+            "zero_copy: expected a bool, got 'False'"),
+        "Buffer low_latency_combine out list": (lambda: sm(lambda: buf.low_latency_combine(
+            jnp.zeros((E // 2, 2 * T, H), jnp.bfloat16), idx, w, ll_handle()[2],
+            out=[[0.0] * H] * T)[0]), "out: expected a \\[T,H\\] array, got list"),
     }
 
 
