@@ -524,6 +524,16 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
             unset.token_dispatcher.moe_hybridep_num_sms) == (20, 24)
     assert MoEConfig.from_dict(dict(base, moe_deepep_num_sms=32)
                                ).token_dispatcher.moe_deepep_num_sms == 32
+    # Megatron's expert_tensor_parallel_size None (its default): tensor_model_parallel_size,
+    # else 1; ETP given wins over TP
+    assert MoEConfig.from_dict(dict(base, expert_tensor_parallel_size=None)
+                               ) == MoEConfig.from_dict(base)
+    for fields, etp in ((dict(expert_tensor_parallel_size=None), 1),
+                        (dict(expert_tensor_parallel_size=None, tensor_model_parallel_size=2), 2),
+                        (dict(tensor_model_parallel_size=4), 4),
+                        (dict(expert_tensor_parallel_size=1, tensor_model_parallel_size=4), 1)):
+        c = MoEConfig.from_dict(dict(base, moe_ffn_hidden_size=64, **fields))
+        assert c.expert_tensor_parallel_size == etp, fields
     # every other Megatron MoE field: a kernel / schedule / memory choice, accepted
     inert = dict(moe_layer_recompute=True, moe_shared_expert_overlap=True,
                  moe_per_layer_logging=True, moe_flex_dispatcher_num_sms=24,

@@ -487,6 +487,9 @@ def megatron_fields(fields: dict) -> dict:
         pads.)
       moe_deepep_num_sms / moe_hybridep_num_sms None (Megatron's default: unset) -> NeMo's
         defaults (20 / 24; no effect under XLA either way).
+      expert_tensor_parallel_size None or absent (Megatron's default) -> Megatron's
+        tensor_model_parallel_size where given, else 1; tensor_model_parallel_size is read
+        for that only.
       moe_permute_fusion_into_hybridep -> moe_hybridep_permute_fusion.
       ffn_hidden_size -> moe_ffn_hidden_size where that is not given (Megatron's default).
       moe_expert_rank_capacity_factor f: with the "hybridep" backend (the only one Megatron
@@ -527,6 +530,14 @@ def megatron_fields(fields: dict) -> dict:
     for name in ("moe_deepep_num_sms", "moe_hybridep_num_sms"):
         if name in fields and fields[name] is None:
             del fields[name]
+    # Megatron's expert_tensor_parallel_size is None unless set, meaning its
+    # tensor_model_parallel_size (ModelParallelConfig.__post_init__; that field is read for
+    # this only: the layer's tensor sharding is ETP's, attention's TP is the model's)
+    tensor_parallel = fields.pop("tensor_model_parallel_size", None)
+    if fields.get("expert_tensor_parallel_size") is None:
+        fields.pop("expert_tensor_parallel_size", None)
+        if tensor_parallel is not None:
+            fields["expert_tensor_parallel_size"] = tensor_parallel
     # Megatron's low-precision fields, read for the padding multiple only (fp8, the format,
     # does not change it); all three always, so a pasted config has none "unknown"
     recipe, fp4 = fields.pop("fp8_recipe", None), fields.pop("fp4", None)
