@@ -279,10 +279,9 @@ def hybridep_dispatch(x, *, routing_map=None, topk_idx=None, probs=None, num_exp
         N = P*T' * S + L*(m - 1) (m = pad_multiple, 1 without padding) with T' =
         max(equalized_num_tokens(T), 4) the padded token count and S = min(K, L) with compact
         routing, min(top_k, L) with a dense map and top_k, else L (a dense map may route a
-        token to every expert). HybridEP sizes N
-        from a host-synced count, or in its CPU-free non-blocking mode pre-allocates
-        T*P*min(L, K), the compact bound here; static shapes always take the bound. A smaller
-        N drops rows (counted in the handle).
+        token to every expert). HybridEP sizes N from a host-synced count, or in its
+        CPU-free non-blocking mode pre-allocates T*P*min(L, K), the compact bound here;
+        static shapes always take the bound. A smaller N drops rows (counted in the handle).
       pad_multiple: pad every local expert block to a multiple of it (None or 0: no padding,
         as HybridEP's 0).
       num_worst_tokens: R, rows this rank receives before the permutation (as jax_ep.dispatch's
