@@ -496,13 +496,16 @@ class Buffer:
         recv_topk_weights f32[R,K], num_recv_tokens_per_expert_list i32[L] (i32[0] with
         num_worst_tokens > 0, as DeepEP's list is empty then; the handle keeps the counts as
         handle.num_recv_tokens_per_expert), handle, event);
-        with `handle=` (cached dispatch, the handle's routing): (recv_x, None, None, None,
-        None, event).
+        with `handle=` (cached dispatch, the handle's routing; topk_idx and topk_weights must
+        be None, as DeepEP asserts): (recv_x, None, None, None, None, event).
         """
         if num_worst_tokens != 0:
             check_positive(num_worst_tokens, "num_worst_tokens")
         worst = num_worst_tokens or None
         if handle is not None:
+            if topk_idx is not None or topk_weights is not None:  # DeepEP asserts both None
+                raise ValueError("topk_idx / topk_weights: a cached dispatch (handle=) replays "
+                                 "the handle's routing; pass neither, as DeepEP requires")
             recv_x, _, _, _ = deepep.dispatch(x, handle=handle, axis_name=self.group,
                                               backend=self.backend)
             return recv_x, None, None, None, None, EventOverlap()

@@ -502,6 +502,10 @@ def _named_argument_cases():
                                             w, ll_handle()[2], use_logfmt=True,
                                             zero_copy="False")[0]),
             "zero_copy: expected a bool, got 'False'"),
+        "Buffer cached dispatch with topk_idx": (lambda: sm(lambda: buf.dispatch(
+            x, topk_idx=idx, handle=jax_ep.dispatch(x, idx, w, num_experts=E,
+                                                    axis_name=AXIS)[3])[0]),
+            "topk_idx / topk_weights: a cached dispatch"),
         "Buffer low_latency_combine out list": (lambda: sm(lambda: buf.low_latency_combine(
             jnp.zeros((E // 2, 2 * T, H), jnp.bfloat16), idx, w, ll_handle()[2],
             out=[[0.0] * H] * T)[0]), "out: expected a \\[T,H\\] array, got list"),

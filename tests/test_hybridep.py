@@ -659,3 +659,37 @@ def test_dispatcher_bounds_the_dense_send_rows_by_moe_router_topk():
         return jnp.full((1,), state.handle.routing.send_token_idx.shape[0])
 
     np.testing.assert_array_equal(run_ep(body, ep_mesh(num_ranks), x, idx, w), [T * K] * 8)
+
+
+@pytest.mark.parametrize("fields, want_dropped", [
+    # TokenDispatcherConfig.num_worst_tokens is the deepep family's: hybridep never reads it
+    (dict(num_worst_tokens=4), [0, 0]),
+    # Megatron's moe_expert_rank_capacity_factor 1 with FP8 padding (16): its budget is
+    # int(T*K*f) = 8 rounded up to 16, so rank 0 keeps all 16 rows sent to expert 0. The
+    # receive rows are bounded by the permuted buffer (min(P*T', N), N = 8 + 15), not by
+    # ceil(f*T'*min(K, P)) = 8, which dropped 8 rows that N holds
+    (dict(ragged_buffer_factor=1.0, moe_router_expert_pad_multiple=16), [0, 0]),
+    # a permuted buffer below the rows: only what N cannot hold drops (12 of 16 rows fit;
+    # counted by their sender, rank 1)
+    (dict(num_permuted_tokens=12), [0, 4]),
+])
+def test_dispatcher_bounds_hybridep_receive_rows_by_its_permuted_buffer(fields, want_dropped):
+    from jax_ep.flax import MoEFlexTokenDispatcher
+    num_ranks, T, K, H, E = 2, 8, 1, 8, 2
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       moe_flex_dispatcher_backend="hybridep",
+                                       expert_axis_name=AXIS, **fields)
+    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+    x = np.random.default_rng(34).standard_normal((num_ranks * T, H)).astype(np.float32)
+    idx = np.zeros((num_ranks * T, K), np.int32)  # every token to expert 0 (rank 0)
+    w = np.full((num_ranks * T, K), 0.5, np.float32)
+
+    def body(x, i, w):
+        px, _, pp, state = d.token_permutation2(x, x.shape[0], w, i)
+        return d.token_unpermutation(px * pp[:, None], state), state.num_dropped[None]
+
+    y, dropped = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, idx, w))
+    np.testing.assert_array_equal(dropped, want_dropped)
+    kept = np.abs(y).sum(1) > 0
+    assert kept.sum() == num_ranks * T - sum(want_dropped)
+    np.testing.assert_allclose(y[kept], 0.5 * x[kept], rtol=1e-6)

@@ -261,19 +261,27 @@ class MoEFlexTokenDispatcher(nnx.Module):
         return slots + self.num_local_experts * (pad - 1)
 
     def num_recv_rows(self, num_tokens):
-        """Receive rows R of a dispatch of num_tokens tokens a rank (the `num_worst_tokens` it
-        passes to `jax_ep.dispatch` or, with T' = hybridep.equalized_num_tokens(T) tokens,
-        `hybridep_dispatch`): config.num_worst_tokens, else with config.ragged_buffer_factor
-        f min(P*C, ceil(f*T*min(K, P))), else None (P*C, the no-drop worst case; C = the
-        per-destination capacity of a deepep-family dispatch, T without a capacity factor and
-        for hybridep, whose capacity factor drops in the router)."""
+        """Receive rows R of a deepep-family dispatch of num_tokens tokens a rank (the
+        `num_worst_tokens` it passes to `jax_ep.dispatch`): config.num_worst_tokens, else with
+        config.ragged_buffer_factor f min(P*C, ceil(f*T*min(K, P))), else None (P*C, the
+        no-drop worst case; C = rank_capacity(T), T without a capacity factor)."""
         cfg = self.config
         if cfg.num_worst_tokens is not None or cfg.ragged_buffer_factor is None:
             return cfg.num_worst_tokens
         balanced = num_tokens * min(cfg.moe_router_topk, self.ep_size)
-        capacity = None if self.backend == "hybridep" else self.rank_capacity(num_tokens)
-        worst = self.ep_size * (capacity or num_tokens)
+        worst = self.ep_size * (self.rank_capacity(num_tokens) or num_tokens)
         return max(1, min(worst, math.ceil(cfg.ragged_buffer_factor * balanced)))
+
+    def hybridep_recv_rows(self, num_tokens, num_permuted):
+        """Receive rows R the hybridep dispatch of num_tokens T' (equalised) tokens a rank
+        passes as `num_worst_tokens`: min(P*T', N) for its N permuted rows. Every received
+        row fills at least one of the N, so R never drops more than N would: as in HybridEP,
+        whose only bound is the permuted buffer (Megatron's moe_expert_rank_capacity_factor
+        budget), rows drop only where the N rows are full (which ones may differ: past R,
+        whole rows of the last source ranks' last tokens). With N below P*T' (a
+        ragged_buffer_factor or num_permuted_tokens) the receive buffer and the combine's
+        return buffer shrink with it. config.num_worst_tokens is the deepep family's."""
+        return max(1, min(self.ep_size * num_tokens, num_permuted))
 
     def local_multihot(self, recv_idx, recv_w):
         """Received local ids i32[R,K] (-1 for slots owned elsewhere), weights f32[R,K] ->
@@ -413,7 +421,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
                 hidden_states, num_experts=cfg.num_moe_experts, axis_name=self.axis_name,
                 num_permuted_tokens=n, pad_multiple=cfg.moe_router_expert_pad_multiple,
                 transport=cfg.transport, use_fp8=cfg.moe_fp8_dispatch,
-                fp8_output="cast_back", num_worst_tokens=self.num_recv_rows(num_tokens),
+                fp8_output="cast_back", num_worst_tokens=self.hybridep_recv_rows(num_tokens, n),
                 **routing)
             if state.num_invalid is not None:
                 routing = dataclasses.replace(
@@ -438,9 +446,9 @@ class MoEFlexTokenDispatcher(nnx.Module):
         permuted_probs [N], state): expert-major rows for a grouped GEMM. permuted_probs is
         float32, or float64 with moe_router_dtype="fp64" (as in PyTorch)."""
         _check_state(state, "dispatch_postprocess")
-        if self.backend == "hybridep":
-            px, pp, tpe = hidden_states
-            return px, tpe, self._probs_in_router_dtype(pp), state
+        if self.backend == "hybridep":  # f32 probs, HybridEP's (NeMo's HybridEP manager
+            px, pp, tpe = hidden_states     # applies no router dtype, unlike its DeepEP one)
+            return px, tpe, pp, state
         recv_x, recv_idx, recv_w = hidden_states
         routing_map, probs = self.local_multihot(recv_idx, recv_w)
         n = self._num_permuted(recv_x.shape[0], recv_idx.shape[1], state.handle.num_tokens)
