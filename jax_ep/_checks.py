@@ -188,7 +188,7 @@ def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool =
     check_positive(num_experts, "num_experts")
     check_rank(topk_idx, 2, "topk_idx")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
-        raise ValueError(f"topk_idx: expected int32 or int64 expert ids, got {topk_idx.dtype}")
+        raise ValueError(f"topk_idx: expected integer expert ids, got {topk_idx.dtype}")
     num_tokens, top_k = topk_idx.shape
     if not any_top_k:
         check_top_k(top_k, num_experts, "topk_idx")
