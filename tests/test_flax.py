@@ -1332,6 +1332,21 @@ def test_hybridep_metadata_processor_is_nemos(fusion):
     np.testing.assert_array_equal(np.asarray(probs), want_probs)
     with pytest.raises(ValueError, match="num_experts"):
         HybridEPMetadataProcessor(num_experts=0, permute_fusion=False)
+    # NeMo's compact_routing (third field, default False) and forward(): the metadata is the
+    # indices themselves, the probs still dense; the compact dispatcher's processor has it
+    assert processor.forward is not None and processor.compact_routing is False
+    indices = jnp.array([[0, 3], [1, -1]])
+    compact = HybridEPMetadataProcessor(num_experts=8, permute_fusion=fusion,
+                                        compact_routing=True)
+    metadata, dense = compact.forward(indices, jnp.array([[0.6, 0.4], [0.7, 0.0]],
+                                                         jnp.bfloat16))
+    assert metadata is indices
+    np.testing.assert_array_equal(np.asarray(dense), want_probs)
+    compact_d = MoEFlexTokenDispatcher(2, [0, 1], dataclasses.replace(
+        d.config, moe_hybridep_compact_routing=True))
+    assert compact_d.hybridep_metadata_processor == compact
+    with pytest.raises(ValueError, match="compact_routing: expected a bool"):
+        HybridEPMetadataProcessor(num_experts=8, permute_fusion=False, compact_routing="no")
 
 
 @pytest.mark.parametrize("backend, tokens, top_k, ep, experts, factor, want", [

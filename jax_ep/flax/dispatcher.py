@@ -22,8 +22,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import _ffi, deepep, hybridep, ops, transport
-from jax_ep._checks import (as_int32_ids, check_float_weights, check_positive, check_top_k,
-                            unroute_invalid_experts)
+from jax_ep._checks import (as_int32_ids, check_bool, check_float_weights, check_positive,
+                            check_top_k, unroute_invalid_experts)
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "HybridEPMetadataProcessor", "HybridEPPipelineRuntimeInitializer",
@@ -112,25 +112,34 @@ def _check_state(state, method):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HybridEPMetadataProcessor:
     """NeMo's _HybridEPMetadataProcessor (the hybridep dispatcher's
-    `hybridep_metadata_processor`): top-k routing -> HybridEP's dense routing.
+    `hybridep_metadata_processor`): top-k routing -> HybridEP's routing metadata and dense
+    probs.
 
-    `processor(token_indices, token_probs)`: token_indices int[T,K] global expert ids (-1 =
-    unrouted), token_probs float[T,K] -> (routing_map bool[T,E], multihot_probs f32[T,E]):
+    `processor(token_indices, token_probs)` (or NeMo's `processor.forward(...)`):
+    token_indices int[T,K] global expert ids (-1 = unrouted), token_probs float[T,K] ->
+    (routing_map bool[T,E], multihot_probs f32[T,E]); with compact_routing the metadata is
+    token_indices itself (NeMo's alias) and the probs are still the dense f32[T,E].
     `ops.indices_to_multihot` on XLA ops, whatever permute_fusion (kept as NeMo's attribute:
     its fused kernel gives the same values, and XLA fuses this scatter into its neighbours).
     A frozen record: processors of the same fields are equal."""
 
     num_experts: int
     permute_fusion: bool
+    compact_routing: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "num_experts", check_positive(self.num_experts, "num_experts"))
         object.__setattr__(self, "permute_fusion", bool(self.permute_fusion))
+        object.__setattr__(self, "compact_routing",
+                           check_bool(self.compact_routing, "compact_routing"))
 
     def __call__(self, token_indices, token_probs):
-        return ops.indices_to_multihot(
+        routing_map, probs = ops.indices_to_multihot(
             token_indices, jnp.asarray(token_probs, jnp.float32), num_experts=self.num_experts,
             impl="xla")
+        return (token_indices if self.compact_routing else routing_map), probs
+
+    forward = __call__
 
 
 class MoEFlexTokenDispatcher(nnx.Module):
@@ -174,8 +183,9 @@ class MoEFlexTokenDispatcher(nnx.Module):
         (what dispatch_preprocess2 runs there), else None."""
         if self.backend != "hybridep":
             return None
-        return HybridEPMetadataProcessor(num_experts=self.config.num_moe_experts,
-                                         permute_fusion=self.config.moe_permute_fusion)
+        return HybridEPMetadataProcessor(
+            num_experts=self.config.num_moe_experts, permute_fusion=self.config.moe_permute_fusion,
+            compact_routing=self.config.moe_hybridep_compact_routing)
 
     def _initialize_metadata(self, num_local_tokens, probs):
         """NeMo's: probs [num_local_tokens, E] (float) viewed per destination of the TPxEP
@@ -444,7 +454,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
     def dispatch_postprocess(self, hidden_states, state):
         """Received rows -> (global_input_tokens [N,H], tokens_per_expert i32[L],
         permuted_probs [N], state): expert-major rows for a grouped GEMM. permuted_probs is
-        float32, or float64 with moe_router_dtype="fp64" (as in PyTorch)."""
+        float32, or on the deepep family float64 with moe_router_dtype="fp64" (as NeMo's
+        DeepEP manager; its HybridEP manager keeps HybridEP's float32)."""
         _check_state(state, "dispatch_postprocess")
         if self.backend == "hybridep":  # f32 probs, HybridEP's (NeMo's HybridEP manager
             px, pp, tpe = hidden_states     # applies no router dtype, unlike its DeepEP one)
