@@ -26,7 +26,7 @@ Arguments that have no effect under XLA (accepted so that ported calls run uncha
 - `previous_event`, `async_finish`, `allocate_on_comm_stream` (normal-mode methods): XLA orders
   and schedules the collectives; results are `EventOverlap()`.
 - `async_finish`, `return_recv_hook` (low-latency methods): as above; the hook is a callable
-  returning None.
+  returning None. Both set is a ValueError, as DeepEP asserts.
 - `num_tokens_per_rdma_rank` (`dispatch`): recomputed from topk_idx by the two-hop dispatch (a
   (node, local) `group`).
 - `dispatch_wait_recv_cost_stats`, `combine_wait_recv_cost_stats` (low-latency methods): no

@@ -842,6 +842,11 @@ def test_worst_case_buffers_far_above_the_routed_rows_warn_once_bounded_ones_do_
     # a capacity factor drops by design (and refuses dropless_buffer_factor): no advice
     assert messages(64, 8, (1, 8), moe_expert_capacity_factor=4.0) == []
     assert messages(8, 2, (2, 4)) == []
+    # the backend's own bound quiets it; the other family's field bounds nothing here
+    own, other = (("num_permuted_tokens", "num_worst_tokens") if backend == "hybridep"
+                  else ("num_worst_tokens", "num_permuted_tokens"))
+    assert messages(64, 8, (1, 8), **{own: 256}) == []
+    assert len(messages(64, 8, (1, 8), **{other: 256})) == 1
 
 
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])
@@ -1334,7 +1339,7 @@ def test_hybridep_metadata_processor_is_nemos(fusion):
         HybridEPMetadataProcessor(num_experts=0, permute_fusion=False)
     # NeMo's compact_routing (third field, default False) and forward(): the metadata is the
     # indices themselves, the probs still dense; the compact dispatcher's processor has it
-    assert processor.forward is not None and processor.compact_routing is False
+    assert processor.compact_routing is False
     indices = jnp.array([[0, 3], [1, -1]])
     compact = HybridEPMetadataProcessor(num_experts=8, permute_fusion=fusion,
                                         compact_routing=True)

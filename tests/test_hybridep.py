@@ -693,3 +693,35 @@ def test_dispatcher_bounds_hybridep_receive_rows_by_its_permuted_buffer(fields, 
     kept = np.abs(y).sum(1) > 0
     assert kept.sum() == num_ranks * T - sum(want_dropped)
     np.testing.assert_allclose(y[kept], 0.5 * x[kept], rtol=1e-6)
+
+
+def test_dispatcher_sends_a_callers_dense_map_whole():
+    """A routing_map given to dispatch_preprocess (Megatron's form) may route a token to more
+    than moe_router_topk experts, e.g. the drop-and-pad capacity mask: every row is sent (no
+    top-k bound on its send layout) and the combine sums every expert's copy. A map the
+    dispatcher builds from top-k keeps the T'*min(K, P) bound."""
+    from jax_ep.flax import MoEFlexTokenDispatcher
+    num_ranks, T, H, E, K = 4, 4, 8, 4, 1
+    rng = np.random.default_rng(35)
+    x = rng.standard_normal((num_ranks * T, H)).astype(np.float32)
+    owned = np.zeros((num_ranks * T, E), bool)
+    owned[np.arange(num_ranks * T), rng.integers(0, E, num_ranks * T)] = True
+    owned[0::T] = True  # each rank's first token on every expert: 4 ranks, K = 1
+    probs = np.where(owned, 0.5, 0.0).astype(np.float32)
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       moe_flex_dispatcher_backend="hybridep",
+                                       expert_axis_name=AXIS)
+    d = MoEFlexTokenDispatcher(E // num_ranks, range(E // num_ranks), cfg)
+
+    def body(x, rm, pr):
+        hidden, state = d.dispatch_preprocess(x, rm, pr)
+        out, _, _, state = d.dispatch_postprocess(*d.dispatch_all_to_all(hidden, state))
+        sent = state.handle.routing.send_token_idx.shape[0]
+        return (d.token_unpermutation(out, state), state.num_dropped[None],
+                jnp.full((1,), sent))
+
+    y, dropped, sent = map(np.asarray, run_ep(body, ep_mesh(num_ranks), x, owned, probs))
+    assert not dropped.any()
+    np.testing.assert_array_equal(sent, [T * num_ranks] * num_ranks)  # T' = T: T*P rows
+    np.testing.assert_allclose(y, owned.sum(1, keepdims=True) * x, rtol=1e-6)
+    assert owned[0].sum() == E and np.allclose(y[0], E * x[0])

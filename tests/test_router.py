@@ -534,6 +534,8 @@ def test_moe_config_from_dict_reads_megatrons_implementation_fields():
                         (dict(expert_tensor_parallel_size=1, tensor_model_parallel_size=4), 1)):
         c = MoEConfig.from_dict(dict(base, moe_ffn_hidden_size=64, **fields))
         assert c.expert_tensor_parallel_size == etp, fields
+    with pytest.raises(ValueError, match="MoEConfig.tensor_model_parallel_size: expected"):
+        MoEConfig.from_dict(dict(base, tensor_model_parallel_size="2"))
     # every other Megatron MoE field: a kernel / schedule / memory choice, accepted
     inert = dict(moe_layer_recompute=True, moe_shared_expert_overlap=True,
                  moe_per_layer_logging=True, moe_flex_dispatcher_num_sms=24,

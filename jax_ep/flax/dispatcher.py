@@ -35,7 +35,7 @@ _ROUTER_DTYPES = {"fp32": jnp.float32, "fp64": jnp.float64, None: None}
 @partial(jax.tree_util.register_dataclass,
          data_fields=["token_indices", "token_probs", "routing_map", "probs", "handle",
                       "sorted_indices", "num_dropped", "num_invalid"],
-         meta_fields=["hidden_shape"])
+         meta_fields=["hidden_shape", "map_top_k"])
 @dataclasses.dataclass(frozen=True)
 class DispatchState:
     """What the combine side needs from a dispatch (the PyTorch dispatcher's `self` fields).
@@ -50,6 +50,9 @@ class DispatchState:
       while building HybridEP's dense routing (which cannot hold them); dispatch_all_to_all
       adds them to the handle's num_invalid, where the other modes count theirs.
     hidden_shape: the input's shape, restored by combine_postprocess.
+    map_top_k: the most experts a token selects in routing_map where that is known (a map
+      the dispatcher built from top-k routing: K), else None (a caller's map, e.g.
+      Megatron's drop-and-pad capacity mask, may route a token to more experts).
     """
 
     token_indices: jax.Array | None = None
@@ -61,6 +64,7 @@ class DispatchState:
     num_dropped: jax.Array | None = None
     num_invalid: jax.Array | None = None
     hidden_shape: tuple = ()
+    map_top_k: int | None = None
 
 
 def router_dtype(config: TokenDispatcherConfig, default):
@@ -351,13 +355,15 @@ class MoEFlexTokenDispatcher(nnx.Module):
                     "TokenDispatcherConfig.moe_router_topk", "num_moe_experts")
         indices, values = self._topk_from_probs(probs)
         if self.backend == "hybridep" and not self.config.moe_hybridep_compact_routing:
-            if routing_map is None:
+            built = routing_map is None
+            if built:
                 routing_map, dense = ops.indices_to_multihot(indices, values,
                                                              num_experts=num_experts, impl="xla")
             else:
                 dense = jnp.where(routing_map, probs, 0).astype(values.dtype)
             state = DispatchState(routing_map=routing_map, probs=dense,
-                                  hidden_shape=hidden_shape)
+                                  hidden_shape=hidden_shape,
+                                  map_top_k=self.config.moe_router_topk if built else None)
         else:
             state = DispatchState(token_indices=indices, token_probs=values,
                                   hidden_shape=hidden_shape)
@@ -398,7 +404,8 @@ class MoEFlexTokenDispatcher(nnx.Module):
                                                                  self.config.num_moe_experts)
             routing_map, probs = self.hybridep_metadata_processor(token_indices, token_probs)
             return hidden, DispatchState(routing_map=routing_map, probs=probs,
-                                         num_invalid=num_invalid, hidden_shape=hidden_shape)
+                                         num_invalid=num_invalid, hidden_shape=hidden_shape,
+                                         map_top_k=top_k)
         return hidden, DispatchState(token_indices=token_indices,
                                      token_probs=token_probs.astype(jnp.float32),
                                      hidden_shape=hidden_shape)
@@ -422,11 +429,12 @@ class MoEFlexTokenDispatcher(nnx.Module):
                      else cfg.moe_router_topk)
             n = cfg.num_permuted_tokens or self._num_permuted(self.ep_size * num_tokens, top_k,
                                                               num_tokens)
-            # top_k bounds the dense map's send layout (and the combine's return buffer) at
-            # T'*min(top_k, P) rows instead of T'*P
+            # a map built from top-k bounds its send layout (and the combine's return buffer)
+            # at T'*min(K, P) rows instead of T'*P; a caller's map is sent whole
             routing = (dict(topk_idx=state.token_indices, probs=state.token_probs)
                        if state.token_indices is not None
-                       else dict(routing_map=state.routing_map, probs=state.probs, top_k=top_k))
+                       else dict(routing_map=state.routing_map, probs=state.probs,
+                                 top_k=state.map_top_k))
             px, pp, tpe, handle = hybridep.hybridep_dispatch(
                 hidden_states, num_experts=cfg.num_moe_experts, axis_name=self.axis_name,
                 num_permuted_tokens=n, pad_multiple=cfg.moe_router_expert_pad_multiple,

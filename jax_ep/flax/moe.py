@@ -137,14 +137,16 @@ UNBOUNDED_BUFFER_RATIO = 4
 
 def _warn_unbounded_buffers(permuted, routed_rows, dcfg: TokenDispatcherConfig):
     """A UserWarning (at trace time) when the dropless worst-case buffers (no
-    dropless_buffer_factor, ragged_buffer_factor, num_worst_tokens or num_permuted_tokens)
-    hold more than UNBOUNDED_BUFFER_RATIO times the T*K rows routed on average and
+    dropless_buffer_factor, ragged_buffer_factor or capacity factor, nor the backend's own
+    bound: num_permuted_tokens for hybridep, num_worst_tokens for the deepep family) hold more
+    than UNBOUNDED_BUFFER_RATIO times the T*K rows routed on average and
     UNBOUNDED_BUFFER_WARN_BYTES of rows: permuted [N, H] is the expert GEMMs' input. The worst
     case grows with the expert axis (P*T*min(K, L) rows) while the need stays T*K: one
     DeepSeek-V3-shaped layer's training step at EP 64 peaks at 157 GiB a device in XLA's
     memory analysis (benchmarks/RESULTS.md, session 28). A capacity factor drops by design and
     bounds the buffers itself: no warning then."""
-    bounds = ("dropless_buffer_factor",) + BUFFER_BOUNDS
+    ignored = "num_worst_tokens" if dcfg.backend == "hybridep" else "num_permuted_tokens"
+    bounds = [name for name in ("dropless_buffer_factor",) + BUFFER_BOUNDS if name != ignored]
     if any(getattr(dcfg, name) is not None for name in bounds):  # bounded, or dropping
         return
     rows = permuted.shape[0]

@@ -534,6 +534,9 @@ def megatron_fields(fields: dict) -> dict:
     # tensor_model_parallel_size (ModelParallelConfig.__post_init__; that field is read for
     # this only: the layer's tensor sharding is ETP's, attention's TP is the model's)
     tensor_parallel = fields.pop("tensor_model_parallel_size", None)
+    _require(tensor_parallel is None or is_int(tensor_parallel), "tensor_model_parallel_size",
+             "None or a positive int (read for expert_tensor_parallel_size only)",
+             tensor_parallel)
     if fields.get("expert_tensor_parallel_size") is None:
         fields.pop("expert_tensor_parallel_size", None)
         if tensor_parallel is not None:
