@@ -95,8 +95,8 @@ class TokenDispatcherConfig:
         receive buffer to min(P*T, ceil(f*T*min(K, P))) rows (one row per (token, rank)),
         the permuted expert buffer (and hybridep's) to ceil(f*T*K) (token, expert) rows plus
         block padding. What does not fit is dropped and counted in num_dropped. An explicit
-        num_worst_tokens (deepep family) / num_permuted_tokens (hybridep) wins over it. Memory per buffer: README.md,
-        "Buffer sizes". Not with moe_deepep_async_dispatch.
+        num_worst_tokens (deepep family) / num_permuted_tokens (hybridep) wins over it.
+        Memory per buffer: README.md, "Buffer sizes". Not with moe_deepep_async_dispatch.
       dropless_buffer_factor: None (default) or a positive float f: dropless, with the
         buffers of ragged_buffer_factor=f in the common step. The layer (jax_ep.flax.MoELayer,
         MoEFlexTokenDispatcher.bounded_forward) dispatches into the bounded buffers and, in
