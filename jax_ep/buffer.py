@@ -276,11 +276,11 @@ def _check_group(group):
 def _check_hook_flags(async_finish, return_recv_hook) -> bool:
     """A low-latency method's async_finish and return_recv_hook as bools (ValueError naming
     either when not a bool, or both set: DeepEP asserts they are not) -> return_recv_hook."""
-    if check_bool(async_finish, "async_finish") and check_bool(return_recv_hook,
-                                                               "return_recv_hook"):
+    hook = check_bool(return_recv_hook, "return_recv_hook")
+    if check_bool(async_finish, "async_finish") and hook:
         raise ValueError("async_finish / return_recv_hook: DeepEP's low-latency methods do "
                          "not take both set; pass at most one")
-    return check_bool(return_recv_hook, "return_recv_hook")
+    return hook
 
 
 class Buffer:
