@@ -52,7 +52,10 @@ count exchange and send layout; + dispatch exchange of the rows and weights; + l
 + expert GEMMs; + unpermute; + combine exchange = the whole layer), each prefix's forward +
 backward (in the router weights, and from the expert GEMMs on in the expert weights too)
 round-robin with the rest; the differences of consecutive prefixes are the parts' costs,
-printed as a second table with their shares of the whole step.
+printed as a second table with their shares of the whole step. `--parts deepep@bounded` cuts
+the bounded path instead (the layer with ragged_buffer_factor = --buffer-factor: the buffers
+of dropless_buffer_factor without its overflow check and fallback); with the deepep@bounded
+row in --backends, a last row gives what that row adds (the overflow check and the cond).
 """
 
 from __future__ import annotations
@@ -113,8 +116,10 @@ def parse_args(argv=None):
                    help=f"comma-separated router options to time, of {', '.join(ROUTERS)}")
     p.add_argument("--seq-len", type=common.positive_int, default=16,
                    help="tokens per sequence (the seq_aux router's sequences)")
-    p.add_argument("--parts", action="store_true",
-                   help="also time the deepep step's parts (prefixes of the step, see above)")
+    p.add_argument("--parts", nargs="?", const="deepep", default=None,
+                   choices=("deepep", "deepep@bounded"),
+                   help="also time the deepep step's parts (prefixes of the step, see above); "
+                        "deepep@bounded: the bounded path's")
     p.add_argument("--baseline", default=None,
                    help="row the speedup column divides by (default gshard; where the run has "
                         "no gshard row the column reads n/a)")
@@ -314,7 +319,9 @@ def main(argv=None):
           f"devices on {os.cpu_count()} cores; {num_tokens} tokens ({a.tokens}/device), "
           f"H={a.hidden} F={a.ffn} E={a.experts} K={a.topk} {a.dtype}")
 
-    def make_layer(backend, router=None):
+    def make_layer(backend, router=None, bounded_path=False):
+        """backend's layer; bounded_path: its buffers of ragged_buffer_factor = --buffer-factor
+        (the bounded path of dropless_buffer_factor, without its fallback)."""
         name, _, impl = backend.partition(":")
         name, _, variant = name.partition("@")  # "@cap": --capacity-factor, "@cap+pad": padded
         bounded = variant == "bounded"  # dropless, --buffer-factor buffers where they fit
@@ -324,7 +331,8 @@ def main(argv=None):
             moe_hybridep_compact_routing=name.endswith("-compact"),
             moe_permute_fusion=name != "alltoall", moe_share_token_dispatcher=False,
             grouped_gemm_impl=impl or "auto",
-            dropless_buffer_factor=a.buffer_factor if bounded else None)
+            dropless_buffer_factor=a.buffer_factor if bounded else None,
+            ragged_buffer_factor=a.buffer_factor if bounded_path else None)
         if router is not None:
             cfg = MoEConfig(num_moe_experts=a.experts, moe_router_topk=a.topk,
                             moe_router_dtype="fp32", token_dispatcher=cfg, **ROUTERS[router])
@@ -440,7 +448,7 @@ def main(argv=None):
 
     parts = {}
     if a.parts:
-        parts = part_calls(a, mesh, make_layer("deepep"), x)
+        parts = part_calls(a, mesh, make_layer("deepep", bounded_path=a.parts != "deepep"), x)
         calls.update(parts)
 
     timed = common.time_round_robin(calls, warmup=a.warmup, iters=a.iters)
@@ -499,12 +507,14 @@ def main(argv=None):
             prows.append([stop, t * 1e3, (t - prev) * 1e3, f"{100 * (t - prev) / whole:.1f}%",
                           mib(runs[f"to {stop}"], "peak")])
             prev = t
-        if "deepep" in runs:
-            t = runs["deepep"]["median_s"]
-            prows.append(["(whole deepep row: + counts, aux, nnx)", t * 1e3, (t - prev) * 1e3,
-                          f"{100 * (t - prev) / whole:.1f}%", mib(runs["deepep"], "peak")])
+        if a.parts in runs:
+            t = runs[a.parts]["median_s"]
+            adds = "overflow check, cond, " if a.parts != "deepep" else ""
+            prows.append([f"(whole {a.parts} row: + {adds}counts, aux, nnx)", t * 1e3,
+                          (t - prev) * 1e3, f"{100 * (t - prev) / whole:.1f}%",
+                          mib(runs[a.parts], "peak")])
         md += "\n" + common.print_table(
-            "Parts of the deepep step (forward + backward of the step cut after each part; "
+            f"Parts of the {a.parts} step (forward + backward of the step cut after each part; "
             f"median of {a.iters}, round-robin)",
             ["up to and including", "prefix ms", "part ms", "share of the step",
              "peak MiB/dev"], prows)

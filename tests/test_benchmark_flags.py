@@ -44,6 +44,7 @@ BAD = [
     ("bench_moe", ["--backends", "gshard:tiled"], "--backends: 'gshard:tiled': expected"),
     ("bench_moe", ["--tile-rows", "x"], "--tile-rows: invalid"),
     ("bench_moe", ["--routers", "aux,nope"], "--routers: unknown ['nope']"),
+    ("bench_moe", ["--parts", "hybridep"], "--parts: invalid choice: 'hybridep'"),
     ("run", ["--only", "bench_transport,nosuch"], "--only: expected some of"),
     ("run", ["--only", ","], "--only: expected some of"),
 ]
@@ -68,4 +69,6 @@ def test_good_flags_parse_to_lists(benchmarks):
     assert (a.tile_rows, a.routers) == ([32, 128], ["aux"])
     defaults = benchmarks["bench_moe"]([])
     assert "gshard" in defaults.backends and defaults.routers == []
+    assert defaults.parts is None and benchmarks["bench_moe"](["--parts"]).parts == "deepep"
+    assert benchmarks["bench_moe"](["--parts", "deepep@bounded"]).parts == "deepep@bounded"
     assert benchmarks["bench_internode"](["--nodes", "4"]).nodes == 4
