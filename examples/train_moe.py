@@ -14,7 +14,7 @@ plot and a JSON log.
       --router-num-groups 4 --router-group-topk 2
   # the routing shape of the real recipes at a hidden size 8 CPU devices train in minutes:
   python examples/train_moe.py --preset deepseek-v3-tiny   # E=256 K=8, 8 groups top-4,
-                                         # sigmoid + expert bias, shared expert, 2 nodes
+                                         # sigmoid + expert bias, shared expert, 8 nodes
   python examples/train_moe.py --preset qwen3-moe-tiny     # E=128 K=8, softmax, global aux
   python examples/train_moe.py --preset gpt-oss-tiny       # E=32 K=4, clamped Quick-GEGLU,
                                                            # router and expert biases
@@ -48,19 +48,25 @@ from pathlib import Path
 # The routing shape of the real models' Megatron recipes at a small hidden size: DeepSeek-V3
 # (E=256, K=8, 8 groups of which 4 per token, sigmoid scores renormalised and scaled by 2.5, the
 # aux-loss-free expert bias with a 1e-4 sequence-wise aux loss, one shared expert, routing
-# limited to groups placed on nodes) and Qwen3-30B-A3B (E=128, K=8, softmax over the K chosen,
-# no shared expert, the global-batch aux loss 1e-3), and gpt-oss-20b's MoE (E=32, K=4, softmax
-# over the K chosen, no shared expert, the experts' Quick-GEGLU with linear offset 1 and clamp
-# 7, router and expert biases: add_bias_linear), and Llama-4-Scout's (E=16, K=1, sigmoid
-# scores scaling the experts' input, a shared expert). The bias update rate is DeepSeek-V3's 1e-3
-# times 10, so the expert bias balances the load within a run of 120 steps instead of
-# thousands. Flags given on the command line win.
+# limited to groups placed on nodes: one group per node of 8, as DeepSeek-V3's EP 64 over 8
+# nodes, so a token reaches at most 4 nodes; here 8 nodes of 2 emulated devices, two-hop) and
+# Qwen3-30B-A3B (E=128, K=8, softmax over the K chosen, no shared expert, the Qwen3 report's
+# global-batch load-balancing loss at the recipes' coefficient 1e-3: Megatron-Bridge's Qwen3
+# MoE bridge sets the per-micro-batch aux_loss, its Qwen3-Next one global_aux_loss), and
+# gpt-oss-20b's MoE (E=32, K=4, softmax over the K chosen, no shared expert, the experts'
+# Quick-GEGLU with linear offset 1 and clamp 7, router and expert biases: add_bias_linear), and
+# Llama-4-Scout's (E=16, K=1, sigmoid scores scaling the experts' input, a shared expert). The
+# bias update rate is DeepSeek-V3's 1e-3 times 10, so the expert bias balances the load within
+# a run of 120 steps instead of thousands. The FFN sizes are not the recipes' ratios to the
+# hidden size, and every layer is an MoE layer (DeepSeek-V3's first 3 are dense). Flags given on
+# the command line win.
 PRESETS = {
     "deepseek-v3-tiny": dict(experts=256, topk=8, router_num_groups=8, router_group_topk=4,
                              score_function="sigmoid", expert_bias=True,
                              topk_scaling_factor=2.5, load_balancing="seq_aux_loss",
                              aux_loss_coeff=1e-4, bias_update_rate=1e-2, d_model=64, ffn=32,
-                             shared_ffn=32, nodes=2, steps=120, lr=3e-3),
+                             shared_ffn=32, devices=16, data_parallel=1, nodes=8, steps=120,
+                             lr=3e-3),
     "qwen3-moe-tiny": dict(experts=128, topk=8, score_function="softmax",
                            load_balancing="global_aux_loss", aux_loss_coeff=1e-3, d_model=64,
                            ffn=32, shared_ffn=0, steps=120, lr=3e-3),

@@ -313,16 +313,27 @@ def test_presets_set_the_recipes_routing_and_flags_override_them(train_moe, tmp_
     args = train_moe.parse_args(["--preset", "deepseek-v3-tiny", "--steps", "7"])
     assert (args.experts, args.topk, args.router_num_groups, args.router_group_topk,
             args.score_function, args.expert_bias, args.topk_scaling_factor, args.nodes,
-            args.steps) == (256, 8, 8, 4, "sigmoid", True, 2.5, 2, 7)
+            args.devices, args.data_parallel, args.steps) == (
+        256, 8, 8, 4, "sigmoid", True, 2.5, 8, 16, 1, 7)
     qwen = train_moe.parse_args(["--preset", "qwen3-moe-tiny"])
     assert (qwen.experts, qwen.topk, qwen.shared_ffn, qwen.load_balancing) == (
         128, 8, 0, "global_aux_loss")
     oss = train_moe.parse_args(["--preset", "gpt-oss-tiny", "--activation-clamp", "5"])
     assert (oss.experts, oss.topk, oss.shared_ffn, oss.activation, oss.glu_linear_offset,
             oss.activation_clamp) == (32, 4, 0, "quick_gelu", 1.0, 5.0)
-    records = train_moe.train(train_moe.parse_args(
-        ["--preset", "deepseek-v3-tiny", "--steps", "2", "--batch", "16", "--seq", "16",
-         "--layers", "1", "--no-progress", "--out", str(tmp_path / "ds")]))
-    assert len(records[-1]["load"][0]) == 256 and sum(records[-1]["load"][0]) == 16 * 16 * 8
-    assert np.isfinite([r["loss"] for r in records]).all()
-    assert records[-1]["rows_across_nodes"] < records[-1]["flat_rows_across_nodes"]
+
+    def run(*flags):
+        return train_moe.train(train_moe.parse_args(
+            ["--preset", "deepseek-v3-tiny", "--steps", "2", "--batch", "16", "--seq", "16",
+             "--layers", "1", "--devices", "8", "--no-progress", "--out", str(tmp_path / "ds"),
+             *flags]))[-1]
+    # This session's 8 devices: the preset's 8 nodes of one device each. One group per node,
+    # 4 groups per token: at most 4 nodes per token (DeepSeek-V3's node limit), 3.5 on average
+    # here against 4.6 with every group eligible (--router-group-topk 8, checked once).
+    last = run()
+    assert len(last["load"][0]) == 256 and sum(last["load"][0]) == 16 * 16 * 8
+    assert np.isfinite(last["loss"])
+    assert last["rows_across_nodes"] == last["flat_rows_across_nodes"] <= 16 * 16 * 4
+    # 4 nodes of 2 devices: the two-hop dispatch sends one row per (token, other node)
+    last = run("--nodes", "4")
+    assert last["rows_across_nodes"] < last["flat_rows_across_nodes"]
