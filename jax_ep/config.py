@@ -107,7 +107,9 @@ class TokenDispatcherConfig:
         permutes buffers of about f times the balanced load instead of the worst case, so the
         program's peak memory follows f (the two-hop mode's node-hop buffer stays at its
         worst case, as ragged_buffer_factor leaves it); a step that falls back runs both
-        paths, the second in several rounds of exchanges. Not with ragged_buffer_factor,
+        paths, the second in several rounds of exchanges. On GPUs each lax.cond (one in the
+        forward, one in the backward) is a host sync: XLA:GPU reads its predicate on the
+        host. Not with ragged_buffer_factor,
         num_worst_tokens, num_permuted_tokens, moe_expert_capacity_factor or
         moe_deepep_async_dispatch.
       grouped_gemm_impl: the experts' grouped GEMM, jax_ep.ops.grouped_matmul's impl:
