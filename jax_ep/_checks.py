@@ -16,6 +16,7 @@ __all__ = [
     "FP8_OUTPUTS",
     "as_dtype",
     "as_int32_ids",
+    "check_array",
     "check_bool",
     "check_experts",
     "check_flag",
@@ -71,7 +72,15 @@ def check_rows(x, name: str) -> None:
         raise ValueError(f"{name}: expected at least one dimension, got shape {jnp.shape(x)}")
 
 
+def check_array(x, name: str) -> None:
+    """ValueError naming `name` unless x is an array (has a shape and a dtype: a jax or numpy
+    array, a tracer): a Python list or scalar would pass jnp.shape and fail later."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise ValueError(f"{name}: expected an array, got {type(x).__name__}")
+
+
 def check_shape(x, shape: tuple, name: str) -> None:
+    check_array(x, name)
     if tuple(jnp.shape(x)) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(jnp.shape(x))}")
 
@@ -105,12 +114,14 @@ def as_dtype(value, name: str):
 
 
 def check_float(x, name: str) -> None:
+    check_array(x, name)
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise ValueError(f"{name}: expected float32, bfloat16 or float16, got {x.dtype}")
 
 
 def check_float_weights(x, name: str) -> None:
     """Weights and probs: any float dtype (they are cast to float32)."""
+    check_array(x, name)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name}: expected a float array, got {x.dtype}")
 
@@ -163,8 +174,8 @@ def check_positive(value, name: str, *, allow_zero: bool = False, upper: int | N
 
 def check_experts(num_experts: int, num_ranks: int) -> int:
     """Returns L = num_experts // num_ranks after checking E % P == 0."""
-    check_positive(num_experts, "num_experts")
-    check_positive(num_ranks, "num_ranks")
+    check_positive(num_experts, "num_experts", upper=MAX_INT32)
+    check_positive(num_ranks, "num_ranks", upper=MAX_INT32)
     if num_experts % num_ranks:
         raise ValueError(
             f"num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})"
@@ -185,7 +196,7 @@ def check_routing(topk_idx, topk_weights, num_experts: int, *, any_top_k: bool =
     None allowed unless weights_required; called `weights_name` in errors); returns the int32
     indices and float32 weights. K > num_experts is an error unless any_top_k (ids masked
     with -1, e.g. a received row's local ids: K slots, L < K local experts)."""
-    check_positive(num_experts, "num_experts")
+    check_positive(num_experts, "num_experts", upper=MAX_INT32)
     check_rank(topk_idx, 2, "topk_idx")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise ValueError(f"topk_idx: expected integer expert ids, got {topk_idx.dtype}")
@@ -214,6 +225,7 @@ def as_int32_ids(ids, upper: int, name: str):
     """Indices of any integer dtype -> int32. Values of a wider dtype (int64, uint32, uint64)
     outside [-1, upper) become -2, which is still outside, so the kernels reject or skip them
     as they would the original value (never wrap an id like 2^32 + 3 into 3)."""
+    check_array(ids, name)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name}: expected integer indices, got {ids.dtype}")
     ids32 = ids.astype(jnp.int32)

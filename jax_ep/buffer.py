@@ -273,6 +273,14 @@ def _check_group(group):
                      f"(node_axis, local_axis) pair of two names, got {group!r}")
 
 
+def _check_stream_flags(async_finish, allocate_on_comm_stream) -> None:
+    """A normal-mode method's stream flags checked as bools (ValueError naming them): they
+    change nothing here (XLA orders the work), but a string such as "False" is a caller's
+    mistake that DeepEP's C++ binding would refuse too."""
+    check_bool(async_finish, "async_finish")
+    check_bool(allocate_on_comm_stream, "allocate_on_comm_stream")
+
+
 def _check_hook_flags(async_finish, return_recv_hook) -> bool:
     """A low-latency method's async_finish and return_recv_hook as bools (ValueError naming
     either when not a bool, or both set: DeepEP asserts they are not) -> return_recv_hook."""
@@ -463,6 +471,7 @@ class Buffer:
         as the dispatch routes them: a CPU kernel's error on one rank would leave the other
         ranks waiting in the next collective); the dispatch counts them in its handle."""
         impl = tp.check_backend(self.backend)
+        _check_stream_flags(async_finish, allocate_on_comm_stream)
         check_experts(num_experts, self.group_size)
         topk_idx = unroute_invalid_experts(check_routing(topk_idx, None, num_experts)[0],
                                            num_experts)[0]
@@ -499,6 +508,7 @@ class Buffer:
         with `handle=` (cached dispatch, the handle's routing; topk_idx and topk_weights must
         be None, as DeepEP asserts): (recv_x, None, None, None, None, event).
         """
+        _check_stream_flags(async_finish, allocate_on_comm_stream)
         if num_worst_tokens != 0:
             check_positive(num_worst_tokens, "num_worst_tokens")
         worst = num_worst_tokens or None
@@ -509,9 +519,10 @@ class Buffer:
             recv_x, _, _, _ = deepep.dispatch(x, handle=handle, axis_name=self.group,
                                               backend=self.backend)
             return recv_x, None, None, None, None, EventOverlap()
-        if num_tokens_per_expert is None or jnp.ndim(num_tokens_per_expert) != 1:
-            got = "None" if num_tokens_per_expert is None else (
-                f"shape {jnp.shape(num_tokens_per_expert)}")
+        if not hasattr(num_tokens_per_expert, "dtype") or jnp.ndim(num_tokens_per_expert) != 1:
+            got = (f"shape {jnp.shape(num_tokens_per_expert)}"
+                   if hasattr(num_tokens_per_expert, "dtype")
+                   else type(num_tokens_per_expert).__name__)
             raise ValueError("num_tokens_per_expert: expected the i32[E] counts of "
                              f"get_dispatch_layout without a handle (they give E), got {got}")
         num_experts = jnp.shape(num_tokens_per_expert)[0]
@@ -567,6 +578,7 @@ class Buffer:
         combined_topk_weights f32[T,K] or None, event). Unweighted sum of a token's copies in
         fp32; `bias` ([T,H], or a pair of them) starts that sum, before the copies and the
         one cast to x.dtype (DeepEP's order: `jax_ep.deepep.combine_with_bias`)."""
+        _check_stream_flags(async_finish, allocate_on_comm_stream)
         if bias is not None:
             combined, combined_w = deepep.combine_with_bias(x, handle, bias,
                                                             topk_weights=topk_weights, name="x")
@@ -641,7 +653,7 @@ class Buffer:
         gradients straight-through. DeepEP forbids it with zero_copy: so does this."""
         return_recv_hook = _check_hook_flags(async_finish, return_recv_hook)
         use_logfmt = check_bool(use_logfmt, "use_logfmt")
-        if use_logfmt and check_bool(zero_copy, "zero_copy"):
+        if check_bool(zero_copy, "zero_copy") and use_logfmt:
             raise ValueError("use_logfmt: DeepEP's combine does not allow use_logfmt with "
                              "zero_copy=True")
         low_latency.check_combine_rows(x, handle, "x")
@@ -650,8 +662,6 @@ class Buffer:
         combined = low_latency.low_latency_combine(x, topk_idx, topk_weights, handle,
                                                    use_logfmt=use_logfmt)
         if out is not None:
-            if not hasattr(out, "dtype"):
-                raise ValueError(f"out: expected a [T,H] array, got {type(out).__name__}")
             check_shape(out, combined.shape, "out")
             check_float(out, "out")
             combined = combined.astype(out.dtype)
@@ -699,7 +709,7 @@ class UCCLBuffer(Buffer):
         UCCL-EP's does; packed_recv_count, comp_signal, block_m, threshold, num_sms,
         src_signals and src_signal_expect_value (that handshake's parameters) are accepted
         and, without overlap, have no effect, as in UCCL-EP."""
-        if overlap:
+        if check_bool(overlap, "overlap"):
             raise NotImplementedError("overlap: the combine fused with the next GEMM (UCCL-EP's "
                                       "signal handshake) is not implemented, as in UCCL-EP; "
                                       "use overlap=False")

@@ -365,8 +365,7 @@ def _combined_weights(topk_weights, handle):
     """topk_weights [R,K] summed back to their tokens in fp32 (None stays None)."""
     if topk_weights is None:
         return None
-    check_shape(topk_weights, handle.recv_topk_idx.shape, "topk_weights")
-    return _combine_rows(topk_weights.astype(jnp.float32), handle)
+    return _combine_rows(check_weights(topk_weights, handle.recv_topk_idx.shape), handle)
 
 
 def check_combine_rows(y, handle, name):

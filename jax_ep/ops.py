@@ -306,6 +306,7 @@ def permute(tokens, routing_map, probs=None, *, num_out_tokens, pad_multiple=Non
         raise ValueError(f"routing_map: expected {tokens.shape[0]} rows to match tokens "
                          f"{tokens.shape}, got shape {routing_map.shape}")
     drop_and_pad = check_flag(drop_and_pad, "drop_and_pad")
+    return_num_dropped = check_flag(return_num_dropped, "return_num_dropped")
     if drop_and_pad and routing_map.shape[1] == 0:
         raise ValueError("routing_map: drop_and_pad needs at least one expert (capacity "
                          f"num_out_tokens // E), got shape {routing_map.shape}")
@@ -645,8 +646,8 @@ GROUPED_MATMUL_TILE_ROWS = 64
 def grouped_tile_rows(tile_rows):
     """The tiled grouped GEMM's rows per tile: tile_rows checked positive, or
     GROUPED_MATMUL_TILE_ROWS when it is None."""
-    return GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(tile_rows,
-                                                                             "tile_rows")
+    return GROUPED_MATMUL_TILE_ROWS if tile_rows is None else check_positive(
+        tile_rows, "tile_rows", upper=MAX_INT32)
 
 
 # XLA:GPU has no grouped kernel for ragged_dot: its RaggedDotRewriter

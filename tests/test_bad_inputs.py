@@ -193,6 +193,9 @@ def test_all_to_all_single_cuts_splits_past_the_rows(over, cut):
     (dict(mesh="expert"), "^mesh: expected a jax.sharding.Mesh, got str"),
     (dict(mesh=None, expert_parallel_size=0), "^expert_parallel_size: expected an int > 0"),
     (dict(mesh=None, expert_parallel_size=4.0), "^expert_parallel_size: expected an int"),
+    # read by truthiness before: "False" switched jitter, the losses and the updates off
+    (dict(deterministic="False"), "^deterministic: expected a bool, got 'False'"),
+    (dict(sow_aux="no"), "^sow_aux: expected a bool, got 'no'"),
 ])
 def test_layer_arguments_are_checked_at_construction(kwargs, match):
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K)
@@ -201,6 +204,33 @@ def test_layer_arguments_are_checked_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MoELayer(cfg, args.pop("hidden_size"), args.pop("ffn_hidden_size"),
                  rngs=nnx.Rngs(0), **args)
+
+
+def test_router_flags_and_padding_mask_are_checked():
+    """TopKRouter's flags were read by truthiness; routing's padding_mask was checked for its
+    shape only, and ~ of an int mask weighed the tokens -1 and -2 in the losses (z-loss
+    -29.4 for 4.3); a list of logits failed reading .shape."""
+    from jax_ep.flax import MoEConfig, TopKRouter
+    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_z_loss_coeff=1e-3)
+    for flag in ("deterministic", "sow_aux"):
+        with pytest.raises(ValueError, match=f"^{flag}: expected a bool, got 'False'"):
+            TopKRouter(cfg, H, rngs=nnx.Rngs(0), **{flag: "False"})
+    router = TopKRouter(cfg, H, rngs=nnx.Rngs(0))
+    logits = jnp.ones((T, E))
+    with pytest.raises(ValueError, match="^padding_mask: expected bool .*, got int32"):
+        router.routing(logits, padding_mask=jnp.array([0, 1, 0, 0], jnp.int32))
+    with pytest.raises(ValueError, match="^logits: expected an array, got list"):
+        router.routing([[1.0] * E] * T)
+    router.routing(logits, padding_mask=jnp.array([False, True, False, False]))
+
+
+def test_layer_padding_mask_list_is_named():
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K)
+    mesh = jax.make_mesh((4,), ("expert",), devices=jax.devices()[:4])
+    layer = MoELayer(cfg, H, 16, rngs=nnx.Rngs(0), mesh=mesh)
+    with pytest.raises(ValueError, match="^padding_mask: expected None or a bool array, got "
+                                         "list"):
+        layer(jnp.ones((4, 2, H)), padding_mask=[[False, False]] * 4)
 
 
 def test_handlers_refuse_what_the_python_checks_refuse():
@@ -230,7 +260,7 @@ def test_buffer_dispatch_checks_the_expert_counts_shape(counts):
         return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=counts)[0]
 
     with pytest.raises(ValueError, match=r"num_tokens_per_expert: expected the i32\[E\] counts "
-                                         r".*got shape"):
+                                         r".*got (shape|int\n)"):
         run_ep(body, ep_mesh(2), np.zeros((2 * T, H), np.float32), idx, w)
 
 
@@ -333,7 +363,7 @@ def _named_argument_cases():
     """(call, the message an error must start with): each failed before with an error
     naming another argument or an internal, or was accepted."""
     from jax_ep import hybridep, low_latency
-    from jax_ep.flax import MoEFlexTokenDispatcher, moe_utils, router
+    from jax_ep.flax import HybridEPMetadataProcessor, MoEFlexTokenDispatcher, moe_utils, router
 
     idx = jnp.zeros((T, K), jnp.int32)
     w = jnp.ones((T, K), jnp.float32)
@@ -508,7 +538,93 @@ def _named_argument_cases():
             "topk_idx / topk_weights: a cached dispatch"),
         "Buffer low_latency_combine out list": (lambda: sm(lambda: buf.low_latency_combine(
             jnp.zeros((E // 2, 2 * T, H), jnp.bfloat16), idx, w, ll_handle()[2],
-            out=[[0.0] * H] * T)[0]), "out: expected a \\[T,H\\] array, got list"),
+            out=[[0.0] * H] * T)[0]), "out: expected an array, got list"),
+        # A Python list of the right shape passed the shape checks and failed reading .dtype
+        "Buffer combine bias list": (lambda: sm(lambda: buf.combine(
+            jnp.zeros((2 * T, H)), jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)[3],
+            bias=(x, [[0.0] * H] * T))[0]), r"bias\[1\]: expected an array, got list"),
+        "combine topk_weights list": (lambda: sm(lambda: jax_ep.combine(
+            jnp.zeros((2 * T, H)), jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)[3],
+            topk_weights=[[1.0] * K] * (2 * T))[0]),
+            "topk_weights: expected a rank-2 array, got list"),
+        "combine topk_weights complex": (lambda: sm(lambda: jax_ep.combine(
+            jnp.zeros((2 * T, H)), jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)[3],
+            topk_weights=jnp.ones((2 * T, K), jnp.complex64))[0]),
+            "topk_weights: expected a float array, got complex64"),
+        "unpermute sorted_indices list": (lambda: ops.unpermute(
+            x, [0, 1, 2, 3], num_tokens=T), "sorted_indices: expected an array, got list"),
+        "grouped_matmul group_sizes list": (lambda: ops.grouped_matmul(
+            x, jnp.ones((2, H, 4)), [2, 2]), "group_sizes: expected an array, got list"),
+        "hybridep routing_map list": (lambda: sm(lambda: hybridep.hybridep_dispatch(
+            x, routing_map=[[True] * E] * T, probs=jnp.ones((T, E)), num_experts=E,
+            axis_name=AXIS)[0]), "routing_map: expected an array, got list"),
+        "Buffer num_tokens_per_expert list": (lambda: sm(lambda: buf.dispatch(
+            x, is_token_in_rank=jnp.ones((T, 2), bool), num_tokens_per_expert=[0] * E)[0]),
+            "num_tokens_per_expert: expected the i32\\[E\\] counts .*, got list"),
+        # Flags read by truthiness: "False" acted as True
+        "ops.permute return_num_dropped str": (lambda: ops.permute(
+            x, jnp.ones((T, 2), bool), num_out_tokens=8, return_num_dropped="False"),
+            "return_num_dropped: expected a bool"),
+        "moe_utils.permute drop_and_pad str": (lambda: moe_utils.permute(
+            x, jnp.ones((T, 2), bool), num_out_tokens=8, drop_and_pad="False"),
+            "drop_and_pad: expected a bool"),
+        "moe_utils.unpermute drop_and_pad str": (lambda: moe_utils.unpermute(
+            jnp.ones((8, H)), jnp.zeros(8, jnp.int32), (T, H), drop_and_pad="False"),
+            "drop_and_pad: expected a bool"),
+        "topk routing use_pre_softmax str": (lambda: moe_utils.topk_routing_with_score_function(
+            jnp.ones((T, E)), K, use_pre_softmax="False"), "use_pre_softmax: expected a bool"),
+        "topk routing dense_output str": (lambda: moe_utils.topk_routing_with_score_function(
+            jnp.ones((T, E)), K, dense_output="False"), "dense_output: expected a bool"),
+        "qb_dual_update update_beta str": (lambda: moe_utils.qb_dual_update(
+            jnp.ones((T, E)), K, jnp.zeros(E), update_beta="False"),
+            "update_beta: expected a bool"),
+        "apply_router_token_dropping pad_to_capacity str": (
+            lambda: moe_utils.apply_router_token_dropping(
+                jnp.ones((T, E)), jnp.ones((T, E), bool), K, 1.0, pad_to_capacity="False"),
+            "pad_to_capacity: expected a bool"),
+        "weighted_bias_swiglu_impl fp8_input_store str": (
+            lambda: moe_utils.weighted_bias_swiglu_impl(
+                jnp.ones((T, 2 * H)), jnp.ones((T, 1)), fp8_input_store="no"),
+            "fp8_input_store: expected a bool"),
+        "tokens per expert with_padding_mask str": (
+            lambda: moe_utils.get_tokens_per_expert_and_token_count(
+                jnp.ones((T, E), bool), None, K, with_padding_mask="no"),
+            "with_padding_mask: expected a bool"),
+        "HybridEPMetadataProcessor permute_fusion str": (
+            lambda: HybridEPMetadataProcessor(num_experts=E, permute_fusion="no"),
+            "permute_fusion: expected a bool"),
+        "UCCLBuffer overlap str": (lambda: sm(lambda: jax_ep.UCCLBuffer(AXIS).low_latency_combine(
+            jnp.zeros((E // 2, 2 * T, H), jnp.bfloat16), idx, w, ll_handle()[2],
+            overlap="False")[0]), "overlap: expected a bool"),
+        "Buffer dispatch async_finish str": (lambda: sm(lambda: buf.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=jnp.zeros(E, jnp.int32),
+            async_finish="False")[0]), "async_finish: expected a bool"),
+        "Buffer combine allocate_on_comm_stream str": (lambda: sm(lambda: buf.combine(
+            jnp.zeros((2 * T, H)), jax_ep.dispatch(x, idx, w, num_experts=E, axis_name=AXIS)[3],
+            allocate_on_comm_stream="no")[0]), "allocate_on_comm_stream: expected a bool"),
+        "Buffer layout async_finish str": (lambda: sm(lambda: buf.get_dispatch_layout(
+            idx, E, async_finish="False")[0]), "async_finish: expected a bool"),
+        "Buffer low_latency_combine zero_copy str without logfmt": (lambda: sm(
+            lambda: buf.low_latency_combine(jnp.zeros((E // 2, 2 * T, H), jnp.bfloat16), idx,
+                                            w, ll_handle()[2], zero_copy="False")[0]),
+            "zero_copy: expected a bool"),
+        # sinkhorn's loop runs until the error is below tol: tol <= 0 never ended
+        "sinkhorn tol <= 0": (lambda: router.sinkhorn(jnp.zeros((T, E)), tol=-1.0),
+                              "tol: expected a finite float > 0, got -1.0"),
+        # sizes past int32: a jax OverflowError deep inside before
+        "dispatch num_experts 2**40": (lambda: sm(lambda: jax_ep.dispatch(
+            x, idx, w, num_experts=2**40, axis_name=AXIS)[0]),
+            "num_experts: expected an int <= 2147483647"),
+        "grouped_matmul tile_rows 2**40": (lambda: ops.grouped_matmul(
+            x, jnp.ones((2, H, 4)), jnp.array([2, 2]), impl="tiled", tile_rows=2**40),
+            "tile_rows: expected an int <= 2147483647"),
+        # a transposed [K,T] / [E,T] has the size of [T,K] / [T,E]: it routed to wrong experts
+        "dispatch_preprocess2 transposed indices": (lambda: dispatcher.dispatch_preprocess2(
+            jnp.ones((T, H)), T, jnp.ones((K, T)), jnp.zeros((K, T), jnp.int32)),
+            "token_indices: expected \\[num_local_tokens=4, top-k\\]"),
+        "dispatch_preprocess transposed probs": (lambda: dispatcher.dispatch_preprocess(
+            jnp.ones((T, H)), T, jnp.ones((E, T))),
+            "probs: expected \\[num_local_tokens=4, num_moe_experts=8\\]"),
     }
 
 

@@ -133,7 +133,8 @@ class HybridEPMetadataProcessor:
 
     def __post_init__(self):
         object.__setattr__(self, "num_experts", check_positive(self.num_experts, "num_experts"))
-        object.__setattr__(self, "permute_fusion", bool(self.permute_fusion))
+        object.__setattr__(self, "permute_fusion",
+                           check_bool(self.permute_fusion, "permute_fusion"))
         object.__setattr__(self, "compact_routing",
                            check_bool(self.compact_routing, "compact_routing"))
 
@@ -345,10 +346,13 @@ class MoEFlexTokenDispatcher(nnx.Module):
         num_local_tokens = _check_num_local_tokens(num_local_tokens, hidden)
         probs = jnp.asarray(probs)
         check_float_weights(probs, "probs")
-        if jnp.size(probs) != num_local_tokens * num_experts:
+        # [T,E] or [..., E] over the T tokens (a transposed [E,T] of the same size would
+        # route the tokens to the wrong experts)
+        if (jnp.ndim(probs) < 2 or jnp.shape(probs)[-1] != num_experts
+                or jnp.size(probs) != num_local_tokens * num_experts):
             raise ValueError(f"probs: expected [num_local_tokens={num_local_tokens}, "
-                             f"num_moe_experts={num_experts}] values, got shape "
-                             f"{jnp.shape(probs)}")
+                             f"num_moe_experts={num_experts}] (or [..., {num_experts}] over "
+                             f"those tokens), got shape {jnp.shape(probs)}")
         probs = probs.reshape(num_local_tokens, num_experts)
         probs = probs.astype(router_dtype(self.config, probs.dtype))
         check_top_k(self.config.moe_router_topk, num_experts,
@@ -379,14 +383,13 @@ class MoEFlexTokenDispatcher(nnx.Module):
         if jnp.shape(token_probs) != jnp.shape(token_indices):
             raise ValueError(f"token_probs: expected the shape of token_indices "
                              f"{jnp.shape(token_indices)}, got {jnp.shape(token_probs)}")
-        if jnp.size(token_indices) % max(num_local_tokens, 1):
+        # [T,K] or [..., K] over the T tokens (a transposed [K,T] would pass a size check
+        # and route the tokens to the wrong experts)
+        top_k = jnp.shape(token_indices)[-1] if jnp.ndim(token_indices) >= 2 else -1
+        if top_k < 0 or jnp.size(token_indices) != num_local_tokens * top_k:
             raise ValueError(f"token_indices: expected [num_local_tokens={num_local_tokens}, "
-                             f"top-k], got shape {jnp.shape(token_indices)}")
-        if num_local_tokens:
-            top_k = jnp.size(token_indices) // num_local_tokens
-        else:  # no tokens: the width cannot be inferred from the size
-            top_k = (jnp.shape(token_indices)[-1] if jnp.ndim(token_indices) >= 2
-                     else self.config.moe_router_topk)
+                             f"top-k] (or [..., top-k] over those tokens), got shape "
+                             f"{jnp.shape(token_indices)}")
         check_top_k(top_k, self.config.num_moe_experts, "token_indices", "num_moe_experts")
         token_probs = token_probs.reshape(num_local_tokens, top_k)
         token_indices = as_int32_ids(token_indices.reshape(num_local_tokens, top_k),

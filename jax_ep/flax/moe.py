@@ -32,7 +32,7 @@ from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
-from jax_ep._checks import check_positive, check_shape
+from jax_ep._checks import check_array, check_bool, check_positive, check_rank, check_shape
 from jax_ep.flax.experts import (_ffn, _linear, _shared_expert, _tensor_parallel, _weighted,
                                  _with_probs, expert_tile_rows, gate_up_from_etp,
                                  gate_up_to_etp, pad_expert_blocks, swiglu_expert_blocks,
@@ -676,8 +676,9 @@ class MoELayer(_RouterState, nnx.Module):
         self.data_axis = data_axis if mesh is not None and data_axis in mesh.axis_names else None
         self.tensor_axis = _tensor_axis(tensor_axis, config.expert_tensor_parallel_size, mesh,
                                         _names(axis) + (self.data_axis,))
-        self.dtype, self.param_dtype, self.sow_aux = dtype, param_dtype, sow_aux
-        self.deterministic = deterministic
+        self.dtype, self.param_dtype = dtype, param_dtype
+        self.sow_aux = check_bool(sow_aux, "sow_aux")
+        self.deterministic = check_bool(deterministic, "deterministic")
         H = hidden_size
         init = jax.nn.initializers.normal
 
@@ -1042,7 +1043,8 @@ class TopKRouter(_RouterState, nnx.Module):
                      else None)
         self._init_router_state(config)
         self._init_draws(config, rngs)
-        self.sow_aux, self.deterministic = sow_aux, deterministic
+        self.sow_aux = check_bool(sow_aux, "sow_aux")
+        self.deterministic = check_bool(deterministic, "deterministic")
 
     @property
     def topk(self) -> int:
@@ -1064,9 +1066,14 @@ class TopKRouter(_RouterState, nnx.Module):
     def routing(self, logits, padding_mask=None, seq_len: int = 1):
         cfg = self.config
         E = cfg.num_moe_experts
+        check_array(logits, "logits")
+        check_rank(logits, 2, "logits")
         check_shape(logits, (logits.shape[0], E), "logits")
         if padding_mask is not None:
             check_shape(padding_mask, (logits.shape[0],), "padding_mask")
+            if padding_mask.dtype != bool:  # ~ of an int mask would weigh tokens -1 / -2
+                raise ValueError(f"padding_mask: expected bool (True marks padding), got "
+                                 f"{padding_mask.dtype}")
         valid = None if padding_mask is None else ~padding_mask.reshape(-1)
         self._check_quantile_padding(padding_mask)
         bias = self._choice_bias()
@@ -1144,7 +1151,10 @@ def _checked_padding_mask(padding_mask, x):
     Megatron's convention) -> itself; else ValueError."""
     if padding_mask is None:
         return None
-    if jnp.shape(padding_mask) != jnp.shape(x)[:-1] or jnp.result_type(padding_mask) != bool:
+    if not hasattr(padding_mask, "dtype"):
+        raise ValueError(f"padding_mask: expected None or a bool array, got "
+                         f"{type(padding_mask).__name__}")
+    if jnp.shape(padding_mask) != jnp.shape(x)[:-1] or padding_mask.dtype != bool:
         raise ValueError(f"padding_mask: expected None or bool{list(jnp.shape(x)[:-1])} (x's "
                          f"shape without the hidden axis; True marks padding), got "
                          f"{jnp.result_type(padding_mask)}{list(jnp.shape(padding_mask))}")

@@ -91,6 +91,7 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
     rest of the block is padding here (PyTorch repeats unrouted tokens there). The result
     then has E * capacity rows, as PyTorch's."""
     del fused
+    drop_and_pad = _checks.check_flag(drop_and_pad, "drop_and_pad")
     routing_map = _bool_map(routing_map)
     num_tokens, num_experts = routing_map.shape
     if num_out_tokens is None:
@@ -99,7 +100,7 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
         num_out_tokens = num_out_tokens // num_experts * num_experts
     permuted, permuted_probs, sorted_indices, _ = ops.permute(
         tokens, routing_map, probs, num_out_tokens=num_out_tokens,
-        drop_and_pad=bool(drop_and_pad))
+        drop_and_pad=drop_and_pad)
     if probs is not None:
         permuted_probs = permuted_probs.astype(probs.dtype)
     return permuted, permuted_probs, sorted_indices
@@ -123,6 +124,7 @@ def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routin
     PyTorch). Sums in float32, cast back to permuted_tokens' dtype. Differentiable in
     permuted_tokens and probs."""
     del fused
+    drop_and_pad = _checks.check_flag(drop_and_pad, "drop_and_pad")
     if len(tuple(restore_shape)) != 2 or not all(_checks.is_int(d, 0) for d in restore_shape):
         raise ValueError(f"restore_shape: expected (num_tokens, hidden) ints >= 0, got "
                          f"{restore_shape}")
@@ -208,6 +210,7 @@ def get_tokens_per_expert_and_token_count(routing_map, reduce_group, topk=None,
     (padding tokens routed nowhere do not count; float32), else T and T times the devices of
     reduce_group (ints)."""
     _checks.check_rank(routing_map, 2, "routing_map")
+    with_padding_mask = _checks.check_flag(with_padding_mask, "with_padding_mask")
     local = routing_map.astype(jnp.int32).sum(axis=0)
     tokens_per_expert = local if reduce_group is None else jax.lax.psum(local, reduce_group)
     if with_padding_mask:
@@ -320,7 +323,8 @@ def _weighted_impl(activation, input, weights, fp8_input_store):
     float8_e4m3fn (kept in that dtype between the passes; with a bias, input + bias)."""
     shape = input.shape
     rows = input.reshape(-1, shape[-1]) if len(shape) > 1 else input
-    out = _stored_weighted(activation, bool(fp8_input_store), rows, weights)
+    out = _stored_weighted(activation, _checks.check_flag(fp8_input_store, "fp8_input_store"),
+                           rows, weights)
     return out.reshape(shape[0], shape[1], -1) if len(shape) > 2 else out
 
 

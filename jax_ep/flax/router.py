@@ -6,6 +6,8 @@ moe_utils names where it has them. The MoE layer sums the pieces over the mesh
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,7 +107,11 @@ def sinkhorn(cost, tol=1e-4):
     less than tol on average (no iteration cap, as Megatron; a NaN stops it). Pushes row sums
     towards 1/T and column sums towards 1/E; finite for logits past 80, where Megatron's
     float32 arithmetic is not (see the row shift below). Not differentiated (Megatron runs it
-    under no_grad): the input's gradient is cut."""
+    under no_grad): the input's gradient is cut. tol: a float > 0 (a tolerance <= 0 would
+    never be met: ValueError)."""
+    if not (isinstance(tol, numbers.Real) and not isinstance(tol, (bool, np.bool_))
+            and 0 < tol < float("inf")):
+        raise ValueError(f"tol: expected a finite float > 0, got {tol!r}")
     cost = jnp.asarray(cost)
     _checks.check_rank(cost, 2, "cost")
     cost = jax.lax.stop_gradient(cost).astype(jnp.float32)
@@ -194,6 +200,8 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
     them. fused is accepted and has no effect (XLA fuses); router_replay must be None."""
     if router_replay is not None:
         raise ValueError("router_replay: not supported in jax_ep (pass None)")
+    use_pre_softmax = _checks.check_flag(use_pre_softmax, "use_pre_softmax")
+    dense_output = _checks.check_flag(dense_output, "dense_output")
     logits = _logits(logits)
     num_tokens, num_experts = logits.shape
     topk = _checks.check_positive(topk, "topk")
@@ -263,6 +271,7 @@ def qb_dual_update(scores, k, beta, update_beta=True):
     expert e the (T*k/E + 1)-th largest of scores[:, e] - alpha, alpha each token's (k+1)-th
     largest score - beta; else beta). Computed in float32, no gradient. T*k must be divisible
     by E (ValueError); T = 0 gives beta back."""
+    update_beta = _checks.check_flag(update_beta, "update_beta")
     scores = jax.lax.stop_gradient(scores).astype(jnp.float32)
     num_tokens, num_experts = scores.shape
     if k + 1 > num_experts:
@@ -420,6 +429,7 @@ def apply_router_token_dropping(routing_probs, routing_map, router_topk, capacit
     no drop when that capacity exceeds T. pad_to_capacity: final_map is that capacity mask
     itself (each expert exactly capacity tokens, unrouted ones with prob 0). The dense form
     of capacity_drop."""
+    pad_to_capacity = _checks.check_flag(pad_to_capacity, "pad_to_capacity")
     if drop_policy not in deepep.DROP_POLICIES:
         raise ValueError(f"drop_policy: expected one of {deepep.DROP_POLICIES}, got "
                          f"{drop_policy!r}")
