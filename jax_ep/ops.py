@@ -702,19 +702,20 @@ def _dense_ragged_dot_is_cheap(dtype, num_rows, w_shape):
     return groups <= GPU_RAGGED_DOT_MAX_GROUPS and expanded <= GPU_RAGGED_DOT_MAX_BYTES
 
 
-def check_grouped_operands(x, w, group_sizes, w_name="w"):
+def check_grouped_operands(x, w, group_sizes, w_name="w", x_name="x",
+                           sizes_name="group_sizes"):
     """grouped_matmul's operand checks: x float [N,H], w float [G,H,F], group_sizes integer
-    [G]; a ValueError naming the argument otherwise."""
-    check_rank(x, 2, "x")
-    check_float(x, "x")
+    [G]; a ValueError naming the argument (the caller's names for them) otherwise."""
+    check_rank(x, 2, x_name)
+    check_float(x, x_name)
     check_rank(w, 3, w_name)
     check_float(w, w_name)
     if w.shape[1] != x.shape[1]:
-        raise ValueError(f"{w_name}: expected [G, H={x.shape[1]}, F] to match x {x.shape}, got "
-                         f"shape {w.shape}")
-    check_shape(group_sizes, (w.shape[0],), "group_sizes")
+        raise ValueError(f"{w_name}: expected [G, H={x.shape[1]}, F] to match {x_name} "
+                         f"{x.shape}, got shape {w.shape}")
+    check_shape(group_sizes, (w.shape[0],), sizes_name)
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"group_sizes: expected an integer dtype, got {group_sizes.dtype}")
+        raise ValueError(f"{sizes_name}: expected an integer dtype, got {group_sizes.dtype}")
 
 
 def grouped_operands(arrays, group_sizes):

@@ -363,7 +363,8 @@ def _named_argument_cases():
     """(call, the message an error must start with): each failed before with an error
     naming another argument or an internal, or was accepted."""
     from jax_ep import hybridep, low_latency
-    from jax_ep.flax import HybridEPMetadataProcessor, MoEFlexTokenDispatcher, moe_utils, router
+    from jax_ep.flax import (HybridEPMetadataProcessor, MoEFlexTokenDispatcher, moe_utils,
+                             router, swiglu_experts)
 
     idx = jnp.zeros((T, K), jnp.int32)
     w = jnp.ones((T, K), jnp.float32)
@@ -608,6 +609,16 @@ def _named_argument_cases():
             lambda: buf.low_latency_combine(jnp.zeros((E // 2, 2 * T, H), jnp.bfloat16), idx,
                                             w, ll_handle()[2], zero_copy="False")[0]),
             "zero_copy: expected a bool"),
+        # swiglu_experts' errors named grouped_matmul's internals (x, w, group_sizes)
+        "swiglu_experts int tokens": (lambda: swiglu_experts(
+            jnp.ones((T, H), jnp.int32), jnp.array([2, 2]), jnp.ones((2, H, 8)),
+            jnp.ones((2, 4, H))), "tokens: expected float32"),
+        "swiglu_experts w_down width": (lambda: swiglu_experts(
+            x, jnp.array([2, 2]), jnp.ones((2, H, 8)), jnp.ones((2, 5, H)), impl="tiled"),
+            r"w_down: expected \[L=2, F, H_out\] with fc1's 2F columns = w_gate_up's 8"),
+        "swiglu_experts tokens_per_expert length": (lambda: swiglu_experts(
+            x, jnp.array([2, 1, 1]), jnp.ones((2, H, 8)), jnp.ones((2, 4, H))),
+            r"tokens_per_expert: expected shape \(2,\)"),
         # sinkhorn's loop runs until the error is below tol: tol <= 0 never ended
         "sinkhorn tol <= 0": (lambda: router.sinkhorn(jnp.zeros((T, E)), tol=-1.0),
                               "tol: expected a finite float > 0, got -1.0"),

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import _ffi, ops, transport
-from jax_ep._checks import check_float, check_float_weights, check_positive, check_shape
+from jax_ep._checks import (check_float, check_float_weights, check_positive, check_rank,
+                            check_shape)
 from jax_ep._index import search
 from jax_ep.flax.activations import SWIGLU
 from jax_ep.flax.moe_config import MoEConfig
@@ -38,6 +39,7 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
     `jax_ep.flax.activations.GatedActivation`). b_gate_up [L, 2F] (or [L, F]) and b_down
     [L, H]: optional per-expert biases of fc1 and fc2 (Megatron's add_bias_linear), each added
     to its expert's rows."""
+    _check_expert_operands(tokens, tokens_per_expert, w_gate_up, w_down, activation)
     dtype = jnp.result_type(tokens, w_gate_up, w_down)
     biases = _checked_biases(b_gate_up, b_down, w_gate_up, w_down, dtype)
     impl = ops.grouped_matmul_impl(impl, dtype, num_rows=jnp.shape(tokens)[0],
@@ -49,6 +51,21 @@ def swiglu_experts(tokens, tokens_per_expert, w_gate_up, w_down, *, impl="auto",
                   tile_rows=tile_rows)
     add_b_gate_up, add_b_down = (partial(_add_group_bias, b, tokens_per_expert) for b in biases)
     return add_b_down(gmm(activation(add_b_gate_up(gmm(tokens, w_gate_up))), w_down))
+
+
+def _check_expert_operands(tokens, tokens_per_expert, w_gate_up, w_down, activation):
+    """swiglu_experts' operands checked under their own names: tokens float [N,H],
+    tokens_per_expert integer [L], w_gate_up float [L,H,fc1 columns], w_down float [L,F,H_out]
+    with activation.fc1_columns(F) = fc1 columns; ValueError naming the argument."""
+    ops.check_grouped_operands(tokens, w_gate_up, tokens_per_expert, "w_gate_up", "tokens",
+                               "tokens_per_expert")
+    check_rank(w_down, 3, "w_down")
+    if w_down.shape[0] != w_gate_up.shape[0] or activation.fc1_columns(
+            w_down.shape[1]) != w_gate_up.shape[2]:
+        raise ValueError(f"w_down: expected [L={w_gate_up.shape[0]}, F, H_out] with fc1's "
+                         f"{activation.fc1_columns(1)}F columns = w_gate_up's "
+                         f"{w_gate_up.shape[2]}, got shape {w_down.shape}")
+    check_float(w_down, "w_down")
 
 
 def _checked_biases(b_gate_up, b_down, w_gate_up, w_down, dtype):
@@ -86,13 +103,6 @@ def _blocked_swiglu(tokens, tokens_per_expert, w_gate_up, w_down, biases, tile_r
     recomputes no GEMM. Both GEMMs run in the promoted dtype of all three operands (the other
     impls promote per GEMM: with bf16 tokens and w_gate_up and an f32 w_down, their gate/up
     activations are bf16, here f32). biases: (b_gate_up or None, b_down or None)."""
-    ops.check_grouped_operands(tokens, w_gate_up, tokens_per_expert, "w_gate_up")
-    if w_down.ndim != 3 or w_down.shape[0] != w_gate_up.shape[0] or activation.fc1_columns(
-            w_down.shape[1]) != w_gate_up.shape[2]:
-        raise ValueError(f"w_down: expected [L={w_gate_up.shape[0]}, F, H_out] with fc1's "
-                         f"{activation.fc1_columns(1)}F columns = w_gate_up's "
-                         f"{w_gate_up.shape[2]}, got shape {w_down.shape}")
-    check_float(w_down, "w_down")
     tile = ops.grouped_tile_rows(tile_rows)
     given = [b for b in biases if b is not None]
     *operands, sizes = ops.grouped_operands((tokens, w_gate_up, w_down, *given),
