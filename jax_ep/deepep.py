@@ -234,10 +234,10 @@ def dispatch(x, topk_idx=None, topk_weights=None, *, num_experts=None, axis_name
     if handle is None:
         if topk_idx is None or num_experts is None:
             raise ValueError("dispatch: topk_idx and num_experts are required without a handle")
-        topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
-        if topk_idx.shape[0] != x.shape[0]:
+        if jnp.ndim(topk_idx) >= 1 and jnp.shape(topk_idx)[0] != x.shape[0]:
             raise ValueError(f"topk_idx: expected {x.shape[0]} rows to match x {x.shape}, got "
-                             f"shape {topk_idx.shape}")
+                             f"shape {jnp.shape(topk_idx)}")  # before the weights' check
+        topk_idx, topk_weights = check_routing(topk_idx, topk_weights, num_experts)
         axes = internode.two_hop_axes(axis_name, hierarchical)
         transports = internode.resolve_transports(transport, axes is not None, impl)
         if num_worst_rdma_tokens is not None and axes is None:

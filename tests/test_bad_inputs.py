@@ -224,10 +224,12 @@ def test_router_flags_and_padding_mask_are_checked():
     router.routing(logits, padding_mask=jnp.array([False, True, False, False]))
 
 
-def test_layer_padding_mask_list_is_named():
+def test_layer_lists_are_named():
     cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K)
     mesh = jax.make_mesh((4,), ("expert",), devices=jax.devices()[:4])
     layer = MoELayer(cfg, H, 16, rngs=nnx.Rngs(0), mesh=mesh)
+    with pytest.raises(ValueError, match="^x: expected an array, got list"):
+        layer([[[0.0] * H] * 2] * 4)
     with pytest.raises(ValueError, match="^padding_mask: expected None or a bool array, got "
                                          "list"):
         layer(jnp.ones((4, 2, H)), padding_mask=[[False, False]] * 4)
@@ -619,6 +621,26 @@ def _named_argument_cases():
         "swiglu_experts tokens_per_expert length": (lambda: swiglu_experts(
             x, jnp.array([2, 1, 1]), jnp.ones((2, H, 8)), jnp.ones((2, 4, H))),
             r"tokens_per_expert: expected shape \(2,\)"),
+        # the front ends of the flex dispatcher read .shape / .reshape of what they got
+        "dispatch_preprocess hidden_states list": (lambda: dispatcher.dispatch_preprocess(
+            [[1.0] * H] * T, T, jnp.ones((T, E))),
+            "hidden_states: expected an array of rows, got list"),
+        "dispatch_preprocess probs None": (lambda: dispatcher.dispatch_preprocess(
+            jnp.ones((T, H)), T, None), "probs: expected .* router probabilities, got None"),
+        "dispatch_preprocess2 token_indices None": (lambda: dispatcher.dispatch_preprocess2(
+            jnp.ones((T, H)), T, w, None), "token_indices: expected a .* array, got None"),
+        "combine_postprocess rows": (lambda: dispatcher.combine_postprocess(
+            jnp.ones((T + 1, H)), dispatcher.dispatch_preprocess2(x, T, w, idx)[1]),
+            r"hidden_states: expected the combined \[T,H\] of the dispatch input \(4, 8\)"),
+        "local_expert_indices floats": (lambda: MoEFlexTokenDispatcher(
+            E // 2, [0.0, 1.9, 2.5, 3.2], cfg), "local_expert_indices: expected a list of 4 "
+            "integer expert ids"),
+        "local_expert_indices str": (lambda: MoEFlexTokenDispatcher(E // 2, "0123", cfg),
+                                     "local_expert_indices: expected a list of 4 integer"),
+        # the weights were checked against topk_idx's rows before topk_idx against x
+        "dispatch short topk_idx": (lambda: sm(lambda: jax_ep.dispatch(
+            x, idx[:2], w, num_experts=E, axis_name=AXIS)[0]),
+            r"topk_idx: expected 4 rows to match x \(4, 8\)"),
         # sinkhorn's loop runs until the error is below tol: tol <= 0 never ended
         "sinkhorn tol <= 0": (lambda: router.sinkhorn(jnp.zeros((T, E)), tol=-1.0),
                               "tol: expected a finite float > 0, got -1.0"),

@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_ep import _ffi, deepep, hybridep, ops, transport
 from jax_ep._checks import (as_int32_ids, check_bool, check_float_weights, check_positive,
-                            check_top_k, unroute_invalid_experts)
+                            check_rows, check_top_k, unroute_invalid_experts)
 from jax_ep.config import TokenDispatcherConfig
 
 __all__ = ["DispatchState", "HybridEPMetadataProcessor", "HybridEPPipelineRuntimeInitializer",
@@ -78,11 +78,11 @@ def router_dtype(config: TokenDispatcherConfig, default):
 
 def _check_local_expert_indices(indices, num_local_experts, num_experts):
     """The global ids of one rank's experts: L consecutive ids starting at a multiple of L."""
-    try:
-        ids = tuple(int(i) for i in indices)
+    try:  # integers only: int("0123") or int(1.9) would pass for an id
+        ids = tuple(operator.index(i) for i in indices)
     except TypeError:
         raise ValueError(f"local_expert_indices: expected a list of {num_local_experts} "
-                         f"expert ids, got {indices!r}") from None
+                         f"integer expert ids, got {indices!r}") from None
     first = ids[0] if ids else 0
     expected = tuple(range(first, first + num_local_experts))
     if ids != expected or first % num_local_experts or first + num_local_experts > num_experts:
@@ -330,6 +330,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         router's routing_map bool[T,E] where num_local_tokens goes: the deepep family still
         routes by the top-k of probs (Megatron's DeepEP manager ignores the map), HybridEP
         (dense routing) takes the map itself, with probs where it is True."""
+        check_rows(hidden_states, "hidden_states")
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
         num_experts = self.config.num_moe_experts
@@ -344,6 +345,9 @@ class MoEFlexTokenDispatcher(nnx.Module):
                                  f"hidden_states as rows, got shape {routing_map.shape}")
             num_local_tokens = routing_map.shape[0]
         num_local_tokens = _check_num_local_tokens(num_local_tokens, hidden)
+        if probs is None:
+            raise ValueError(f"probs: expected [num_local_tokens={num_local_tokens}, "
+                             f"num_moe_experts={num_experts}] router probabilities, got None")
         probs = jnp.asarray(probs)
         check_float_weights(probs, "probs")
         # [T,E] or [..., E] over the T tokens (a transposed [E,T] of the same size would
@@ -375,6 +379,10 @@ class MoEFlexTokenDispatcher(nnx.Module):
 
     def dispatch_preprocess2(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k routing given directly: probs [T,K], indices [T,K] (-1 unrouted)."""
+        check_rows(hidden_states, "hidden_states")
+        for name, value in (("token_probs", token_probs), ("token_indices", token_indices)):
+            if value is None:
+                raise ValueError(f"{name}: expected a [num_local_tokens, top-k] array, got None")
         hidden_shape = tuple(hidden_states.shape)
         hidden = hidden_states.reshape(-1, hidden_shape[-1])
         num_local_tokens = _check_num_local_tokens(num_local_tokens, hidden)
@@ -503,6 +511,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
     def combine_preprocess(self, hidden_states, state):
         """Expert outputs [N,H] -> rows in the received order (HybridEP: unchanged)."""
         _check_state(state, "combine_preprocess")
+        check_rows(hidden_states, "hidden_states")
         if self.backend == "hybridep":
             return hidden_states
         rows = state.sorted_indices.shape[0]
@@ -530,6 +539,10 @@ class MoEFlexTokenDispatcher(nnx.Module):
     def combine_postprocess(self, hidden_states, state):
         """[T,H] -> the dispatch input's original shape."""
         _check_state(state, "combine_postprocess")
+        check_rows(hidden_states, "hidden_states")
+        if math.prod(jnp.shape(hidden_states)) != math.prod(state.hidden_shape):
+            raise ValueError(f"hidden_states: expected the combined [T,H] of the dispatch input "
+                             f"{state.hidden_shape}, got shape {jnp.shape(hidden_states)}")
         return hidden_states.reshape(state.hidden_shape)
 
     def token_unpermutation(self, hidden_states, state):

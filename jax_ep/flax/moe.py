@@ -1139,6 +1139,7 @@ def _device_index():
 
 def _check_tokens(x, hidden: int, cfg: MoEConfig):
     """x [..., hidden] (and [batch, seq, hidden] for seq_aux_loss), else ValueError."""
+    check_array(x, "x")
     if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
         raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")
     if "seq_aux_loss" in cfg.load_balancing_types() and jnp.ndim(x) < 3:
