@@ -663,7 +663,7 @@ class MoEFlexTokenDispatcher(nnx.Module):
         def run_bwd(residuals, cotangents):
             vjp_bounded, overflow, hidden, probs, indices, params = residuals
             # The bounded path's backward runs outside the cond, the cond only picks: inside a
-            # branch, XLA:CPU ran it 6-9% of the step slower (bench_moe E = 8, deepep and
+            # branch, XLA:CPU ran it 5-10% of the step slower (bench_moe E = 8, deepep and
             # hybridep @bounded vs their ragged_buffer_factor twins) and the program held 1.8
             # MiB/device more. A step that fell back computes it too, and discards it.
             bounded_grads = vjp_bounded(cotangents[0])
