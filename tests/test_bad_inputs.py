@@ -230,6 +230,11 @@ def test_layer_lists_are_named():
     layer = MoELayer(cfg, H, 16, rngs=nnx.Rngs(0), mesh=mesh)
     with pytest.raises(ValueError, match="^x: expected an array, got list"):
         layer([[[0.0] * H] * 2] * 4)
+    from jax_ep.flax import dense_forward
+    for devices in (0, 3):  # a ZeroDivisionError and a jax reshape error before
+        with pytest.raises(ValueError, match="^(num_devices: expected an int > 0|x: expected "
+                                             r"\[B, ..., H\] tokens in num_devices=3)"):
+            dense_forward(layer, jnp.ones((4, 2, H)), num_devices=devices)
     with pytest.raises(ValueError, match="^padding_mask: expected None or a bool array, got "
                                          "list"):
         layer(jnp.ones((4, 2, H)), padding_mask=[[False, False]] * 4)
@@ -365,8 +370,8 @@ def _named_argument_cases():
     """(call, the message an error must start with): each failed before with an error
     naming another argument or an internal, or was accepted."""
     from jax_ep import hybridep, low_latency
-    from jax_ep.flax import (HybridEPMetadataProcessor, MoEFlexTokenDispatcher, moe_utils,
-                             router, swiglu_experts)
+    from jax_ep.flax import (HybridEPMetadataProcessor, MoEFlexTokenDispatcher,
+                             expert_tile_rows, moe_utils, router, swiglu_experts)
 
     idx = jnp.zeros((T, K), jnp.int32)
     w = jnp.ones((T, K), jnp.float32)
@@ -641,6 +646,9 @@ def _named_argument_cases():
         "dispatch short topk_idx": (lambda: sm(lambda: jax_ep.dispatch(
             x, idx[:2], w, num_experts=E, axis_name=AXIS)[0]),
             r"topk_idx: expected 4 rows to match x \(4, 8\)"),
+        # ZeroDivisionError / a jax reshape error before
+        "expert_tile_rows no local experts": (lambda: expert_tile_rows(8, 2, 0),
+                                              "num_local_experts: expected an int > 0"),
         # sinkhorn's loop runs until the error is below tol: tol <= 0 never ended
         "sinkhorn tol <= 0": (lambda: router.sinkhorn(jnp.zeros((T, E)), tol=-1.0),
                               "tol: expected a finite float > 0, got -1.0"),

@@ -303,6 +303,9 @@ def expert_tile_rows(num_tokens, top_k, num_local_experts):
     --tile-rows, 8 emulated devices): at 32, 64 and 128 balanced rows per expert the tile of
     that size was the fastest of 32, 64 and 128, by 8-12% over the next best; a tile much
     larger than a group computes masked rows, a much smaller one pays more loop steps."""
+    check_positive(num_tokens, "num_tokens", allow_zero=True)
+    check_positive(top_k, "top_k", allow_zero=True)
+    check_positive(num_local_experts, "num_local_experts")
     balanced = max(num_tokens * top_k / num_local_experts, 1.0)
     return int(min(128, max(32, 2 ** round(math.log2(balanced)))))
 

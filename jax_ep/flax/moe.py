@@ -1267,6 +1267,11 @@ def dense_forward(layer: MoELayer, x, num_devices=None, padding_mask=None):
     if num_devices is None:
         num_devices = (1 if layer.mesh is None
                        else math.prod(layer.mesh.shape[a] for a in layer._token_axes()))
+    check_array(x, "x")
+    check_positive(num_devices, "num_devices")
+    if jnp.ndim(x) < 2 or math.prod(jnp.shape(x)[:-1]) % num_devices:
+        raise ValueError(f"x: expected [B, ..., H] tokens in num_devices={num_devices} equal "
+                         f"blocks, got shape {jnp.shape(x)}")
     # one device's computation: arrays on a mesh with Explicit axes are gathered first
     x, router, (w_gate_up, w_down, b_gate_up, b_down), shared, latent = jax.tree.map(
         _unsharded, layer._weights(x))
