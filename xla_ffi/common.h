@@ -254,10 +254,13 @@ inline ffi::Error CheckExpertIds(const int32_t* idx, int64_t n, int64_t num_expe
   if (!any_bad) return ffi::Error::Success();
   for (int64_t i = 0; i < n; ++i) {
     if (idx[i] < -1 || idx[i] >= num_experts) {
+      // jax_ep narrows a wider dtype's out-of-range id to -2 (as_int32_ids): say so.
+      const char* narrowed = idx[i] == -2 ? " (-2 also stands for an id of an int64 / uint32 / "
+                                            "uint64 array outside that range)" : "";
       return ffi::Error::InvalidArgument(std::string(name) + ": expert id " +
                                          std::to_string(idx[i]) + " at flat position " +
                                          std::to_string(i) + " is outside [-1, " +
-                                         std::to_string(num_experts) + ")");
+                                         std::to_string(num_experts) + ")" + narrowed);
     }
   }
   return ffi::Error::Success();
