@@ -519,9 +519,9 @@ class Buffer:
             recv_x, _, _, _ = deepep.dispatch(x, handle=handle, axis_name=self.group,
                                               backend=self.backend)
             return recv_x, None, None, None, None, EventOverlap()
-        if not hasattr(num_tokens_per_expert, "dtype") or jnp.ndim(num_tokens_per_expert) != 1:
-            got = (f"shape {jnp.shape(num_tokens_per_expert)}"
-                   if hasattr(num_tokens_per_expert, "dtype")
+        is_array = hasattr(num_tokens_per_expert, "dtype")
+        if not is_array or jnp.ndim(num_tokens_per_expert) != 1:
+            got = (f"shape {jnp.shape(num_tokens_per_expert)}" if is_array
                    else type(num_tokens_per_expert).__name__)
             raise ValueError("num_tokens_per_expert: expected the i32[E] counts of "
                              f"get_dispatch_layout without a handle (they give E), got {got}")
