@@ -17,14 +17,19 @@ __all__ = [
     "as_dtype",
     "as_int32_ids",
     "check_array",
+    "check_axis_names",
     "check_bool",
+    "check_coeff",
     "check_experts",
     "check_flag",
     "check_float",
     "check_float_weights",
     "check_fp8_dispatch",
+    "check_map",
+    "check_padding_mask",
     "check_positive",
     "check_rank",
+    "check_real",
     "check_routing",
     "check_rows",
     "check_shape",
@@ -151,6 +156,91 @@ def check_flag(value, name: str) -> bool:
             pass
     raise ValueError(f"{name}: expected a bool (a static one: it selects the kernel), got "
                      f"{value!r}")
+
+
+def is_real(value) -> bool:
+    """A Python or numpy real number (int, float; not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def check_real(value, name: str, *, positive: bool = False, allow_none: bool = False):
+    """A static real parameter (part of what is traced, e.g. an activation's offset) as a
+    float: a finite Python or numpy real, not a bool, > 0 with `positive`; None with
+    allow_none. A string, a bool, NaN / inf, or a jax array (which may be traced) is a
+    ValueError naming `name`."""
+    if value is None and allow_none:
+        return None
+    expected = "None or " * allow_none + "a finite float" + " > 0" * positive
+    if not is_real(value) or not np.isfinite(value) or (positive and value <= 0):
+        got = "a jax array (this value is static)" if isinstance(value, jax.Array) else repr(value)
+        raise ValueError(f"{name}: expected {expected}, got {got}")
+    return float(value)
+
+
+def check_coeff(value, name: str, *, allow_none: bool = False):
+    """A coefficient that may be traced (a loss coefficient, an update rate, a token count):
+    a 0-d jax / numpy array of a real dtype passes unread (no host sync); a Python value must
+    be a finite real >= 0, not a bool; None with allow_none. Returned as given."""
+    if value is None and allow_none:
+        return None
+    if is_real(value):
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+        return value
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        if jnp.ndim(value) != 0 or not (jnp.issubdtype(value.dtype, jnp.floating)
+                                        or jnp.issubdtype(value.dtype, jnp.integer)):
+            raise ValueError(f"{name}: expected a scalar, got {value.dtype} of shape "
+                             f"{tuple(jnp.shape(value))}")
+        return value
+    raise ValueError(f"{name}: expected {'None or ' * allow_none}a number >= 0 (or a 0-d "
+                     f"array), got {value!r}")
+
+
+def check_map(routing_map, name: str = "routing_map", rank: int = 2):
+    """A routing map: a bool or integer array (nonzero = routed) of `rank`, as bool; a float
+    map (NaN reads as routed) or anything else is a ValueError naming `name`."""
+    check_rank(routing_map, rank, name)
+    check_array(routing_map, name)
+    dtype = routing_map.dtype
+    if dtype == jnp.bool_:
+        return routing_map
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"{name}: expected a bool or integer map, got {dtype}")
+    return routing_map != 0
+
+
+def check_padding_mask(padding_mask, shape, name: str = "padding_mask"):
+    """None, or a bool / integer (nonzero = set) array of exactly `shape` (one flag per token:
+    a [1] or [T, 1] mask would broadcast) -> None or the bool array."""
+    if padding_mask is None:
+        return None
+    if not (hasattr(padding_mask, "dtype") and hasattr(padding_mask, "shape")) or (
+            tuple(jnp.shape(padding_mask)) != tuple(shape)) or not (
+            padding_mask.dtype == jnp.bool_ or jnp.issubdtype(padding_mask.dtype, jnp.integer)):
+        got = (f"{padding_mask.dtype}{list(jnp.shape(padding_mask))}"
+               if hasattr(padding_mask, "dtype") else repr(padding_mask))
+        raise ValueError(f"{name}: expected None or bool{list(shape)} (one flag per token), "
+                         f"got {got}")
+    return jnp.asarray(padding_mask, bool)
+
+
+def check_axis_names(value, name: str):
+    """None, a mesh axis name or a tuple / list of them, each bound here (inside a shard_map
+    over it) -> value (a list as a tuple); else a ValueError naming `name`."""
+    if value is None:
+        return None
+    names = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{name}: expected None, a mesh axis name or a tuple of them, got "
+                         f"{value!r}")
+    for axis in names:
+        try:
+            jax.lax.axis_size(axis)
+        except NameError:
+            raise ValueError(f"{name}: mesh axis {axis!r} is not bound here (call inside a "
+                             f"jax.shard_map over it, or pass None)") from None
+    return names if isinstance(value, (tuple, list)) else value
 
 
 def is_int(value, minimum: int = 1) -> bool:

@@ -34,6 +34,7 @@ from jax_ep._checks import (
     check_fp8_dispatch,
     check_positive,
     check_rank,
+    check_real,
     check_row_parts,
     check_routing,
     check_shape,
@@ -66,8 +67,7 @@ DROP_POLICIES = ("probs", "position")
 def expert_capacity(num_tokens, top_k, num_experts, capacity_factor):
     """Megatron's get_capacity(T*K, E, factor): tokens each expert keeps from one rank's T
     tokens, ceil(T*K/E * factor)."""
-    if capacity_factor is None or not capacity_factor > 0:
-        raise ValueError(f"capacity_factor: expected a positive float, got {capacity_factor}")
+    check_real(capacity_factor, "capacity_factor", positive=True)
     return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
 
 

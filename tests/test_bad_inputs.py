@@ -706,3 +706,208 @@ def test_kernel_flags_take_any_concrete_bool():
     with pytest.raises(ValueError, match="^drop_and_pad: expected a bool"):
         jax.jit(lambda flag: ops.permute(x, jnp.ones((T, 2), bool), num_out_tokens=8,
                                          drop_and_pad=flag))(jnp.array(False))
+
+
+def _helper_cases():
+    """The moe_utils / router helpers and TopKRouter (a probe of ~460 calls, session 31). "S"
+    marks what returned a silently wrong result before; the rest failed with errors naming
+    internals (jnp's, Python's, a wrong argument)."""
+    from jax_ep.flax import moe_utils, router
+    from jax_ep.flax.moe import MoEAuxLossAutoScaler, TopKRouter
+    from jax_ep.flax.moe_config import MoEConfig
+
+    F = 4
+    y, g, w = jnp.ones((F, 2 * F)), jnp.ones((F, F)), jnp.ones((F, 1))
+    logits = jnp.asarray(np.random.default_rng(6).standard_normal((T, E)), jnp.float32)
+    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K)
+    ids = jnp.tile(jnp.arange(K, dtype=jnp.int32), (T, 1))
+    seq_cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K,
+                        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1)
+    seq_router = TopKRouter(seq_cfg, H, rngs=nnx.Rngs(0))
+    return {
+        # S: weights [T] (T == F) weighted the columns, not the tokens
+        "weighted_swiglu weights [T]": (lambda: moe_utils.weighted_swiglu(y, jnp.ones(F)),
+                                        r"weights: expected shape \(4, 1\), got \(4,\)"),
+        "weighted_geglu weights None": (lambda: moe_utils.weighted_geglu(y, None),
+                                        "weights: expected an array, got NoneType"),
+        # S: integer weights truncated their gradient
+        "weighted_swiglu_back int weights": (lambda: moe_utils.weighted_swiglu_back(
+            g, y, jnp.ones((F, 1), jnp.int32)), "weights: expected a float array, got int32"),
+        "swiglu_back g [T, 2F]": (lambda: moe_utils.swiglu_back(y, y),
+                                  r"g: expected shape \(4, 4\), got \(4, 8\)"),
+        "swiglu odd width": (lambda: moe_utils.swiglu(jnp.ones((F, 7))),
+                             r"y: expected \[..., 2F\] \(\[gate \| up\]: an even last axis\)"),
+        "quick_geglu_back linear_offset str": (lambda: moe_utils.quick_geglu_back(
+            g, y, linear_offset="a"), "linear_offset: expected a finite float, got 'a'"),
+        "weighted_bias_quick_geglu bias width": (lambda: moe_utils.weighted_bias_quick_geglu(
+            y, jnp.ones(2 * F + 1), w), r"bias: expected a shape that broadcasts to y's"),
+        # S: rank 1 and rank 4 inputs returned wrong shapes
+        "weighted_bias_swiglu_impl rank 1": (lambda: moe_utils.weighted_bias_swiglu_impl(
+            jnp.ones(8), jnp.ones((1, 1))), r"input: expected rank 2 or 3, got shape \(8,\)"),
+        "weighted_bias_geglu_impl rank 4": (lambda: moe_utils.weighted_bias_geglu_impl(
+            jnp.ones((2, 2, 2, 8)), jnp.ones((8, 1))), "input: expected rank 2 or 3"),
+        # S: a negative clamp clamped every gate to -1; NaN clamped nothing; True read as 1
+        "quick_geglu_impl clamp -1": (lambda: moe_utils.weighted_bias_quick_geglu_impl(
+            y, None, w, clamp_value=-1.0), "clamp_value: expected None or a finite float > 0"),
+        "quick_geglu_impl clamp nan": (lambda: moe_utils.weighted_bias_quick_geglu_impl(
+            y, None, w, clamp_value=float("nan")), "clamp_value: expected None or a finite"),
+        "quick_geglu_impl clamp True": (lambda: moe_utils.weighted_bias_quick_geglu_impl(
+            y, None, w, clamp_value=True), "clamp_value: expected None or a finite"),
+        "quick_geglu_impl alpha str": (lambda: moe_utils.weighted_bias_quick_geglu_impl(
+            y, None, w, alpha="x"), "alpha: expected 1.702"),
+        "quick_gelu alpha nan": (lambda: moe_utils.quick_gelu(y, float("nan")),
+                                 "alpha: expected a finite float, got nan"),
+        # S: the coefficients took NaN, negatives and True (read as 1)
+        "z_loss_func coeff nan": (lambda: router.z_loss_func(logits, float("nan")),
+                                  "z_loss_coeff: expected a finite number >= 0, got nan"),
+        "z_loss_func coeff True": (lambda: router.z_loss_func(logits, True),
+                                   "z_loss_coeff: expected a number >= 0"),
+        "z_loss_func coeff [T] array": (lambda: router.z_loss_func(logits, jnp.ones(T)),
+                                        r"z_loss_coeff: expected a scalar, got float32 of shape"),
+        "switch loss coeff -0.1": (lambda: router.switch_load_balancing_loss_func(
+            logits, jnp.ones(E), T, K, E, -0.1), "moe_aux_loss_coeff: expected a finite"),
+        "switch loss total_num_tokens nan": (lambda: router.switch_load_balancing_loss_func(
+            logits, jnp.ones(E), float("nan"), K, E, 0.1), "total_num_tokens: expected a finite"),
+        "switch loss coeff str": (lambda: router.switch_load_balancing_loss_func(
+            logits, jnp.ones(E), T, K, E, "0.1"), "moe_aux_loss_coeff: expected a number"),
+        "switch loss topk > E": (lambda: router.switch_load_balancing_loss_func(
+            logits, jnp.ones(E), T, E + 1, E, 0.1), "topk: top-k 9 exceeds num_experts 8"),
+        "expert bias rate nan": (lambda: router.get_updated_expert_bias(
+            jnp.ones(E), jnp.zeros(E), float("nan")), "expert_bias_update_rate: expected"),
+        "scaling_factor -1": (lambda: router.topk_routing_with_score_function(
+            logits, K, scaling_factor=-1.0), "scaling_factor: expected a finite number >= 0"),
+        # S: padding masks of [T, 1] / [1] broadcast; a string read as one True
+        "aux scores padding_mask [T, 1]": (lambda: router.compute_routing_scores_for_aux_loss(
+            logits, K, "softmax", padding_mask=jnp.zeros((T, 1), bool)),
+            r"padding_mask: expected None or bool\[4\]"),
+        "z_loss_func padding_mask str": (lambda: router.z_loss_func(
+            logits, 0.1, padding_mask="abc"), r"padding_mask: expected None or bool\[4\]"),
+        "switch loss padding_mask [1]": (lambda: router.switch_load_balancing_loss_func(
+            logits, jnp.ones(E), T, K, E, 0.1, padding_mask=jnp.ones(1, bool)),
+            r"padding_mask: expected None or bool\[4\]"),
+        # S: logits of the wrong width or transposed routed over the wrong experts
+        "route logits [T, E+1]": (lambda: router.route(jnp.ones((T, E + 1)), cfg),
+                                  r"logits: expected \[num_tokens, num_moe_experts=8\]"),
+        "route training str": (lambda: router.route(logits, cfg, training="False"),
+                               "training: expected a bool"),
+        "route cfg None": (lambda: router.route(logits, None), "cfg: expected a MoEConfig"),
+        # S: transposed ids read as 2 tokens of 4 slots
+        "capacity_drop transposed ids": (lambda: router.capacity_drop(
+            jnp.ones((K, T)), ids.T, cfg), r"ids: expected integer expert ids \[T, "),
+        # S: k = 0 and k = True
+        "qb_dual_update k 0": (lambda: router.qb_dual_update(logits, 0, jnp.zeros(E)),
+                               "k: expected an int > 0"),
+        "qb_dual_update k True": (lambda: router.qb_dual_update(logits, True, jnp.zeros(E)),
+                                  "k: expected an int"),
+        "qb_dual_update beta [E+1]": (lambda: router.qb_dual_update(logits, K, jnp.zeros(E + 1)),
+                                      r"beta: expected shape \(8,\)"),
+        # S: get_capacity(-10 tokens) was -2; min_capacity 5.5 a float capacity
+        "get_capacity negative tokens": (lambda: router.get_capacity(-10, E, 1.0),
+                                         "num_tokens: expected an int >= 0"),
+        "get_capacity float min": (lambda: router.get_capacity(10, E, 1.0, 5.5),
+                                   "min_capacity: expected an int"),
+        "get_capacity factor inf": (lambda: router.get_capacity(10, E, float("inf")),
+                                    "capacity_factor: expected a finite float > 0"),
+        # S: integer logits
+        "router_gating_linear int dtype": (lambda: router.router_gating_linear(
+            jnp.ones((T, H)), jnp.ones((E, H)), None, jnp.int32),
+            "router_dtype: expected a float dtype"),
+        "router_gating_linear bogus dtype": (lambda: router.router_gating_linear(
+            jnp.ones((T, H)), jnp.ones((E, H)), None, "bogus"), "router_dtype: expected a dtype"),
+        # S: -1 wrapped to the last expert; out-of-range ids routed nowhere
+        "precomputed_indices -1": (lambda: router.topk_routing_with_score_function(
+            logits, K, precomputed_indices=-jnp.ones((T, K), jnp.int32)),
+            r"precomputed_indices: expected expert ids in \[0, 8\), got -1"),
+        "apply_biased_logits bias [T, 1]": (lambda: router.apply_biased_logits(
+            logits, jax.random.key(0), jnp.ones((T, 1))), r"bias: expected shape \(8,\)"),
+        "apply_random_logits int key": (lambda: router.apply_random_logits(logits, 0),
+                                        "key: expected a jax.random key"),
+        "apply_random_logits int logits": (lambda: router.apply_random_logits(
+            jnp.ones((T, E), jnp.int32), jax.random.key(0)), "logits: expected a float array"),
+        "sinkhorn no experts": (lambda: router.sinkhorn(jnp.ones((T, 0))),
+                                "cost: expected at least one expert column"),
+        "group_limited_topk scores None": (lambda: router.group_limited_topk(
+            None, K, T, E, 2, 1), "scores: expected a rank-2 array, got NoneType"),
+        # S: a float map's NaN counted as routed; 0.4 truncated to 0 by the counts
+        "permute float map": (lambda: moe_utils.permute(jnp.ones((T, H)), jnp.ones((T, E))),
+                              "routing_map: expected a bool or integer map, got float32"),
+        "token counts float map": (lambda: moe_utils.get_tokens_per_expert_and_token_count(
+            jnp.ones((T, E)), None), "routing_map: expected a bool or integer map"),
+        "token counts unbound axis": (lambda: moe_utils.get_tokens_per_expert_and_token_count(
+            jnp.ones((T, E), bool), "ep"), "reduce_group: mesh axis 'ep' is not bound here"),
+        "token counts axis int": (lambda: moe_utils.get_tokens_per_expert_and_token_count(
+            jnp.ones((T, E), bool), 3), "reduce_group: expected None, a mesh axis name"),
+        "expert bias unbound axis": (lambda: router.get_updated_expert_bias(
+            jnp.ones(E), jnp.zeros(E), 0.1, tp_dp_cp_group="dp"),
+            "tp_dp_cp_group: mesh axis 'dp' is not bound here"),
+        "permute num_out_tokens str": (lambda: moe_utils.permute(
+            jnp.ones((T, H)), jnp.ones((T, E), bool), num_out_tokens="8", drop_and_pad=True),
+            "num_out_tokens: expected an int"),
+        "unpermute restore_shape None": (lambda: moe_utils.unpermute(
+            jnp.ones((8, H)), jnp.zeros(8, jnp.int32), None), "restore_shape: expected"),
+        "unpermute int tokens": (lambda: moe_utils.unpermute(
+            jnp.ones((8, H), jnp.int32), jnp.zeros(8, jnp.int32), (T, H)),
+            "permuted_tokens: expected float32"),
+        # S: chunks past the input's rows were cut
+        "sort_chunks sizes past the rows": (lambda: moe_utils.sort_chunks_by_idxs(
+            jnp.ones((8, 1)), [5, 5], [1, 0]), "split_sizes: the chunks sum to 10 rows"),
+        # S: seq_len 0 zeroed the sequence loss (1.279 with seq_len 3)
+        "TopKRouter seq_len 0": (lambda: seq_router.routing(logits, seq_len=0),
+                                 "seq_len: expected an int > 0"),
+        "TopKRouter seq_len 3 of 4 tokens": (lambda: seq_router.routing(logits, seq_len=3),
+                                             "seq_len: expected a divisor of the 4 tokens"),
+        # S: integer logits from integer tokens
+        "TopKRouter gating int x": (lambda: seq_router.gating(jnp.ones((T, H), jnp.int32)),
+                                    "x: expected a float array, got int32"),
+        "TopKRouter gating width": (lambda: seq_router.gating(jnp.ones((T, H + 1))),
+                                    r"x: expected \[..., hidden_size=8\]"),
+        "TopKRouter param_dtype int": (lambda: TopKRouter(cfg, H, rngs=nnx.Rngs(0),
+                                                          param_dtype=jnp.int32),
+                                       "param_dtype: expected a float dtype"),
+        "TopKRouter rngs None": (lambda: TopKRouter(cfg, H, rngs=None),
+                                 "rngs: expected an nnx.Rngs"),
+        "set_loss_scale str": (lambda: MoEAuxLossAutoScaler.set_loss_scale("a"),
+                               "scale: expected a finite number"),
+        "set_loss_scale traced": (lambda: jax.jit(MoEAuxLossAutoScaler.set_loss_scale)(1.0),
+                                  "scale: expected a concrete number"),
+    }
+
+
+_HELPER_CASES = _helper_cases()
+
+
+@pytest.mark.parametrize("case", sorted(_HELPER_CASES))
+def test_helper_arguments_are_named(case):
+    call, match = _HELPER_CASES[case]
+    with pytest.raises(ValueError, match="^" + match):
+        call()
+
+
+def test_coefficients_may_be_traced_and_python_zero_scaling_is_none():
+    """The coefficient checks let traced values through: topk_routing_with_score_function's
+    `if scaling_factor:` raised TracerBoolConversionError under jit; z-loss and switch-loss
+    coefficients and the bias update rate are traced as before. A Python 0 scaling factor is
+    none (Megatron's truthiness)."""
+    from jax_ep.flax import router
+    from jax_ep.flax.moe import MoEAuxLossAutoScaler
+
+    logits = jnp.asarray(np.random.default_rng(7).standard_normal((T, E)), jnp.float32)
+    plain = router.topk_routing_with_score_function(logits, K)[0]
+    scaled = jax.jit(lambda s: router.topk_routing_with_score_function(
+        logits, K, scaling_factor=s)[0])(2.5)
+    np.testing.assert_allclose(scaled, 2.5 * plain, rtol=1e-6)
+    np.testing.assert_array_equal(
+        router.topk_routing_with_score_function(logits, K, scaling_factor=0)[0], plain)
+    z = jax.jit(lambda c: router.z_loss_func(logits, c))(0.5)
+    np.testing.assert_allclose(z, 0.5 * router.z_loss_func(logits, 1.0), rtol=1e-6)
+    counts = jnp.arange(E, dtype=jnp.float32)
+    bias = jax.jit(lambda r: router.get_updated_expert_bias(counts, jnp.zeros(E), r))(0.25)
+    np.testing.assert_array_equal(bias, 0.25 * np.sign(3.5 - np.arange(E)))
+    try:  # a concrete 0-d array (Megatron passes a tensor), then None: back to scale 1
+        MoEAuxLossAutoScaler.set_loss_scale(jnp.float32(0.25))
+        assert MoEAuxLossAutoScaler.main_loss_backward_scale == 0.25
+        MoEAuxLossAutoScaler.set_loss_scale(None)
+        d_aux = jax.grad(lambda a: MoEAuxLossAutoScaler.apply(jnp.ones(2), a).sum())(1.0)
+        assert float(d_aux) == 1.0
+    finally:
+        MoEAuxLossAutoScaler.set_loss_scale(1.0)

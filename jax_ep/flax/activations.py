@@ -14,6 +14,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jax_ep import _checks
+
 __all__ = ["ACTIVATION_FUNCS", "GatedActivation", "QUICK_GELU_ALPHA", "SWIGLU",
            "activation_name", "clamp_glu_halves", "geglu", "quick_geglu", "quick_gelu",
            "remove_glu_interleaving", "squared_relu", "swiglu"]
@@ -22,7 +24,11 @@ QUICK_GELU_ALPHA = 1.702
 
 
 def quick_gelu(y, alpha: float = QUICK_GELU_ALPHA):
-    """y * sigmoid(alpha * y): GELU's sigmoid approximation."""
+    """y * sigmoid(alpha * y): GELU's sigmoid approximation. alpha: a finite float, or a 0-d
+    array (it may be traced)."""
+    _checks.check_float_weights(y, "y")
+    if not (hasattr(alpha, "dtype") and jnp.ndim(alpha) == 0):
+        _checks.check_real(alpha, "alpha")
     return y * jax.nn.sigmoid(alpha * y)
 
 
@@ -124,6 +130,10 @@ class GatedActivation:
         return 2 * ffn_hidden_size if self.gated_linear_unit else ffn_hidden_size
 
     def __call__(self, fc1_out):
+        _checks.check_float_weights(fc1_out, "y")
+        if self.gated_linear_unit and (jnp.ndim(fc1_out) < 1 or fc1_out.shape[-1] % 2):
+            raise ValueError(f"y: expected [..., 2F] ([gate | up]: an even last axis), got "
+                             f"shape {tuple(jnp.shape(fc1_out))}")
         if not self.gated_linear_unit:
             return _GATE_FUNCS[self.activation_func](fc1_out)
         if self.glu_interleave_size is not None:
@@ -160,4 +170,4 @@ def geglu(y):
 
 def quick_geglu(y, linear_offset: float = 0.0):
     """[..., 2F] -> quick_gelu(gate) * (up + linear_offset) (gpt-oss's experts)."""
-    return GatedActivation("quick_gelu", float(linear_offset))(y)
+    return GatedActivation("quick_gelu", _checks.check_real(linear_offset, "linear_offset"))(y)

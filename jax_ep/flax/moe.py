@@ -32,7 +32,8 @@ from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
-from jax_ep._checks import check_array, check_bool, check_positive, check_rank, check_shape
+from jax_ep._checks import (as_dtype, check_array, check_bool, check_float_weights,
+                            check_positive, check_rank, check_shape, is_real)
 from jax_ep.flax.experts import (_ffn, _linear, _shared_expert, _tensor_parallel, _weighted,
                                  _with_probs, expert_tile_rows, gate_up_from_etp,
                                  gate_up_to_etp, pad_expert_blocks, swiglu_expert_blocks,
@@ -965,17 +966,30 @@ class MoEAuxLossAutoScaler:
 
     @staticmethod
     def apply(output, aux_loss):
+        check_array(output, "output")
+        if is_real(aux_loss):
+            aux_loss = jnp.asarray(aux_loss, jnp.float32)
+        check_array(aux_loss, "aux_loss")
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         return _with_aux_loss(output, aux_loss, 1.0 if scale is None else scale)
 
     @staticmethod
     def set_loss_scale(scale):
         """The cotangent aux losses get from now on (Megatron sets 1 / the number of
-        micro-batches when the main loss is scaled so); a finite number."""
-        value = float(scale)
-        if not math.isfinite(value):
-            raise ValueError(f"scale: expected a finite number, got {scale!r}")
-        MoEAuxLossAutoScaler.main_loss_backward_scale = value
+        micro-batches when the main loss is scaled so): a finite number or a concrete 0-d
+        array (Megatron passes a tensor); None restores the initial state (scale 1)."""
+        if scale is not None:
+            is_scalar = (hasattr(scale, "dtype") and jnp.ndim(scale) == 0
+                         and scale.dtype != jnp.bool_)
+            try:
+                value = float(scale) if is_real(scale) or is_scalar else math.nan
+            except jax.errors.ConcretizationTypeError:
+                raise ValueError("scale: expected a concrete number (it is kept on the host), "
+                                 "got a traced value") from None
+            if not math.isfinite(value):
+                raise ValueError(f"scale: expected a finite number, got {scale!r}")
+            scale = value
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -1036,6 +1050,11 @@ class TopKRouter(_RouterState, nnx.Module):
                  sow_aux: bool = False, deterministic: bool = False):
         config = _as_moe_config(config)
         E, H = config.num_moe_experts, check_positive(hidden_size, "hidden_size")
+        if not isinstance(rngs, nnx.Rngs):
+            raise ValueError(f"rngs: expected an nnx.Rngs, got {type(rngs).__name__}")
+        param_dtype = as_dtype(param_dtype, "param_dtype")
+        if not jnp.issubdtype(param_dtype, jnp.floating):
+            raise ValueError(f"param_dtype: expected a float dtype, got {param_dtype}")
         self.config = config
         self.weight = nnx.Param(jax.nn.initializers.normal(H ** -0.5)(
             rngs.params(), (E, H), param_dtype))
@@ -1061,6 +1080,10 @@ class TopKRouter(_RouterState, nnx.Module):
     def gating(self, x):
         """x [T,H] -> logits [T,E] = x @ weight^T (+ bias) in moe_router_dtype (None: x's
         dtype)."""
+        H = self.weight.shape[1]
+        check_float_weights(x, "x")
+        if jnp.ndim(x) < 1 or x.shape[-1] != H:
+            raise ValueError(f"x: expected [..., hidden_size={H}], got shape {jnp.shape(x)}")
         return _gate(x, self.weight[...], self.config, _value(self.bias))
 
     def routing(self, logits, padding_mask=None, seq_len: int = 1):
@@ -1069,6 +1092,10 @@ class TopKRouter(_RouterState, nnx.Module):
         check_array(logits, "logits")
         check_rank(logits, 2, "logits")
         check_shape(logits, (logits.shape[0], E), "logits")
+        check_positive(seq_len, "seq_len")
+        if "seq_aux_loss" in cfg.load_balancing_types() and logits.shape[0] % seq_len:
+            raise ValueError(f"seq_len: expected a divisor of the {logits.shape[0]} tokens "
+                             f"(seq_aux_loss reads them as sequences of seq_len), got {seq_len}")
         if padding_mask is not None:
             check_shape(padding_mask, (logits.shape[0],), "padding_mask")
             if padding_mask.dtype != bool:  # ~ of an int mask would weigh tokens -1 / -2
@@ -1115,6 +1142,9 @@ class TopKRouter(_RouterState, nnx.Module):
         or bool [S, B] (True: padding) -> (probs [S*B, E], routing_map bool[S*B, E]) with
         the tokens in Megatron's order (row s*B + b): __call__ on the [B, S, H] transpose
         (seq_aux_loss over the S tokens of each sequence), rows reordered."""
+        check_array(input, "input")
+        if padding_mask is not None:
+            check_array(padding_mask, "padding_mask")
         if jnp.ndim(input) != 3:
             raise ValueError(f"input: expected [seq_length, batch, hidden_size], got shape "
                              f"{jnp.shape(input)}")

@@ -67,11 +67,6 @@ __all__ = [
 
 # --- permutation -----------------------------------------------------------------------------
 
-def _bool_map(routing_map):
-    _checks.check_rank(routing_map, 2, "routing_map")
-    return routing_map if routing_map.dtype == jnp.bool_ else routing_map != 0
-
-
 def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
             drop_and_pad=False):
     """tokens [T,H], routing_map [T,E] (bool, or integer with nonzero = routed), probs [T,E]
@@ -92,11 +87,16 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False,
     then has E * capacity rows, as PyTorch's."""
     del fused
     drop_and_pad = _checks.check_flag(drop_and_pad, "drop_and_pad")
-    routing_map = _bool_map(routing_map)
+    routing_map = _checks.check_map(routing_map)
     num_tokens, num_experts = routing_map.shape
+    if num_out_tokens is not None:
+        _checks.check_positive(num_out_tokens, "num_out_tokens", allow_zero=True)
     if num_out_tokens is None:
         num_out_tokens, drop_and_pad = num_tokens * num_experts, False
     elif drop_and_pad:  # PyTorch's result: E blocks of capacity rows
+        if num_experts == 0:
+            raise ValueError("routing_map: drop_and_pad needs at least one expert column, got "
+                             f"shape {routing_map.shape}")
         num_out_tokens = num_out_tokens // num_experts * num_experts
     permuted, permuted_probs, sorted_indices, _ = ops.permute(
         tokens, routing_map, probs, num_out_tokens=num_out_tokens,
@@ -125,11 +125,14 @@ def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routin
     permuted_tokens and probs."""
     del fused
     drop_and_pad = _checks.check_flag(drop_and_pad, "drop_and_pad")
-    if len(tuple(restore_shape)) != 2 or not all(_checks.is_int(d, 0) for d in restore_shape):
+    if (not isinstance(restore_shape, (tuple, list)) or len(restore_shape) != 2
+            or not all(_checks.is_int(d, 0) for d in restore_shape)):
         raise ValueError(f"restore_shape: expected (num_tokens, hidden) ints >= 0, got "
                          f"{restore_shape}")
     num_tokens, hidden = (int(d) for d in restore_shape)
     _checks.check_rank(permuted_tokens, 2, "permuted_tokens")
+    _checks.check_float(permuted_tokens, "permuted_tokens")
+    _checks.check_rank(sorted_indices, 1, "sorted_indices")
     if permuted_tokens.shape[1] != hidden:
         raise ValueError(f"restore_shape: expected hidden {permuted_tokens.shape[1]} "
                          f"(permuted_tokens' width), got {restore_shape}")
@@ -138,7 +141,7 @@ def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routin
         if routing_map is None:
             raise ValueError("routing_map: expected the [num_tokens, num_experts] map with "
                              "probs (it places each row's prob), got None")
-        routing_map = _bool_map(routing_map)
+        routing_map = _checks.check_map(routing_map)
         _checks.check_shape(probs, routing_map.shape, "probs")
         _checks.check_shape(routing_map, (num_tokens, routing_map.shape[1]), "routing_map")
         expert = _row_experts(routing_map, sorted_indices.shape[0], drop_and_pad)
@@ -155,14 +158,14 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
     (PyTorch requires the sizes to cover the input exactly). Differentiable in input and
     probs."""
     del fused
-    input = jnp.asarray(input)
     _checks.check_rows(input, "input")
+    _checks.check_array(input, "input")
     split_sizes, sorted_idxs = (v if hasattr(v, "dtype") else np.asarray(v)
                                 for v in (split_sizes, sorted_idxs))  # lists, as PyTorch's
     for values, name in ((split_sizes, "split_sizes"), (sorted_idxs, "sorted_idxs")):
         if not jnp.issubdtype(values.dtype, jnp.integer):
             raise ValueError(f"{name}: expected integers, got {values.dtype}")
-    _check_chunk_values(split_sizes, sorted_idxs)
+    _check_chunk_values(split_sizes, sorted_idxs, input.shape[0])
     split_sizes = jnp.asarray(split_sizes, jnp.int32)
     sorted_idxs = jnp.asarray(sorted_idxs, jnp.int32)
     _checks.check_rank(split_sizes, 1, "split_sizes")
@@ -181,13 +184,16 @@ def sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None, fused=False
     return ops.gather_rows(input, src), sorted_probs
 
 
-def _check_chunk_values(split_sizes, sorted_idxs):
+def _check_chunk_values(split_sizes, sorted_idxs, num_rows):
     """Each where it is concrete (a traced one is not read: no host sync): ValueError naming
-    split_sizes unless every size is >= 0, and sorted_idxs unless it is a permutation of
-    range(C)."""
+    split_sizes unless every size is >= 0 and they sum to at most num_rows (the input's rows:
+    chunks past them would be cut), and sorted_idxs unless it is a permutation of range(C)."""
     sizes, idxs = (_concrete(v) for v in (split_sizes, sorted_idxs))
     if sizes is not None and (sizes < 0).any():
         raise ValueError(f"split_sizes: expected row counts >= 0, got {sizes.tolist()}")
+    if sizes is not None and sizes.sum() > num_rows:
+        raise ValueError(f"split_sizes: the chunks sum to {int(sizes.sum())} rows, more than "
+                         f"input's {num_rows}")
     if idxs is not None and sorted(idxs.ravel().tolist()) != list(range(idxs.size)):
         raise ValueError(f"sorted_idxs: expected a permutation of range({idxs.size}), got "
                          f"{idxs.tolist()}")
@@ -209,8 +215,9 @@ def get_tokens_per_expert_and_token_count(routing_map, reduce_group, topk=None,
     total_num_tokens). With with_padding_mask the token counts are the routed slots / topk
     (padding tokens routed nowhere do not count; float32), else T and T times the devices of
     reduce_group (ints)."""
-    _checks.check_rank(routing_map, 2, "routing_map")
+    routing_map = _checks.check_map(routing_map)
     with_padding_mask = _checks.check_flag(with_padding_mask, "with_padding_mask")
+    reduce_group = _checks.check_axis_names(reduce_group, "reduce_group")
     local = routing_map.astype(jnp.int32).sum(axis=0)
     tokens_per_expert = local if reduce_group is None else jax.lax.psum(local, reduce_group)
     if with_padding_mask:
@@ -223,6 +230,38 @@ def get_tokens_per_expert_and_token_count(routing_map, reduce_group, topk=None,
 
 
 # --- the experts' gated activations ----------------------------------------------------------
+
+_NOT_GIVEN = object()
+
+
+def _check_glu(y, name="y", *, weights=_NOT_GIVEN, g=_NOT_GIVEN, bias=_NOT_GIVEN):
+    """ValueError naming the argument unless y is a float [..., 2F] array ([gate | up]: an even
+    last axis), weights a float [..., 1] (one per row of y), the cotangent g [..., F] and bias
+    broadcastable to y (each where passed; None is no array)."""
+    _checks.check_float_weights(y, name)
+    if jnp.ndim(y) < 1 or y.shape[-1] % 2:
+        raise ValueError(f"{name}: expected [..., 2F] ([gate | up]: an even last axis), got "
+                         f"shape {tuple(jnp.shape(y))}")
+    if weights is not _NOT_GIVEN:
+        _checks.check_shape(weights, y.shape[:-1] + (1,), "weights")
+        _checks.check_float_weights(weights, "weights")
+    if g is not _NOT_GIVEN:
+        _checks.check_shape(g, y.shape[:-1] + (y.shape[-1] // 2,), "g")
+        _checks.check_float_weights(g, "g")
+    if bias is not _NOT_GIVEN:
+        _checks.check_float_weights(bias, "bias")
+        try:
+            broadcast = jnp.broadcast_shapes(bias.shape, y.shape) == y.shape
+        except ValueError:
+            broadcast = False
+        if not broadcast:
+            raise ValueError(f"bias: expected a shape that broadcasts to {name}'s "
+                             f"{tuple(y.shape)}, got {tuple(bias.shape)}")
+
+
+def _offset(linear_offset):
+    return _checks.check_real(linear_offset, "linear_offset")
+
 
 def _back(activation, g, y):
     """The gradient of activation at y for the output cotangent g, in their promoted dtype
@@ -244,57 +283,69 @@ def _weighted_back(activation, g, y, weights):
 
 def swiglu_back(g, y):
     """swiglu's input gradient: g [..., F], y [..., 2F] -> [..., 2F]."""
+    _check_glu(y, g=g)
     return _back(swiglu, g, y)
 
 
 def geglu_back(g, y):
     """geglu's input gradient: g [..., F], y [..., 2F] -> [..., 2F]."""
+    _check_glu(y, g=g)
     return _back(geglu, g, y)
 
 
 def quick_geglu_back(g, y, linear_offset: float = 0.0):
     """quick_geglu's input gradient: g [..., F], y [..., 2F] -> [..., 2F]."""
-    return _back(partial(quick_geglu, linear_offset=linear_offset), g, y)
+    _check_glu(y, g=g)
+    return _back(partial(quick_geglu, linear_offset=_offset(linear_offset)), g, y)
 
 
 def weighted_swiglu(y, weights):
     """swiglu(y) * weights (weights [..., 1], one per token), in y's dtype."""
+    _check_glu(y, weights=weights)
     return _weighted(swiglu, y, weights)
 
 
 def weighted_geglu(y, weights):
     """geglu(y) * weights, in y's dtype."""
+    _check_glu(y, weights=weights)
     return _weighted(geglu, y, weights)
 
 
 def weighted_quick_geglu(y, weights, linear_offset: float = 0.0):
     """quick_geglu(y, linear_offset) * weights, in y's dtype."""
-    return _weighted(partial(quick_geglu, linear_offset=linear_offset), y, weights)
+    _check_glu(y, weights=weights)
+    return _weighted(partial(quick_geglu, linear_offset=_offset(linear_offset)), y, weights)
 
 
 def weighted_bias_quick_geglu(y, bias, weights, linear_offset: float = 0.0):
     """quick_geglu(y + bias, linear_offset) * weights, in y's dtype."""
+    _check_glu(y, weights=weights, bias=bias)
     return weighted_quick_geglu(y + bias, weights, linear_offset).astype(y.dtype)
 
 
 def weighted_swiglu_back(g, y, weights):
     """(d y, d weights) of weighted_swiglu for the cotangent g."""
+    _check_glu(y, weights=weights, g=g)
     return _weighted_back(swiglu, g, y, weights)
 
 
 def weighted_geglu_back(g, y, weights):
     """(d y, d weights) of weighted_geglu for the cotangent g."""
+    _check_glu(y, weights=weights, g=g)
     return _weighted_back(geglu, g, y, weights)
 
 
 def weighted_quick_geglu_back(g, y, weights, linear_offset: float = 0.0):
     """(d y, d weights) of weighted_quick_geglu for the cotangent g."""
-    return _weighted_back(partial(quick_geglu, linear_offset=linear_offset), g, y, weights)
+    _check_glu(y, weights=weights, g=g)
+    return _weighted_back(partial(quick_geglu, linear_offset=_offset(linear_offset)), g, y,
+                          weights)
 
 
 def weighted_bias_quick_geglu_back(g, y, bias, weights, linear_offset: float = 0.0):
     """(d y, d bias, d weights) of weighted_bias_quick_geglu; d bias is d y at y's shape, as
     PyTorch returns it (its autograd sums it to the bias' shape)."""
+    _check_glu(y, weights=weights, g=g, bias=bias)
     input_grad, weights_grad = weighted_quick_geglu_back(g, y + bias, weights, linear_offset)
     return input_grad.astype(y.dtype), input_grad.astype(y.dtype), weights_grad
 
@@ -321,11 +372,21 @@ def _weighted_impl(activation, input, weights, fp8_input_store):
     """PyTorch's weighted_bias_*_impl: input [T, 2F] or [S, B, 2F], weights [S*B, 1] ->
     [T, F] or [S, B, F]; with fp8_input_store the backward pass reads the input rounded to
     float8_e4m3fn (kept in that dtype between the passes; with a bias, input + bias)."""
+    _check_impl_input(input, weights)
     shape = input.shape
-    rows = input.reshape(-1, shape[-1]) if len(shape) > 1 else input
+    rows = input.reshape(-1, shape[-1])
     out = _stored_weighted(activation, _checks.check_flag(fp8_input_store, "fp8_input_store"),
                            rows, weights)
     return out.reshape(shape[0], shape[1], -1) if len(shape) > 2 else out
+
+
+def _check_impl_input(input, weights):
+    """PyTorch's assertion (input of rank 2 or 3), then _check_glu on its rows."""
+    _checks.check_array(input, "input")
+    if jnp.ndim(input) not in (2, 3):
+        raise ValueError(f"input: expected rank 2 or 3, got shape {tuple(jnp.shape(input))}")
+    rows = input.reshape(-1, input.shape[-1])
+    _check_glu(rows, "input", weights=weights)
 
 
 def weighted_bias_swiglu_impl(input, weights, fp8_input_store=False):
@@ -345,16 +406,19 @@ def weighted_bias_quick_geglu_impl(input, bias, weights, fp8_input_store=False,
     broadcastable to it or None, weights [rows, 1]. With clamp_value c, the gate half is
     clamped to at most c and the linear half to [-c, c] first. alpha: NeMo accepts it and
     uses 1.702 whatever it is; anything else is refused here rather than silently differ."""
-    if float(alpha) != QUICK_GELU_ALPHA:
+    if not (_checks.is_real(alpha) and float(alpha) == QUICK_GELU_ALPHA):
         raise ValueError(f"alpha: expected {QUICK_GELU_ALPHA} (NeMo's Quick-GELU constant; it "
-                         f"ignores other values), got {alpha}")
-    if len(input.shape) not in (2, 3):
-        raise ValueError(f"input: expected rank 2 or 3, got shape {input.shape}")
+                         f"ignores other values), got {alpha!r}")
+    _check_impl_input(input, weights)
+    if bias is not None:
+        _check_glu(input, "input", bias=bias)
+    clamp_value = _checks.check_real(clamp_value, "clamp_value", positive=True, allow_none=True)
+    linear_offset = _offset(linear_offset)
     dtype = input.dtype
     if clamp_value is not None:
         input = jnp.concatenate(clamp_glu_halves(*jnp.split(input, 2, axis=-1), clamp_value),
                                 axis=-1)
     if bias is not None:  # in the promoted dtype, as PyTorch; the result in the input's
         input = input + bias
-    activation = partial(quick_geglu, linear_offset=float(linear_offset))
+    activation = partial(quick_geglu, linear_offset=linear_offset)
     return _weighted_impl(activation, input, weights, fp8_input_store).astype(dtype)

@@ -29,6 +29,9 @@ def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_
     num_groups contiguous groups; a group scores the sum of its top topk // group_topk scores;
     only the best group_topk groups stay eligible (the others' scores -inf)."""
     topk = _checks.check_positive(topk, "topk")
+    _checks.check_positive(num_tokens, "num_tokens", allow_zero=True)
+    _checks.check_positive(num_experts, "num_experts")
+    _checks.check_rank(scores, 2, "scores")
     if scores.shape != (num_tokens, num_experts):
         raise ValueError(f"group_limited_topk: scores must be [num_tokens={num_tokens}, "
                          f"num_experts={num_experts}], got {scores.shape}")
@@ -112,10 +115,12 @@ def sinkhorn(cost, tol=1e-4):
     if not (isinstance(tol, numbers.Real) and not isinstance(tol, (bool, np.bool_))
             and 0 < tol < float("inf")):
         raise ValueError(f"tol: expected a finite float > 0, got {tol!r}")
-    cost = jnp.asarray(cost)
     _checks.check_rank(cost, 2, "cost")
+    _checks.check_float_weights(cost, "cost")
     cost = jax.lax.stop_gradient(cost).astype(jnp.float32)
     T, E = cost.shape
+    if E == 0:
+        raise ValueError(f"cost: expected at least one expert column, got shape {cost.shape}")
     if T == 0:
         return cost
     # A row's scale is absorbed by its d0, so a row whose largest logit passes 50 is shifted
@@ -157,8 +162,20 @@ def apply_random_logits(logits, key):
     """Megatron's apply_random_logits (moe_router_force_load_balancing), with its random
     state as an explicit key: standard normal logits of logits' shape and dtype, with the
     gradient passing straight through to `logits` (Megatron's RandomSTE)."""
+    _checks.check_float_weights(logits, "logits")
+    _check_key(key)
     noise = jax.random.normal(key, logits.shape, logits.dtype)
     return noise + (logits - jax.lax.stop_gradient(logits))
+
+
+def _check_key(key):
+    """ValueError naming key unless it is a jax.random key (typed, or raw uint32[2])."""
+    typed = hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    raw = (hasattr(key, "dtype") and key.dtype == jnp.uint32 and jnp.ndim(key) == 1
+           and key.shape[0] == 2)
+    if not (typed or raw):
+        got = f"{key.dtype}{list(key.shape)}" if hasattr(key, "dtype") else repr(key)
+        raise ValueError(f"key: expected a jax.random key (jax.random.key(seed)), got {got}")
 
 
 def apply_biased_logits(logits, key, bias):
@@ -166,6 +183,9 @@ def apply_biased_logits(logits, key, bias):
     explicit values: apply_random_logits(logits, key) plus bias [E] (Megatron's normal(0,
     |std|) draw, the same on every rank), cast to logits' dtype; the gradient passes straight
     through to `logits`, none to `bias` (a draw, as Megatron's RandomSTEShared)."""
+    _checks.check_float_weights(logits, "logits")
+    _checks.check_shape(bias, logits.shape[-1:], "bias")
+    _checks.check_float_weights(bias, "bias")
     return apply_random_logits(logits, key) + jax.lax.stop_gradient(bias).astype(logits.dtype)
 
 
@@ -179,6 +199,9 @@ def router_gating_linear(inp, weight, bias, router_dtype):
                          f"shape {weight.shape}")
     if bias is not None:
         _checks.check_shape(bias, weight.shape[:1], "bias")
+    router_dtype = _checks.as_dtype(router_dtype, "router_dtype")
+    if not jnp.issubdtype(router_dtype, jnp.floating):
+        raise ValueError(f"router_dtype: expected a float dtype, got {router_dtype}")
     logits = inp.astype(router_dtype) @ weight.astype(router_dtype).T
     return logits if bias is None else logits + bias.astype(router_dtype)
 
@@ -206,12 +229,17 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
     num_tokens, num_experts = logits.shape
     topk = _checks.check_positive(topk, "topk")
     _checks.check_top_k(topk, num_experts, "topk")
+    scaling_factor = _checks.check_coeff(scaling_factor, "scaling_factor", allow_none=True)
+    if expert_bias is not None:
+        _checks.check_shape(expert_bias, (num_experts,), "expert_bias")
+        _checks.check_float_weights(expert_bias, "expert_bias")
     if precomputed_indices is not None:
         precomputed_indices = jnp.asarray(precomputed_indices)
         _checks.check_shape(precomputed_indices, (num_tokens, topk), "precomputed_indices")
         if not jnp.issubdtype(precomputed_indices.dtype, jnp.integer):
             raise ValueError(f"precomputed_indices: expected integer expert ids, got "
                              f"{precomputed_indices.dtype}")
+        _check_concrete_ids(precomputed_indices, num_experts, "precomputed_indices")
     wide = jnp.float32  # Megatron: scores and every intermediate in fp32
 
     def choose(scores):
@@ -237,7 +265,8 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
         else:
             top, ids = choose(scores)
         probs = _normalised(top) if topk > 1 else top
-    if scaling_factor:
+    if scaling_factor is not None and not (_checks.is_real(scaling_factor)
+                                           and scaling_factor == 0):  # 0: none, as Megatron
         probs = probs * scaling_factor
     probs, ids = probs.astype(logits.dtype), ids.astype(jnp.int32)
     if dense_output:
@@ -247,19 +276,51 @@ def topk_routing_with_score_function(logits, topk, use_pre_softmax=False, num_gr
             jnp.zeros(logits.shape, bool).at[rows, ids].set(True))
 
 
+def _check_concrete_ids(ids, num_experts, name):
+    """ValueError naming `name` where ids are concrete and one is outside [0, num_experts)
+    (a gather would wrap -1 to the last expert); traced ids are not read (no host sync)."""
+    try:
+        values = np.asarray(ids)
+    except jax.errors.TracerArrayConversionError:
+        return
+    bad = (values < 0) | (values >= num_experts)
+    if bad.any():
+        raise ValueError(f"{name}: expected expert ids in [0, {num_experts}), got "
+                         f"{values[bad].ravel()[0]}")
+
+
 def _logits(logits):
     """logits as a [num_tokens, num_experts] float array (a nested list too), else a
     ValueError naming logits."""
-    logits = jnp.asarray(logits)
+    try:
+        logits = jnp.asarray(logits)
+    except (TypeError, ValueError):
+        raise ValueError(f"logits: expected a float [num_tokens, num_experts] array, got "
+                         f"{type(logits).__name__}") from None
     if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
         raise ValueError(f"logits: expected a float [num_tokens, num_experts] array, got "
                          f"{logits.dtype} of shape {logits.shape}")
     return logits
 
 
+def _check_config(cfg):
+    if not isinstance(cfg, MoEConfig):
+        raise ValueError(f"cfg: expected a MoEConfig, got {type(cfg).__name__}")
+
+
+def _route_logits(logits, cfg):
+    """logits [T, E] of cfg's E experts, else a ValueError naming logits."""
+    logits = _logits(logits)
+    if logits.shape[1] != cfg.num_moe_experts:
+        raise ValueError(f"logits: expected [num_tokens, num_moe_experts={cfg.num_moe_experts}],"
+                         f" got shape {logits.shape}")
+    return logits
+
+
 def check_top_k(cfg: MoEConfig):
     """ValueError naming MoEConfig.moe_router_topk when it exceeds num_moe_experts (the config
     accepts that, as Megatron's does; no router can pick K of fewer experts)."""
+    _check_config(cfg)
     _checks.check_top_k(cfg.moe_router_topk, cfg.num_moe_experts, "MoEConfig.moe_router_topk",
                         "num_moe_experts")
 
@@ -272,8 +333,16 @@ def qb_dual_update(scores, k, beta, update_beta=True):
     largest score - beta; else beta). Computed in float32, no gradient. T*k must be divisible
     by E (ValueError); T = 0 gives beta back."""
     update_beta = _checks.check_flag(update_beta, "update_beta")
+    _checks.check_rank(scores, 2, "scores")
+    _checks.check_float_weights(scores, "scores")
+    k = _checks.check_positive(k, "k")
     scores = jax.lax.stop_gradient(scores).astype(jnp.float32)
     num_tokens, num_experts = scores.shape
+    if beta is None:
+        raise ValueError(f"beta: expected the f32[{num_experts}] quantile bias (qb_beta), got "
+                         f"None")
+    _checks.check_shape(beta, (num_experts,), "beta")
+    _checks.check_float_weights(beta, "beta")
     if k + 1 > num_experts:
         raise ValueError(f"k: quantile balancing needs top-k + 1 <= num_experts, got k={k}, "
                          f"E={num_experts}")
@@ -298,10 +367,16 @@ def route(logits, cfg: MoEConfig, expert_bias=None, training=True):
     sqrtsoftplus) shifts the scores for the choice of experts, not the probs. training:
     Megatron's module.training, read by sinkhorn routing only."""
     check_top_k(cfg)
+    logits = _route_logits(logits, cfg)
+    training = _checks.check_flag(training, "training")
     if cfg.sinkhorn:
         probs, ids = _sinkhorn_route(logits, cfg, training)
         return probs.astype(logits.dtype), ids.astype(jnp.int32)
     if cfg.quantile_balancing:
+        if expert_bias is None:
+            raise ValueError(f"expert_bias: quantile balancing routes by the f32"
+                             f"[{cfg.num_moe_experts}] qb_beta, got None")
+        _checks.check_shape(expert_bias, (cfg.num_moe_experts,), "expert_bias")
         ids, _ = qb_dual_update(logits, cfg.moe_router_topk, expert_bias, update_beta=False)
         return topk_routing_with_score_function(
             logits, cfg.moe_router_topk, use_pre_softmax=cfg.moe_router_pre_softmax,
@@ -320,6 +395,13 @@ def capacity_drop(probs, ids, cfg: MoEConfig):
     """moe_expert_capacity_factor with moe_token_drop_policy on one device's T tokens: each
     expert keeps at most ceil(T*K/E * factor) of its (token, slot)s. probs [T,K], ids i32[T,K]
     -> (probs with dropped slots 0, ids with dropped slots -1, dropped i32[E] per expert)."""
+    _check_config(cfg)
+    _checks.check_rank(ids, 2, "ids")
+    if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] != cfg.moe_router_topk:
+        raise ValueError(f"ids: expected integer expert ids [T, moe_router_topk="
+                         f"{cfg.moe_router_topk}], got {ids.dtype}{list(ids.shape)}")
+    _checks.check_shape(probs, ids.shape, "probs")
+    _checks.check_float_weights(probs, "probs")
     E = cfg.num_moe_experts
     if cfg.moe_expert_capacity_factor is None:
         return probs, ids, jnp.zeros((E,), jnp.int32)
@@ -345,6 +427,7 @@ def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=Fals
     logits = _logits(logits).astype(jnp.float32)
     topk = _checks.check_positive(topk, "topk")
     _checks.check_top_k(topk, logits.shape[1], "topk")
+    padding_mask = _checks.check_padding_mask(padding_mask, logits.shape[:1])
     if score_function == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
     else:
@@ -354,7 +437,7 @@ def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=Fals
     routing_map = jnp.zeros(scores.shape, bool).at[jnp.arange(scores.shape[0])[:, None],
                                                    ids].set(True)
     if padding_mask is not None:
-        valid = ~jnp.asarray(padding_mask, bool)[:, None]
+        valid = ~padding_mask[:, None]
         routing_map, scores = routing_map & valid, scores * valid
     return routing_map, scores
 
@@ -368,15 +451,19 @@ def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens, 
     total_num_tokens. padding_mask bool[T]: True marks a valid token (as Megatron's code reads
     it here), padding rows of probs add nothing. fused has no effect."""
     del fused
-    if isinstance(total_num_tokens, (int, float, np.number)) and total_num_tokens <= 0:
+    _checks.check_coeff(total_num_tokens, "total_num_tokens")
+    if _checks.is_real(total_num_tokens) and total_num_tokens <= 0:
         raise ValueError(f"total_num_tokens: expected a count > 0, got {total_num_tokens}")
+    _checks.check_coeff(moe_aux_loss_coeff, "moe_aux_loss_coeff")
     _checks.check_positive(topk, "topk")
     _checks.check_positive(num_experts, "num_experts")
+    _checks.check_top_k(topk, num_experts, "topk")
     probs = jnp.asarray(probs)
     _checks.check_rank(probs, 2, "probs")
     probs = probs.astype(jnp.float32)
+    padding_mask = _checks.check_padding_mask(padding_mask, probs.shape[:1])
     if padding_mask is not None:
-        probs = probs * jnp.asarray(padding_mask, bool)[:, None]
+        probs = probs * padding_mask[:, None]
     counts = jnp.asarray(tokens_per_expert)
     _checks.check_shape(counts, probs.shape[1:], "tokens_per_expert")
     counts = counts.astype(jnp.float32)
@@ -389,13 +476,15 @@ def switch_loss_terms(logits, cfg: MoEConfig):
     f32[T,E], routed i32[T,E]) of compute_routing_scores_for_aux_loss with cfg's top-k and
     score function. Over a token set B of N tokens the loss is E / (K * N^2) * sum_e
     (sum_B scores[:, e]) * (sum_B routed[:, e])."""
+    _check_config(cfg)
     routing_map, scores = compute_routing_scores_for_aux_loss(
-        logits, cfg.moe_router_topk, cfg.moe_router_score_function)
+        _route_logits(logits, cfg), cfg.moe_router_topk, cfg.moe_router_score_function)
     return scores, jax.lax.stop_gradient(routing_map.astype(jnp.int32))
 
 
 def z_loss_terms(logits):
     """logits [T,E] -> f32[T]: logsumexp(logits)^2 per token (ST-MoE's z-loss is their mean)."""
+    logits = _logits(logits)
     return jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
 
 
@@ -404,10 +493,14 @@ def z_loss_func(logits, z_loss_coeff, padding_mask=None):
     logsumexp(logits)^2 over the tokens, computed in the logits' dtype as Megatron does (the
     layer's z-loss, z_loss_terms, is float32). padding_mask bool[T]: True marks padding (as
     Megatron's code reads it here): the mean over the other tokens (0 when there are none)."""
+    _checks.check_rows(logits, "logits")
+    _checks.check_float_weights(logits, "logits")
+    z_loss_coeff = _checks.check_coeff(z_loss_coeff, "z_loss_coeff")
+    padding_mask = _checks.check_padding_mask(padding_mask, logits.shape[:-1])
     values = jnp.square(jax.nn.logsumexp(logits, axis=-1))
     if padding_mask is None:
         return jnp.mean(values) * z_loss_coeff
-    valid = ~jnp.asarray(padding_mask, bool)
+    valid = ~padding_mask
     total = jnp.sum(values * valid)
     return total / jnp.maximum(valid.sum(), 1).astype(total.dtype) * z_loss_coeff
 
@@ -415,7 +508,10 @@ def z_loss_func(logits, z_loss_coeff, padding_mask=None):
 def get_capacity(num_tokens, num_experts, capacity_factor, min_capacity=None):
     """Megatron's get_capacity: ceil(num_tokens / num_experts * capacity_factor), at least
     min_capacity when given."""
+    _checks.check_positive(num_tokens, "num_tokens", allow_zero=True)
     _checks.check_positive(num_experts, "num_experts")
+    if min_capacity is not None:
+        _checks.check_positive(min_capacity, "min_capacity", allow_zero=True)
     capacity = deepep.expert_capacity(num_tokens, 1, num_experts, capacity_factor)
     return capacity if min_capacity is None else max(capacity, min_capacity)
 
@@ -433,16 +529,17 @@ def apply_router_token_dropping(routing_probs, routing_map, router_topk, capacit
     if drop_policy not in deepep.DROP_POLICIES:
         raise ValueError(f"drop_policy: expected one of {deepep.DROP_POLICIES}, got "
                          f"{drop_policy!r}")
-    routing_probs = jnp.asarray(routing_probs)
     _checks.check_rank(routing_probs, 2, "routing_probs")
+    _checks.check_float_weights(routing_probs, "routing_probs")
     num_tokens, num_experts = routing_probs.shape
     if num_experts == 0:
         raise ValueError(f"routing_probs: expected [num_tokens, num_experts] with at least one "
                          f"expert, got shape {routing_probs.shape}")
     _checks.check_positive(router_topk, "router_topk")
+    _checks.check_top_k(router_topk, num_experts, "router_topk")
     _checks.check_shape(routing_map, routing_probs.shape, "routing_map")
     capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
-    routing_map = jnp.asarray(routing_map, bool)
+    routing_map = _checks.check_map(routing_map)
     if capacity > num_tokens:
         capacity_mask = jnp.ones(routing_map.shape, bool)
     else:
@@ -461,7 +558,7 @@ def pad_routing_map(routing_map, pad_multiple):
     padding tokens are real ones, with prob 0; jax_ep's moe_router_expert_pad_multiple pads
     with zero rows instead."""
     pad_multiple = _checks.check_positive(pad_multiple, "pad_multiple")
-    _checks.check_rank(routing_map, 2, "routing_map")
+    _checks.check_map(routing_map)
     is_zero = routing_map == 0
     num_to_pad = (-(~is_zero).sum(axis=0)) % pad_multiple
     zero_ranks = jnp.cumsum(is_zero.astype(jnp.int32), axis=0)
@@ -477,9 +574,12 @@ def get_updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_r
     [layers, E]), down when more, unchanged at the mean. tp_dp_cp_group: the mesh axis name
     (or names) to sum the counts over first, Megatron's all-reduce (call inside shard_map);
     None: the counts are global already (as MoELayer passes them)."""
-    counts = jax.lax.stop_gradient(jnp.asarray(tokens_per_expert)).astype(jnp.float32)
-    _checks.check_rows(counts, "tokens_per_expert")
+    _checks.check_rows(tokens_per_expert, "tokens_per_expert")
+    _checks.check_array(tokens_per_expert, "tokens_per_expert")
+    counts = jax.lax.stop_gradient(tokens_per_expert).astype(jnp.float32)
     _checks.check_shape(expert_bias, counts.shape, "expert_bias")
+    _checks.check_coeff(expert_bias_update_rate, "expert_bias_update_rate")
+    tp_dp_cp_group = _checks.check_axis_names(tp_dp_cp_group, "tp_dp_cp_group")
     if tp_dp_cp_group is not None:
         counts = jax.lax.psum(counts, tp_dp_cp_group)
     # sign(mean - count) as sign(sum - E * count): exact for integer counts, so an expert at
