@@ -669,45 +669,6 @@ def _named_argument_cases():
     }
 
 
-_CASES = _named_argument_cases()
-
-
-@pytest.mark.parametrize("case", sorted(_CASES))
-def test_bad_arguments_are_named(case):
-    call, match = _CASES[case]
-    with pytest.raises(ValueError, match="^" + match):
-        call()
-
-
-def test_python_lists_where_pytorch_takes_them():
-    """all_to_all_single's splits as Python lists (PyTorch's output_split_sizes /
-    input_split_sizes are lists); a numpy float64 x of gather_rows without x64 (it failed in
-    the handler's row check)."""
-    x = np.random.default_rng(4).standard_normal((4 * T, H)).astype(np.float32)
-    got = run_ep(lambda x: jax_ep.all_to_all_single(x, [1, 1, 1, 1], [1, 1, 1, 1],
-                                                    axis_name=AXIS), ep_mesh(4), x)
-    want = run_ep(lambda x: jax_ep.all_to_all_single(
-        x, jnp.ones(4, jnp.int32), jnp.ones(4, jnp.int32), axis_name=AXIS), ep_mesh(4), x)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    rows = np.arange(8.0).reshape(4, 2)
-    np.testing.assert_array_equal(np.asarray(ops.gather_rows(rows, jnp.array([3, 0]))),
-                                  rows[[3, 0]])
-
-
-def test_kernel_flags_take_any_concrete_bool():
-    """The layer-1 flags take what selects a kernel statically: numpy and concrete JAX bools
-    and 0 / 1 (a string such as "no", truthy, is refused above)."""
-    x = jnp.asarray(np.random.default_rng(5).standard_normal((T, 128)).astype(np.float32))
-    want = ops.per_token_cast_to_fp8(x, round_scale=True, use_ue8m0=True)
-    for flag in (np.bool_(True), jnp.array(True), 1, jnp.int32(1)):
-        got = ops.per_token_cast_to_fp8(x, round_scale=flag, use_ue8m0=flag)
-        for g, r in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
-    with pytest.raises(ValueError, match="^drop_and_pad: expected a bool"):
-        jax.jit(lambda flag: ops.permute(x, jnp.ones((T, 2), bool), num_out_tokens=8,
-                                         drop_and_pad=flag))(jnp.array(False))
-
-
 def _helper_cases():
     """The moe_utils / router helpers and TopKRouter (a probe of ~460 calls, session 31). "S"
     marks what returned a silently wrong result before; the rest failed with errors naming
@@ -873,14 +834,50 @@ def _helper_cases():
     }
 
 
-_HELPER_CASES = _helper_cases()
+def _all_cases():
+    cases = _named_argument_cases()
+    helpers = _helper_cases()
+    assert not set(cases) & set(helpers)
+    return {**cases, **helpers}
 
 
-@pytest.mark.parametrize("case", sorted(_HELPER_CASES))
-def test_helper_arguments_are_named(case):
-    call, match = _HELPER_CASES[case]
+_CASES = _all_cases()
+
+
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_bad_arguments_are_named(case):
+    call, match = _CASES[case]
     with pytest.raises(ValueError, match="^" + match):
         call()
+
+
+def test_python_lists_where_pytorch_takes_them():
+    """all_to_all_single's splits as Python lists (PyTorch's output_split_sizes /
+    input_split_sizes are lists); a numpy float64 x of gather_rows without x64 (it failed in
+    the handler's row check)."""
+    x = np.random.default_rng(4).standard_normal((4 * T, H)).astype(np.float32)
+    got = run_ep(lambda x: jax_ep.all_to_all_single(x, [1, 1, 1, 1], [1, 1, 1, 1],
+                                                    axis_name=AXIS), ep_mesh(4), x)
+    want = run_ep(lambda x: jax_ep.all_to_all_single(
+        x, jnp.ones(4, jnp.int32), jnp.ones(4, jnp.int32), axis_name=AXIS), ep_mesh(4), x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    rows = np.arange(8.0).reshape(4, 2)
+    np.testing.assert_array_equal(np.asarray(ops.gather_rows(rows, jnp.array([3, 0]))),
+                                  rows[[3, 0]])
+
+
+def test_kernel_flags_take_any_concrete_bool():
+    """The layer-1 flags take what selects a kernel statically: numpy and concrete JAX bools
+    and 0 / 1 (a string such as "no", truthy, is refused above)."""
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((T, 128)).astype(np.float32))
+    want = ops.per_token_cast_to_fp8(x, round_scale=True, use_ue8m0=True)
+    for flag in (np.bool_(True), jnp.array(True), 1, jnp.int32(1)):
+        got = ops.per_token_cast_to_fp8(x, round_scale=flag, use_ue8m0=flag)
+        for g, r in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+    with pytest.raises(ValueError, match="^drop_and_pad: expected a bool"):
+        jax.jit(lambda flag: ops.permute(x, jnp.ones((T, 2), bool), num_out_tokens=8,
+                                         drop_and_pad=flag))(jnp.array(False))
 
 
 def test_coefficients_may_be_traced_and_python_zero_scaling_is_none():
