@@ -62,9 +62,12 @@ MIN_CAPACITY = 512
 def required_capacity(num_tokens: int, chunk: int | None = None) -> int:
     """HybridEP's token-capacity rule: ceil(max(n, 512) / chunk) * chunk; chunk None: the
     environment's NUM_OF_TOKENS_PER_CHUNK_COMBINE_API (HybridEP's combine chunk), else 64."""
+    name = "chunk"
     if chunk is None:
-        chunk = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", COMBINE_CHUNK))
-    check_positive(chunk, "chunk")
+        name = "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API"
+        text = os.environ.get(name, str(COMBINE_CHUNK))
+        chunk = int(text) if text.strip().isdigit() else text
+    check_positive(chunk, name)
     check_positive(num_tokens, "num_tokens", allow_zero=True)
     return -(-max(int(num_tokens), MIN_CAPACITY) // chunk) * chunk
 

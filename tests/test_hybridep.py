@@ -280,6 +280,10 @@ def test_pipeline_runtime_initializer_keeps_nemos_calls(monkeypatch, hybridep_ru
     monkeypatch.setenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "128")
     assert initializer.required_capacity(513) == 640
     assert initializer._resolve_group_capacity(513, None) == 640
+    for bad in ("64k", "0"):  # int("64k") named nothing before
+        monkeypatch.setenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", bad)
+        with pytest.raises(ValueError, match="^NUM_OF_TOKENS_PER_CHUNK_COMBINE_API: expected"):
+            initializer.required_capacity(513)
     monkeypatch.delenv("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API")
     assert initializer.capacity == 0
     initializer.prepare(num_tokens=513)
