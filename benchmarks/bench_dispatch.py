@@ -55,7 +55,8 @@ AXIS = "ep"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_ep_args(p)
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity factor")
+    p.add_argument("--capacity-factor", type=common.positive_float, default=1.25,
+                   help="gshard capacity factor")
     p.add_argument("--routings", default="uniform,skewed",
                    type=common.comma_list(choices=("uniform", "skewed")),
                    help="comma list of routings: uniform (every expert equally likely), "

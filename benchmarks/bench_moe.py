@@ -98,8 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--expert-parallel", type=common.positive_int, default=4,
                    help="size of the expert axis")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="gshard capacity")
-    p.add_argument("--buffer-factor", type=float, default=1.25,
+    p.add_argument("--capacity-factor", type=common.positive_float, default=1.25,
+                   help="gshard capacity")
+    p.add_argument("--buffer-factor", type=common.positive_float, default=1.25,
                    help="dropless_buffer_factor of the @bounded rows")
     p.add_argument("--backends", default=",".join(BACKENDS) + ",gshard",
                    type=common.comma_list(_backend),
@@ -132,6 +133,8 @@ def parse_args(argv=None):
     if a.experts % a.expert_parallel:
         p.error(f"--experts: expected a multiple of --expert-parallel {a.expert_parallel}, "
                 f"got {a.experts}")
+    if not (a.backends or a.peer or a.routers or not a.no_experts_only):
+        p.error("--backends: expected at least one row (or --peer / --routers)")
     return a
 
 

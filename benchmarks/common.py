@@ -12,6 +12,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -85,6 +86,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0 (argparse names the flag when it is not)."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite float > 0, got {text}")
     return value
 
 

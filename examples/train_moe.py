@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -225,6 +226,26 @@ def parse_args(argv=None):
         p.error(f"--save-every: expected a step count >= 0, got {args.save_every}")
     if args.nodes is not None and args.nodes < 0:
         p.error(f"--nodes: expected an int >= 0 (0: one node), got {args.nodes}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        p.error(f"--lr: expected a finite float > 0, got {args.lr}")
+    if args.topk > args.experts:
+        p.error(f"--topk: expected at most --experts {args.experts}, got {args.topk}")
+    wire = args.latent_size or args.d_model  # the width of the rows on the wire
+    if args.fp8_dispatch and wire % 128:
+        p.error(f"--fp8-dispatch: needs --d-model (or --latent-size) a multiple of 128, got "
+                f"{wire}")
+    if args.transport == "ragged" and not args.gpu:
+        p.error("--transport ragged: XLA's ragged_all_to_all runs on GPUs only (add --gpu, or "
+                "use auto / all_to_all / peer)")
+    if args.transport == "peer" and args.backend == "alltoall":
+        p.error("--transport peer: --backend alltoall is built from XLA collectives only")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        p.error(f"--num-processes / --process-id: expected N >= 1 and an id in [0, N), got "
+                f"{args.num_processes} / {args.process_id}")
+    for flag in ("checkpoint_dir", "out"):
+        path = getattr(args, flag)
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            p.error(f"--{flag.replace('_', '-')}: expected a directory, {path} is a file")
     return args
 
 
@@ -343,7 +364,10 @@ def build_model(args, mesh, jax):
                 auxes.append(aux)
             return self.embed.attend(self.norm(x)), auxes
 
-    return MoETransformer(nnx.Rngs(args.seed))
+    try:
+        return MoETransformer(nnx.Rngs(args.seed))
+    except ValueError as error:  # e.g. --experts not a multiple of the expert axis
+        raise SystemExit(f"train_moe.py: {error}") from None
 
 
 def _step_aux(micro_auxes):
@@ -423,6 +447,11 @@ def train(args):
         raise SystemExit(f"--seq {args.seq}: the corpus has {len(corpus)} bytes, a sequence "
                          f"needs at most {len(corpus) - 2}")
     rng = np.random.default_rng(args.seed)
+    if is_main:  # before training: a path that cannot be made would lose the run's results
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SystemExit(f"--out {args.out}: {error}") from None
     model = build_model(args, mesh, jax)
     optimizer = nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.01), wrt=nnx.Param)
     # Parameters and optimizer state where train_step returns them: one compile for all steps.
@@ -475,43 +504,45 @@ def train(args):
     bar = tqdm(range(first_step, args.steps), disable=args.no_progress or not is_main,
                desc="train", initial=first_step, total=args.steps)
     start = None
-    with jax.set_mesh(mesh):
-        for step in bar:
-            offsets = rng.integers(0, len(corpus) - args.seq - 1, args.batch)
-            host = np.stack([corpus[o:o + args.seq + 1] for o in offsets]).astype(np.int32)
-            batch = jax.make_array_from_callback(host.shape, batch_sharding,
-                                                 lambda index: host[index])
-            t0 = time.perf_counter()
-            ce, stats = train_step(model, optimizer, batch)
-            ce = float(ce)  # the step's host reads, after the step
-            elapsed = time.perf_counter() - t0
-            if step == first_step:
-                start = time.perf_counter()
-            stats = {k: np.asarray(v).tolist() for k, v in jax.device_get(stats).items()}
-            dropped = sum(stats["num_dropped"])
-            # per layer: load [E] (global slots per expert), load_ratio (max/mean),
-            # dropped slots, the unscaled load-balancing loss
-            records.append(dict(step=step, loss=ce, seconds=elapsed,
-                                load=stats["tokens_per_expert"],
-                                load_ratio=stats["load_ratio"],
-                                dropped_per_layer=stats["num_dropped"], dropped=dropped,
-                                fell_back_per_layer=stats["fell_back"],
-                                balance_loss=stats["load_balancing_loss"]))
-            if args.nodes:
-                two_hop, flat = stats["crossed"]
-                records[-1].update(rows_across_nodes=two_hop, flat_rows_across_nodes=flat)
-                if is_main and (step < 3 or step % 25 == 0 or step == args.steps - 1):
-                    tqdm.write(f"step {step}: {two_hop} rows crossed the node axis (two-hop; "
-                               f"the flat exchange would send {flat})")
-            if step > first_step:
-                rate = tokens_per_step * (step - first_step) / (time.perf_counter() - start)
-                bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{rate:,.0f}", dropped=int(dropped))
-            done = step + 1
-            if checkpoints and (done == args.steps
-                                or (args.save_every and done % args.save_every == 0)):
-                checkpoints.save(done, model, optimizer, rng)
-    if checkpoints:
-        checkpoints.close()
+    try:  # a failed save must not leave orbax's threads holding the process at exit
+        with jax.set_mesh(mesh):
+            for step in bar:
+                offsets = rng.integers(0, len(corpus) - args.seq - 1, args.batch)
+                host = np.stack([corpus[o:o + args.seq + 1] for o in offsets]).astype(np.int32)
+                batch = jax.make_array_from_callback(host.shape, batch_sharding,
+                                                     lambda index: host[index])
+                t0 = time.perf_counter()
+                ce, stats = train_step(model, optimizer, batch)
+                ce = float(ce)  # the step's host reads, after the step
+                elapsed = time.perf_counter() - t0
+                if step == first_step:
+                    start = time.perf_counter()
+                stats = {k: np.asarray(v).tolist() for k, v in jax.device_get(stats).items()}
+                dropped = sum(stats["num_dropped"])
+                # per layer: load [E] (global slots per expert), load_ratio (max/mean),
+                # dropped slots, the unscaled load-balancing loss
+                records.append(dict(step=step, loss=ce, seconds=elapsed,
+                                    load=stats["tokens_per_expert"],
+                                    load_ratio=stats["load_ratio"],
+                                    dropped_per_layer=stats["num_dropped"], dropped=dropped,
+                                    fell_back_per_layer=stats["fell_back"],
+                                    balance_loss=stats["load_balancing_loss"]))
+                if args.nodes:
+                    two_hop, flat = stats["crossed"]
+                    records[-1].update(rows_across_nodes=two_hop, flat_rows_across_nodes=flat)
+                    if is_main and (step < 3 or step % 25 == 0 or step == args.steps - 1):
+                        tqdm.write(f"step {step}: {two_hop} rows crossed the node axis (two-hop; "
+                                   f"the flat exchange would send {flat})")
+                if step > first_step:
+                    rate = tokens_per_step * (step - first_step) / (time.perf_counter() - start)
+                    bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{rate:,.0f}", dropped=int(dropped))
+                done = step + 1
+                if checkpoints and (done == args.steps
+                                    or (args.save_every and done % args.save_every == 0)):
+                    checkpoints.save(done, model, optimizer, rng)
+    finally:
+        if checkpoints:
+            checkpoints.close()
     if is_main and records:
         report(records, args, tokens_per_step)
     return records

@@ -165,12 +165,12 @@ class TokenDispatcherConfig:
                  f"one of {ROUTER_DTYPES}", self.moe_router_dtype)
         _require(self.transport in TRANSPORTS, "transport", f"one of {TRANSPORTS}",
                  self.transport)
-        _require(_positive_int(self.num_moe_experts), "num_moe_experts", "a positive int",
-                 self.num_moe_experts)
+        _require(_positive_int(self.num_moe_experts) and self.num_moe_experts <= MAX_INT32,
+                 "num_moe_experts", f"a positive int <= {MAX_INT32}", self.num_moe_experts)
         # K > E is accepted here, as NeMo's and Megatron's configs accept it; the routing ops
         # refuse it at trace time (topk_idx: top-k K exceeds num_experts E).
-        _require(_positive_int(self.moe_router_topk), "moe_router_topk", "a positive int",
-                 self.moe_router_topk)
+        _require(_positive_int(self.moe_router_topk) and self.moe_router_topk <= MAX_INT32,
+                 "moe_router_topk", f"a positive int <= {MAX_INT32}", self.moe_router_topk)
         for name in ("moe_expert_capacity_factor", "ragged_buffer_factor",
                      "dropless_buffer_factor"):
             f = getattr(self, name)
@@ -212,8 +212,8 @@ class TokenDispatcherConfig:
             axis = tuple(axis)
             object.__setattr__(self, "expert_axis_name", axis)
         _require((isinstance(axis, str) and axis) or (
-            isinstance(axis, tuple) and len(axis) == 2 and len(set(axis)) == 2
-            and all(isinstance(a, str) and a for a in axis)),
+            isinstance(axis, tuple) and len(axis) == 2
+            and all(isinstance(a, str) and a for a in axis) and len(set(axis)) == 2),
             "expert_axis_name", "a mesh axis name or a (node_axis, local_axis) pair of names",
             axis)
         # numpy scalars (np.int64(8), np.float32(1.5)) are stored as Python numbers, so equal

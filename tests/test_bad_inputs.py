@@ -6,6 +6,8 @@ other cases were silently accepted or failed deep inside with errors naming inte
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,14 +198,68 @@ def test_all_to_all_single_cuts_splits_past_the_rows(over, cut):
     # read by truthiness before: "False" switched jitter, the losses and the updates off
     (dict(deterministic="False"), "^deterministic: expected a bool, got 'False'"),
     (dict(sow_aux="no"), "^sow_aux: expected a bool, got 'no'"),
+    # accepted at construction before, failing at the call with errors naming internals
+    (dict(rngs=None), "^rngs: expected an nnx.Rngs, got NoneType"),
+    (dict(dispatcher="x"), "^dispatcher: expected None or a MoEFlexTokenDispatcher, got str"),
+    (dict(dispatcher="4 local"), "^dispatcher: has 4 local experts, the layer 2"),
+    (dict(data_axis="expert"), "^data_axis: 'expert' is the layer's expert axis"),
+    (dict(hidden_size=64, fp8=True), "^TokenDispatcherConfig.moe_fp8_dispatch: needs rows of "
+                                     "a multiple of 128 channels on the wire, got hidden_size=64"),
 ])
 def test_layer_arguments_are_checked_at_construction(kwargs, match):
-    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K)
-    args = dict(hidden_size=16, ffn_hidden_size=32,
+    from jax_ep.flax import MoEFlexTokenDispatcher
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=E, moe_router_topk=K,
+                                       moe_fp8_dispatch=kwargs.pop("fp8", False))
+    if kwargs.get("dispatcher") == "4 local":  # a dispatcher of another expert count
+        kwargs["dispatcher"] = MoEFlexTokenDispatcher(4, range(4), cfg)
+    args = dict(hidden_size=16, ffn_hidden_size=32, rngs=nnx.Rngs(0),
                 mesh=jax.make_mesh((4,), ("expert",), devices=jax.devices()[:4])) | kwargs
     with pytest.raises(ValueError, match=match):
-        MoELayer(cfg, args.pop("hidden_size"), args.pop("ffn_hidden_size"),
-                 rngs=nnx.Rngs(0), **args)
+        MoELayer(cfg, args.pop("hidden_size"), args.pop("ffn_hidden_size"), **args)
+
+
+def test_configs_and_shard_state_name_what_they_refuse():
+    """Config values that built a 2^29-tuple (E past int32), read "False" as True (Megatron's
+    padding switch), failed with TypeError unhashable / not iterable, or named another field;
+    shard_state placing a layer's state on a mesh other than its own (jax's "incompatible
+    devices" at the call) or taking None as a model; complex tokens (named router_dtype)."""
+    from jax_ep.flax import MoEConfig, shard_params, shard_state
+    base = dict(num_moe_experts=E, moe_router_topk=K)
+    cases = [
+        (lambda: jax_ep.TokenDispatcherConfig(num_moe_experts=2**40),
+         "TokenDispatcherConfig.num_moe_experts: expected a positive int <= 2147483647"),
+        (lambda: MoEConfig(num_moe_experts=2**31, moe_router_topk=K),
+         "MoEConfig.num_moe_experts: expected a positive int <= 2147483647"),
+        (lambda: MoEConfig.from_dict(base | {"moe_router_padding_for_fp8": "False"}),
+         "MoEConfig.moe_router_padding_for_fp8: expected a bool, got 'False'"),
+        (lambda: MoEConfig.from_dict(base | {"fp8_recipe": "MXFP8"}),
+         "MoEConfig.fp8_recipe: expected None or one of Megatron's"),
+        (lambda: MoEConfig.from_dict(None), "MoEConfig.from_dict: fields: expected a dict"),
+        (lambda: MoEConfig.from_dict(base, ignore_unknown="yes"),
+         "MoEConfig.from_dict: ignore_unknown: expected a bool"),
+        (lambda: MoEConfig.from_dict(base | {"moe_token_dispatcher_type": ["flex"]}),
+         "MoEConfig.moe_token_dispatcher_type: expected one of"),
+        (lambda: MoEConfig.from_dict(base | {"moe_router_topk_limited_devices": "2",
+                                             "expert_model_parallel_size": 4}),
+         "MoEConfig.moe_router_topk_limited_devices: expected None or a positive int"),
+        (lambda: MoEConfig(**base, moe_router_load_balancing_type=[["aux_loss"]],
+                           moe_aux_loss_coeff=[0.1]),
+         "MoEConfig.moe_router_load_balancing_type: expected one of"),
+        (lambda: jax_ep.TokenDispatcherConfig(expert_axis_name=[["a"], ["b"]]),
+         "TokenDispatcherConfig.expert_axis_name: expected a mesh axis name"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match="^" + re.escape(match)):
+            call()
+    cfg = jax_ep.TokenDispatcherConfig(**base)
+    mesh = jax.make_mesh((4,), ("expert",), devices=jax.devices()[:4])
+    layer = MoELayer(cfg, H, 16, rngs=nnx.Rngs(0), mesh=mesh)
+    with pytest.raises(ValueError, match=r"^mesh: .*built with the mesh \{'expert': 4\}"):
+        shard_params(layer, jax.make_mesh((8,), ("expert",)))
+    with pytest.raises(ValueError, match="^model: expected an nnx.Module, got NoneType"):
+        shard_state(None, None, mesh)
+    with pytest.raises(ValueError, match="^x: expected real tokens, got complex64"):
+        layer(jnp.ones((4, 2, H), jnp.complex64))
 
 
 def test_router_flags_and_padding_mask_are_checked():

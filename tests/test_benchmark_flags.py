@@ -45,6 +45,14 @@ BAD = [
     ("bench_moe", ["--tile-rows", "x"], "--tile-rows: invalid"),
     ("bench_moe", ["--routers", "aux,nope"], "--routers: unknown ['nope']"),
     ("bench_moe", ["--parts", "hybridep"], "--parts: invalid choice: 'hybridep'"),
+    # a negative factor ran: gshard kept 1 row an expert, deepep@cap dropped nothing; nan was
+    # a traceback naming no flag
+    ("bench_moe", ["--capacity-factor", "-1"], "--capacity-factor: expected a finite float > 0"),
+    ("bench_moe", ["--capacity-factor", "nan"], "--capacity-factor: expected a finite float"),
+    ("bench_moe", ["--buffer-factor", "0"], "--buffer-factor: expected a finite float > 0"),
+    ("bench_moe", ["--backends", "", "--no-experts-only"],
+     "--backends: expected at least one row"),
+    ("bench_dispatch", ["--capacity-factor", "inf"], "--capacity-factor: expected a finite"),
     ("run", ["--only", "bench_transport,nosuch"], "--only: expected some of"),
     ("run", ["--only", ","], "--only: expected some of"),
 ]

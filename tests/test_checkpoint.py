@@ -111,6 +111,30 @@ def test_checkpoint_flags_are_checked(train_moe, tmp_path, capsys):
     assert not (tmp_path / "none").exists()
 
 
+def test_bad_flags_end_in_a_usage_error_naming_them(train_moe, tmp_path, capsys):
+    """Flags that trained silently (--lr nan / -1), hung at exit after a failed save (a file as
+    --checkpoint-dir), lost the run at the end (--out) or ended in a traceback at trace time."""
+    (tmp_path / "file").write_text("")
+    cases = [(["--lr", "nan"], "--lr: expected a finite float > 0"),
+             (["--lr", "-1"], "--lr: expected a finite float > 0"),
+             (["--topk", "9"], "--topk: expected at most --experts 8"),
+             (["--fp8-dispatch"], "--fp8-dispatch: needs --d-model"),
+             (["--transport", "ragged"], "--transport ragged: XLA's ragged_all_to_all"),
+             (["--transport", "peer", "--backend", "alltoall"], "--transport peer: --backend"),
+             (["--num-processes", "0"], "--num-processes / --process-id"),
+             (["--num-processes", "2", "--process-id", "2"], "--num-processes / --process-id"),
+             (["--checkpoint-dir", str(tmp_path / "file")], "--checkpoint-dir: expected a dir"),
+             (["--out", str(tmp_path / "file")], "--out: expected a directory")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            train_moe.parse_args(SMALL + argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err, argv
+    # the layers' refusals are one line too (only MoEConfig's were): an expert axis of 4
+    with pytest.raises(SystemExit, match=r"^train_moe.py: num_moe_experts \(6\) must be"):
+        train_moe.train(train_moe.parse_args(
+            SMALL + ["--experts", "6", "--steps", "1", "--devices", "8"]))
+
+
 def test_resume_refuses_another_model_and_a_fresh_run_a_used_directory(train_moe, tmp_path):
     """A checkpoint records the flags its model depends on: --resume with a different one is
     refused by name, before any array is read (a different ETP layout or GLU interleave has

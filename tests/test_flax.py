@@ -1370,3 +1370,22 @@ def test_fallback_chunks_fit_the_bounded_buffers(backend, tokens, top_k, ep, exp
         num_moe_experts=experts, moe_router_topk=top_k, moe_flex_dispatcher_backend=backend,
         dropless_buffer_factor=factor))
     assert d.fallback_chunks(tokens, top_k) == want
+
+
+def test_dense_probs_route_zero_prob_slots_nowhere_only_with_a_capacity_factor():
+    """dispatch_preprocess's top-k of dense probs (NeMo's DeepEP manager): a token with fewer
+    than K non-zero probs dispatches its zero slots with weight 0 (ties to the lower id), and
+    with moe_expert_capacity_factor set routes them nowhere (-1): the router's drops."""
+    probs = jnp.array([[0.0, 0.7, 0.0, 0.0, 0.3, 0.0, 0.0, 0.0],   # two routed
+                       [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0],   # one routed, one dropped
+                       [0.0] * 8])                                   # all dropped
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       expert_axis_name=AXIS)
+    for factor, want in ((None, [[1, 4], [6, 0], [0, 1]]),
+                         (1.0, [[1, 4], [6, -1], [-1, -1]])):
+        d = MoEFlexTokenDispatcher(2, range(2), dataclasses.replace(
+            cfg, moe_expert_capacity_factor=factor))
+        _, state = d.dispatch_preprocess(jnp.ones((3, 4)), 3, probs)
+        np.testing.assert_array_equal(state.token_indices, want)
+        np.testing.assert_array_equal(state.token_probs, np.float32(
+            [[0.7, 0.3], [1.0, 0.0], [0.0, 0.0]]))

@@ -32,6 +32,7 @@ from jax_ep.flax.dispatcher import MoEFlexTokenDispatcher, router_dtype, shared_
 from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
+from jax_ep.reference import FP8_BLOCK
 from jax_ep._checks import (as_dtype, check_array, check_bool, check_float_weights,
                             check_positive, check_rank, check_shape, is_real)
 from jax_ep.flax.experts import (_ffn, _linear, _shared_expert, _tensor_parallel, _weighted,
@@ -643,6 +644,14 @@ class MoELayer(_RouterState, nnx.Module):
         dcfg = config.dispatcher_config()
         axis = dcfg.expert_axis_name
         hidden_size = check_positive(hidden_size, "hidden_size")
+        if not isinstance(rngs, nnx.Rngs):
+            raise ValueError(f"rngs: expected an nnx.Rngs, got {type(rngs).__name__}")
+        if dispatcher is not None and not isinstance(dispatcher, MoEFlexTokenDispatcher):
+            raise ValueError(f"dispatcher: expected None or a MoEFlexTokenDispatcher, got "
+                             f"{type(dispatcher).__name__}")
+        if mesh is not None and data_axis in _names(axis):
+            raise ValueError(f"data_axis: {data_axis!r} is the layer's expert axis "
+                             f"(TokenDispatcherConfig.expert_axis_name)")
         if ffn_hidden_size is not None:
             ffn_hidden_size = check_positive(ffn_hidden_size, "ffn_hidden_size")
         if not _is_float_dtype(param_dtype):
@@ -671,6 +680,16 @@ class MoELayer(_RouterState, nnx.Module):
                              f"{config.expert_tensor_parallel_size} must divide "
                              f"ffn_hidden_size={F}")
         config.check_glu_interleave(F)
+        wire = config.moe_latent_size or hidden_size  # the rows' width on the wire
+        if dcfg.moe_fp8_dispatch and wire % FP8_BLOCK:
+            which = "MoEConfig.moe_latent_size" if config.moe_latent_size else "hidden_size"
+            raise ValueError(f"TokenDispatcherConfig.moe_fp8_dispatch: needs rows of a multiple "
+                             f"of {FP8_BLOCK} channels on the wire, got {which}={wire}")
+        num_local = num_experts // expert_parallel_size
+        if dispatcher is not None and dispatcher.num_local_experts != num_local:
+            raise ValueError(f"dispatcher: has {dispatcher.num_local_experts} local experts, the "
+                             f"layer {num_local} ({num_experts} experts over "
+                             f"{expert_parallel_size} devices)")
         self.config = config
         self.dispatch_config = dcfg
         self.mesh = mesh
@@ -720,7 +739,6 @@ class MoELayer(_RouterState, nnx.Module):
         self.fc1_latent_proj_bias, self.fc2_latent_proj_bias = (
             (bias((D,), (None,)), bias((H,), (None,))) if latent else (None, None))
         self._init_draws(config, rngs)
-        num_local = num_experts // expert_parallel_size
         self.dispatcher = dispatcher or shared_dispatcher(num_local, dcfg, axis)
 
     @property
@@ -1170,6 +1188,8 @@ def _device_index():
 def _check_tokens(x, hidden: int, cfg: MoEConfig):
     """x [..., hidden] (and [batch, seq, hidden] for seq_aux_loss), else ValueError."""
     check_array(x, "x")
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise ValueError(f"x: expected real tokens, got {x.dtype}")
     if jnp.ndim(x) < 1 or x.shape[-1] != hidden:
         raise ValueError(f"x: expected [..., hidden_size={hidden}], got shape {jnp.shape(x)}")
     if "seq_aux_loss" in cfg.load_balancing_types() and jnp.ndim(x) < 3:

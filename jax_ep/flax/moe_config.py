@@ -8,10 +8,11 @@ import dataclasses
 import math
 import numbers
 import warnings
+from collections.abc import Mapping
 
 import numpy as np
 
-from jax_ep._checks import is_int
+from jax_ep._checks import MAX_INT32, is_int
 from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
 from jax_ep.flax.activations import GatedActivation, activation_name
 
@@ -199,10 +200,12 @@ class MoEConfig:
 
     def __post_init__(self):
         E, K = self.num_moe_experts, self.moe_router_topk
-        _require(is_int(E), "num_moe_experts", "a positive int", E)
+        _require(is_int(E) and E <= MAX_INT32, "num_moe_experts", f"a positive int <= {MAX_INT32}",
+                 E)
         # K > E is accepted, as Megatron's TransformerConfig accepts it (its tests build such
         # a layer); MoELayer refuses it when called (the router cannot pick K of E experts).
-        _require(is_int(K), "moe_router_topk", "a positive int", K)
+        _require(is_int(K) and K <= MAX_INT32, "moe_router_topk", f"a positive int <= {MAX_INT32}",
+                 K)
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                      "moe_latent_size"):
             v = getattr(self, name)
@@ -314,8 +317,9 @@ class MoEConfig:
                      f"one of {LOAD_BALANCING_TYPES} or a list of them", kind)
             _require(_real(coeff), "moe_aux_loss_coeff", "a float >= 0 (one type)", coeff)
         else:
-            _require(isinstance(kind, tuple) and len(kind) > 0 and len(set(kind)) == len(kind)
-                     and all(k in LOAD_BALANCING_TYPES for k in kind),
+            _require(isinstance(kind, tuple) and len(kind) > 0
+                     and all(isinstance(k, str) and k in LOAD_BALANCING_TYPES for k in kind)
+                     and len(set(kind)) == len(kind),
                      "moe_router_load_balancing_type", f"one of {LOAD_BALANCING_TYPES} or a "
                      f"non-empty list of distinct ones", kind)
             _require(isinstance(coeff, tuple) and len(coeff) == len(kind)
@@ -425,6 +429,9 @@ class MoEConfig:
         fields that choose an implementation are read as `megatron_fields` says. Unknown names
         raise ValueError listing them, or with ignore_unknown=True warn (UserWarning) listing
         them and are skipped."""
+        if not isinstance(ignore_unknown, (bool, np.bool_)):
+            raise ValueError(f"MoEConfig.from_dict: ignore_unknown: expected a bool, got "
+                             f"{ignore_unknown!r}")
         fields = megatron_fields(fields)
         own = {f.name for f in dataclasses.fields(cls)} - {"token_dispatcher"}
         disp = {f.name for f in dataclasses.fields(TokenDispatcherConfig)}
@@ -444,6 +451,8 @@ class MoEConfig:
 
 # Megatron's dispatcher types and the backend that gives their results here.
 _DISPATCHER_TYPES = {"alltoall": "alltoall", "allgather": "alltoall", "flex": None}
+# Megatron's Fp8Recipe values (fp8_recipe is read for the padding multiple only)
+_FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise", "custom")
 # Megatron fields that pick a kernel, a schedule, a memory plan or logging, not a result:
 # accepted, no effect under XLA.
 _KERNEL_CHOICES = ("moe_grouped_gemm", "moe_router_fusion", "moe_use_legacy_grouped_gemm",
@@ -511,10 +520,13 @@ def megatron_fields(fields: dict) -> dict:
         the default is accepted, anything else refused with the reason and what to use
         instead.
     Invalid values raise ValueError naming the field."""
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"MoEConfig.from_dict: fields: expected a dict of Megatron / "
+                         f"TokenDispatcherConfig fields, got {type(fields).__name__}")
     fields = dict(fields)
     kind = fields.pop("moe_token_dispatcher_type", None)
     if kind is not None:
-        _require(kind in _DISPATCHER_TYPES, "moe_token_dispatcher_type",
+        _require(isinstance(kind, str) and kind in _DISPATCHER_TYPES, "moe_token_dispatcher_type",
                  f"one of {tuple(_DISPATCHER_TYPES)}", kind)
         if _DISPATCHER_TYPES[kind] is not None:
             fields["moe_flex_dispatcher_backend"] = _DISPATCHER_TYPES[kind]
@@ -545,9 +557,15 @@ def megatron_fields(fields: dict) -> dict:
     # does not change it); all three always, so a pasted config has none "unknown"
     recipe, fp4 = fields.pop("fp8_recipe", None), fields.pop("fp4", None)
     fields.pop("fp8", None)
+    _require(recipe is None or recipe in _FP8_RECIPES, "fp8_recipe",
+             f"None or one of Megatron's {_FP8_RECIPES}", recipe)
     wide = recipe == "mxfp8" or bool(fp4)
-    padded = [name for name in ("moe_router_padding_for_quantization",
-                                "moe_router_padding_for_fp8") if fields.pop(name, False)]
+    padded = []
+    for name in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8"):
+        value = fields.pop(name, False)
+        _require(isinstance(value, (bool, np.bool_)), name, "a bool", value)
+        if value:
+            padded.append(name)
     if padded and fields.get("moe_router_expert_pad_multiple") is None:
         fields["moe_router_expert_pad_multiple"] = 32 if wide else 16
     if "moe_permute_fusion_into_hybridep" in fields:
@@ -560,6 +578,8 @@ def megatron_fields(fields: dict) -> dict:
             and fields.get("ragged_buffer_factor") is None):
         fields["ragged_buffer_factor"] = rank_factor
     limited = fields.pop("moe_router_topk_limited_devices", None)
+    _require(limited is None or is_int(limited), "moe_router_topk_limited_devices",
+             "None or a positive int", limited)
     if limited:
         ep = fields.get("expert_model_parallel_size")
         _require(not fields.get("moe_router_group_topk") and is_int(ep),

@@ -87,6 +87,18 @@ def _shard_module_state(module, mesh):
     nnx.update(module, jax.tree.map(_place, state, shardings))
 
 
+def _check_built_meshes(model, mesh):
+    """ValueError naming mesh where a module of `model` was built with another jax Mesh (a
+    MoELayer's `mesh`): its state would be placed on devices its calls do not run on."""
+    for path, node in nnx.iter_graph(model):
+        built = getattr(node, "mesh", None) if isinstance(node, nnx.Module) else None
+        if isinstance(built, jax.sharding.Mesh) and built != mesh:
+            where = "/".join(map(str, path)) or "the model"
+            raise ValueError(f"mesh: {where} was built with the mesh {dict(built.shape)} of "
+                             f"devices {[d.id for d in built.devices.flat]}, got "
+                             f"{dict(mesh.shape)} of devices {[d.id for d in mesh.devices.flat]}")
+
+
 def shard_state(model, optimizer, mesh):
     """Places all nnx state of `model` (parameters and non-trainable variables alike) and of
     `optimizer` (an nnx.Optimizer or None: its step counter and the optax state) on `mesh`:
@@ -99,6 +111,9 @@ def shard_state(model, optimizer, mesh):
     Returns (model, optimizer), updated in place."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise ValueError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if not nnx.graph.is_graph_node(model):  # a Module, Rngs, ...: what nnx.state reads
+        raise ValueError(f"model: expected an nnx.Module, got {type(model).__name__}")
+    _check_built_meshes(model, mesh)
     if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
         raise ValueError(f"optimizer: expected an nnx.Optimizer or None, got "
                          f"{type(optimizer).__name__}")
