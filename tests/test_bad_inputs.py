@@ -258,6 +258,12 @@ def test_configs_and_shard_state_name_what_they_refuse():
         shard_params(layer, jax.make_mesh((8,), ("expert",)))
     with pytest.raises(ValueError, match="^model: expected an nnx.Module, got NoneType"):
         shard_state(None, None, mesh)
+    unplaced = MoELayer(cfg, H, 16, rngs=nnx.Rngs(0), mesh=None, expert_parallel_size=4)
+    for other in (jax.make_mesh((4,), ("data",), devices=jax.devices()[:4]),
+                  jax.make_mesh((3,), ("expert",), devices=jax.devices()[:3])):
+        with pytest.raises(ValueError, match=r"^mesh: the state's sharding does not fit the "
+                                             r"mesh \{'(data': 4|expert': 3)\}"):
+            shard_params(unplaced, other)
     with pytest.raises(ValueError, match="^x: expected real tokens, got complex64"):
         layer(jnp.ones((4, 2, H), jnp.complex64))
 

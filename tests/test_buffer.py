@@ -460,6 +460,11 @@ def test_deepep_style_body_through_buffer():
             handle[3]
         # handle[4], is_token_in_rank: the tokens sent to each rank, get_dispatch_layout's
         same = jnp.all(handle[4] == in_rank)[None]
+        # a slice is the tuple of its entries (DeepEP's handle is a Python tuple)
+        first, fifth = handle[::4]
+        same = same & jnp.all(first == handle[0]) & jnp.all(fifth == in_rank)
+        with pytest.raises(ValueError, match=r"handle\[3\]: DeepEP's recv_src_idx"):
+            handle[3:5]
         return rx, ri, handle.num_recv_tokens[None], per_rank, in_rank.sum(1), c, handle[0], same
 
     rx, ri, n, per_rank, owners, c, prefix, same = [

@@ -83,8 +83,12 @@ def _place(value, sharding):
 
 def _shard_module_state(module, mesh):
     state = nnx.state(module)
-    shardings = nnx.get_named_sharding(state, mesh)
-    nnx.update(module, jax.tree.map(_place, state, shardings))
+    try:  # jax's errors name a spec, not the mesh that does not fit it
+        placed = jax.tree.map(_place, state, nnx.get_named_sharding(state, mesh))
+    except ValueError as error:
+        raise ValueError(f"mesh: the state's sharding does not fit the mesh "
+                         f"{dict(mesh.shape)}: {error}") from None
+    nnx.update(module, placed)
 
 
 def _check_built_meshes(model, mesh):
