@@ -290,44 +290,50 @@ EXPERT_AXES = ("node", "local")
 
 
 def build_model(args, mesh, jax):
+    """The example's model on `mesh`; what the config or the layers refuse (flags that do not
+    go together, --experts not a multiple of the expert axis) ends the run in one line."""
+    try:
+        return _build_model(args, mesh, jax)
+    except ValueError as error:
+        raise SystemExit(f"train_moe.py: {error}") from None
+
+
+def _build_model(args, mesh, jax):
     import jax.numpy as jnp
     from flax import nnx
 
     import jax_ep
     from jax_ep.flax import MoEConfig, MoELayer
 
-    try:
-        config = MoEConfig(
-            num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn,
-            moe_shared_expert_intermediate_size=(args.ffn // 2 if args.shared_ffn is None
-                                                 else args.shared_ffn or None),
-            moe_expert_capacity_factor=args.capacity_factor,
-            moe_pad_expert_input_to_capacity=args.pad_to_capacity, moe_router_dtype="fp32",
-            moe_router_score_function=args.score_function,
-            moe_router_load_balancing_type=args.load_balancing,
-            moe_aux_loss_coeff=args.aux_loss_coeff, moe_z_loss_coeff=args.z_loss_coeff,
-            moe_router_enable_expert_bias=args.expert_bias,
-            moe_router_bias_update_rate=args.bias_update_rate,
-            moe_router_num_groups=args.router_num_groups,
-            moe_router_group_topk=args.router_group_topk,
-            moe_router_topk_scaling_factor=args.topk_scaling_factor,
-            moe_router_force_load_balancing=args.force_load_balancing,
-            moe_router_force_biased=args.force_biased,
-            expert_tensor_parallel_size=args.etp, activation_func=args.activation,
-            gated_linear_unit=args.gated_linear_unit, add_bias_linear=args.add_bias_linear,
-            moe_apply_probs_on_input=args.apply_probs_on_input,
-            moe_shared_expert_gate=args.shared_expert_gate,
-            moe_input_jitter_eps=args.input_jitter_eps, moe_latent_size=args.latent_size,
-            glu_linear_offset=args.glu_linear_offset,
-            activation_func_clamp_value=args.activation_clamp,
-            moe_mlp_glu_interleave_size=args.glu_interleave_size,
-            token_dispatcher=jax_ep.TokenDispatcherConfig(
-                moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
-                grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,
-                transport=args.transport, dropless_buffer_factor=args.dropless_buffer_factor,
-                expert_axis_name=EXPERT_AXES if args.nodes else "expert"))
-    except ValueError as error:  # flags the config refuses together: named, no traceback
-        raise SystemExit(f"train_moe.py: {error}") from None
+    config = MoEConfig(
+        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn,
+        moe_shared_expert_intermediate_size=(args.ffn // 2 if args.shared_ffn is None
+                                             else args.shared_ffn or None),
+        moe_expert_capacity_factor=args.capacity_factor,
+        moe_pad_expert_input_to_capacity=args.pad_to_capacity, moe_router_dtype="fp32",
+        moe_router_score_function=args.score_function,
+        moe_router_load_balancing_type=args.load_balancing,
+        moe_aux_loss_coeff=args.aux_loss_coeff, moe_z_loss_coeff=args.z_loss_coeff,
+        moe_router_enable_expert_bias=args.expert_bias,
+        moe_router_bias_update_rate=args.bias_update_rate,
+        moe_router_num_groups=args.router_num_groups,
+        moe_router_group_topk=args.router_group_topk,
+        moe_router_topk_scaling_factor=args.topk_scaling_factor,
+        moe_router_force_load_balancing=args.force_load_balancing,
+        moe_router_force_biased=args.force_biased,
+        expert_tensor_parallel_size=args.etp, activation_func=args.activation,
+        gated_linear_unit=args.gated_linear_unit, add_bias_linear=args.add_bias_linear,
+        moe_apply_probs_on_input=args.apply_probs_on_input,
+        moe_shared_expert_gate=args.shared_expert_gate,
+        moe_input_jitter_eps=args.input_jitter_eps, moe_latent_size=args.latent_size,
+        glu_linear_offset=args.glu_linear_offset,
+        activation_func_clamp_value=args.activation_clamp,
+        moe_mlp_glu_interleave_size=args.glu_interleave_size,
+        token_dispatcher=jax_ep.TokenDispatcherConfig(
+            moe_flex_dispatcher_backend=args.backend, moe_permute_fusion=True,
+            grouped_gemm_impl=args.grouped_gemm, moe_fp8_dispatch=args.fp8_dispatch,
+            transport=args.transport, dropless_buffer_factor=args.dropless_buffer_factor,
+            expert_axis_name=EXPERT_AXES if args.nodes else "expert"))
 
     class Block(nnx.Module):
         def __init__(self, rngs):
@@ -364,10 +370,7 @@ def build_model(args, mesh, jax):
                 auxes.append(aux)
             return self.embed.attend(self.norm(x)), auxes
 
-    try:
-        return MoETransformer(nnx.Rngs(args.seed))
-    except ValueError as error:  # e.g. --experts not a multiple of the expert axis
-        raise SystemExit(f"train_moe.py: {error}") from None
+    return MoETransformer(nnx.Rngs(args.seed))
 
 
 def _step_aux(micro_auxes):

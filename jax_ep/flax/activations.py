@@ -7,7 +7,6 @@ activation_func_clamp_value, moe_mlp_glu_interleave_size)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from functools import partial
 
@@ -110,15 +109,9 @@ class GatedActivation:
         if self.activation_func not in _GATE_FUNCS:
             raise ValueError(f"activation_func: expected one of {ACTIVATION_FUNCS}, got "
                              f"{self.activation_func!r}")
-        offset = self.glu_linear_offset
-        if (not isinstance(offset, numbers.Real) or isinstance(offset, bool)
-                or not math.isfinite(offset)):
-            raise ValueError(f"glu_linear_offset: expected a finite float, got {offset!r}")
-        c = self.clamp_value
-        if c is not None and (not isinstance(c, numbers.Real) or isinstance(c, bool)
-                              or not math.isfinite(c) or c <= 0):
-            raise ValueError(f"activation_func_clamp_value: expected None or a float > 0, got "
-                             f"{c!r}")
+        _checks.check_real(self.glu_linear_offset, "glu_linear_offset")
+        _checks.check_real(self.clamp_value, "activation_func_clamp_value", positive=True,
+                           allow_none=True)
         s = self.glu_interleave_size
         if s is not None and (not isinstance(s, numbers.Integral) or isinstance(s, bool)
                               or s < 1):

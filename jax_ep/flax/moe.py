@@ -33,7 +33,7 @@ from jax_ep.flax.moe_config import MoEConfig
 from jax_ep.flax.training import shard_state
 from jax_ep import _ffi, deepep, ops, transport
 from jax_ep.reference import FP8_BLOCK
-from jax_ep._checks import (as_dtype, check_array, check_bool, check_float_weights,
+from jax_ep._checks import (check_array, check_bool, check_float_weights,
                             check_positive, check_rank, check_shape, is_real)
 from jax_ep.flax.experts import (_ffn, _linear, _shared_expert, _tensor_parallel, _weighted,
                                  _with_probs, expert_tile_rows, gate_up_from_etp,
@@ -121,6 +121,11 @@ def _tokens_per_expert(ids, valid, cfg: MoEConfig):
     counted = ids >= 0 if valid is None else (ids >= 0) & valid[:, None]
     return jnp.zeros((E,), jnp.int32).at[jnp.where(counted, ids, E).reshape(-1)].add(
         1, mode="drop")
+
+
+def _check_rngs(rngs):
+    if not isinstance(rngs, nnx.Rngs):
+        raise ValueError(f"rngs: expected an nnx.Rngs, got {type(rngs).__name__}")
 
 
 def _is_float_dtype(dtype) -> bool:
@@ -644,8 +649,7 @@ class MoELayer(_RouterState, nnx.Module):
         dcfg = config.dispatcher_config()
         axis = dcfg.expert_axis_name
         hidden_size = check_positive(hidden_size, "hidden_size")
-        if not isinstance(rngs, nnx.Rngs):
-            raise ValueError(f"rngs: expected an nnx.Rngs, got {type(rngs).__name__}")
+        _check_rngs(rngs)
         if dispatcher is not None and not isinstance(dispatcher, MoEFlexTokenDispatcher):
             raise ValueError(f"dispatcher: expected None or a MoEFlexTokenDispatcher, got "
                              f"{type(dispatcher).__name__}")
@@ -1068,11 +1072,9 @@ class TopKRouter(_RouterState, nnx.Module):
                  sow_aux: bool = False, deterministic: bool = False):
         config = _as_moe_config(config)
         E, H = config.num_moe_experts, check_positive(hidden_size, "hidden_size")
-        if not isinstance(rngs, nnx.Rngs):
-            raise ValueError(f"rngs: expected an nnx.Rngs, got {type(rngs).__name__}")
-        param_dtype = as_dtype(param_dtype, "param_dtype")
-        if not jnp.issubdtype(param_dtype, jnp.floating):
-            raise ValueError(f"param_dtype: expected a float dtype, got {param_dtype}")
+        _check_rngs(rngs)
+        if not _is_float_dtype(param_dtype):
+            raise ValueError(f"param_dtype: expected a float dtype, got {param_dtype!r}")
         self.config = config
         self.weight = nnx.Param(jax.nn.initializers.normal(H ** -0.5)(
             rngs.params(), (E, H), param_dtype))

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import warnings
 from collections.abc import Mapping
 
 import numpy as np
 
-from jax_ep._checks import MAX_INT32, is_int
+from jax_ep._checks import MAX_INT32, is_int, is_real
 from jax_ep.config import ROUTER_DTYPES, TokenDispatcherConfig
 from jax_ep.flax.activations import GatedActivation, activation_name
 
@@ -36,8 +35,7 @@ def _require(ok, field, allowed, value):
 
 
 def _real(value, minimum=0.0, strict=False):
-    ok = (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-          and math.isfinite(value))
+    ok = is_real(value) and math.isfinite(value)
     return ok and (value > minimum if strict else value >= minimum)
 
 

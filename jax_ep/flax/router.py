@@ -6,7 +6,6 @@ moe_utils names where it has them. The MoE layer sums the pieces over the mesh
 
 from __future__ import annotations
 
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -112,9 +111,7 @@ def sinkhorn(cost, tol=1e-4):
     float32 arithmetic is not (see the row shift below). Not differentiated (Megatron runs it
     under no_grad): the input's gradient is cut. tol: a float > 0 (a tolerance <= 0 would
     never be met: ValueError)."""
-    if not (isinstance(tol, numbers.Real) and not isinstance(tol, (bool, np.bool_))
-            and 0 < tol < float("inf")):
-        raise ValueError(f"tol: expected a finite float > 0, got {tol!r}")
+    _checks.check_real(tol, "tol", positive=True)
     _checks.check_rank(cost, 2, "cost")
     _checks.check_float_weights(cost, "cost")
     cost = jax.lax.stop_gradient(cost).astype(jnp.float32)
