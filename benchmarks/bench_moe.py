@@ -124,6 +124,10 @@ def parse_args(argv=None):
     p.add_argument("--baseline", default=None,
                    help="row the speedup column divides by (default gshard; where the run has "
                         "no gshard row the column reads n/a)")
+    p.add_argument("--cpu-pool-helpers", default="auto", choices=("auto", "always", "never"),
+                   help="whether jax_ep's CPU handlers hand loop chunks to XLA's intra-op pool "
+                        "(jax_ep._jax_ep.set_cpu_pool_helpers; auto: while fewer devices than "
+                        "the pool's threads)")
     p.add_argument("--iters", type=common.positive_int, default=7)
     p.add_argument("--warmup", type=common.non_negative_int, default=2)
     p.add_argument("--out", default="benchmarks/out")
@@ -309,7 +313,10 @@ def main(argv=None):
     from jax.sharding import PartitionSpec as P
 
     import jax_ep
+    from jax_ep import _jax_ep
     from jax_ep.flax import MoEConfig, MoELayer, shard_params
+
+    _jax_ep.set_cpu_pool_helpers(a.cpu_pool_helpers)
 
     mesh = common.cpu_mesh((a.data, a.expert_parallel), ("data", "expert"))
     dtype = jnp.dtype(a.dtype)

@@ -3,12 +3,14 @@
 // state_types() the state types of the targets with an instantiate stage.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "cpu_util.h"
 #include "registrations.h"
 
 namespace nb = nanobind;
@@ -54,6 +56,29 @@ nb::dict StateTypes() {
   return out;
 }
 
+constexpr const char* kPoolHelperModes[] = {"auto", "always", "never"};
+
+void SetCpuPoolHelpers(const std::string& mode) {
+  for (int i = 0; i < 3; ++i) {
+    if (mode == kPoolHelperModes[i]) {
+      jax_ep::PoolHelpers().mode.store(i);
+      return;
+    }
+  }
+  throw nb::value_error(("mode: expected 'auto', 'always' or 'never', got '" + mode + "'").c_str());
+}
+
+nb::dict CpuPoolStats() {
+  const jax_ep::PoolHelperState& state = jax_ep::PoolHelpers();
+  nb::dict out;
+  out["mode"] = kPoolHelperModes[state.mode.load()];
+  out["devices_seen"] = state.devices_seen.load();
+  out["pool_threads"] = state.pool_threads.load();
+  out["shared_calls"] = state.shared_calls.load();
+  out["inline_calls"] = state.inline_calls.load();
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_jax_ep, m) {
@@ -64,6 +89,12 @@ NB_MODULE(_jax_ep, m) {
   m.def("state_types", &StateTypes,
         "{platform: {state type name: {'type_id': capsule, 'type_info': capsule}}} for "
         "jax.ffi.register_ffi_type, registered before the targets");
+  m.def("set_cpu_pool_helpers", &SetCpuPoolHelpers, nb::arg("mode"),
+        "How the CPU handlers' loops use XLA's intra-op pool: 'auto' (default: shared while "
+        "the handlers have seen fewer devices than the pool has threads), 'always' or 'never'");
+  m.def("cpu_pool_stats", &CpuPoolStats,
+        "{'mode', 'devices_seen', 'pool_threads', 'shared_calls', 'inline_calls'}: the CPU "
+        "handlers' pool use so far (calls: loops of several chunks)");
   m.def("cpu_fp8_loops", &jax_ep::CpuFp8Loops,
         "Which loops the CPU FP8 cast handlers run: 'avx512' or 'portable' (JAX_EP_CPU_SIMD=0)");
 #ifdef JAX_EP_WITH_CUDA

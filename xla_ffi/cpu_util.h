@@ -149,20 +149,90 @@ inline ffi::Error DispatchFloat(ffi::DataType dtype, const char* name, Fn&& fn) 
   }
 }
 
+// Whether ParallelFor shares its chunks with XLA's intra-op pool. XLA:CPU runs the programs of
+// every device of the process on that pool, which has max(cores, devices) threads: where the
+// process has at least as many devices as the pool has threads
+// (--xla_force_host_platform_device_count at or past the cores), the devices' own programs
+// keep every core busy and a shared chunk only queues behind them and spins (measured: the
+// E = 8 layer step of 8 devices on 2 cores 4-10% faster with every chunk on its caller;
+// benchmarks/RESULTS.md, session 32). kAuto shares while the handlers have run for fewer
+// distinct devices than the pool has threads.
+enum class PoolHelperMode : int { kAuto = 0, kAlways = 1, kNever = 2 };
+
+// Device ordinals below this are told apart (ordinals are the devices' ids, which in a
+// multi-process run need not start at 0); a call for a larger one counts no new device.
+constexpr int32_t kTrackedDevices = 4096;
+
+struct PoolHelperState {
+  std::atomic<int> mode{int(PoolHelperMode::kAuto)};
+  std::atomic<uint64_t> seen[kTrackedDevices / 64] = {};  // bit d: a handler ran for device d
+  std::atomic<int32_t> devices_seen{0};                  // the bits set
+  std::atomic<int64_t> pool_threads{0};                  // the pool's at the last ParallelFor
+  std::atomic<int64_t> shared_calls{0};  // ParallelFor calls of several chunks: shared
+  std::atomic<int64_t> inline_calls{0};  // ... and run on the caller alone
+};
+
+inline PoolHelperState& PoolHelpers() {
+  static PoolHelperState state;
+  return state;
+}
+
+// XLA's intra-op pool as a CPU handler gets it, with the device ordinal of the call
+// (.Ctx<ThreadPool>().Ctx<DeviceOrdinal>()).
+struct CpuWorkers {
+  ffi::ThreadPool pool;
+  int32_t device;
+};
+
+// Counts `device` among the devices seen; returns how many have been.
+inline int32_t NoteDevice(int32_t device) {
+  PoolHelperState& state = PoolHelpers();
+  if (device >= 0 && device < kTrackedDevices) {
+    std::atomic<uint64_t>& word = state.seen[device / 64];
+    const uint64_t bit = uint64_t(1) << (device % 64);
+    if (!(word.load(std::memory_order_relaxed) & bit) && !(word.fetch_or(bit) & bit)) {
+      return state.devices_seen.fetch_add(1) + 1;
+    }
+  }
+  return state.devices_seen.load(std::memory_order_relaxed);
+}
+
+// Records the call's device and says whether ParallelFor may hand chunks to the pool.
+inline bool SharesWithPool(const CpuWorkers& workers) {
+  PoolHelperState& state = PoolHelpers();
+  const int32_t seen = NoteDevice(workers.device);
+  const int64_t threads = workers.pool.num_threads();
+  state.pool_threads.store(threads, std::memory_order_relaxed);
+  switch (PoolHelperMode(state.mode.load(std::memory_order_relaxed))) {
+    case PoolHelperMode::kAlways:
+      return true;
+    case PoolHelperMode::kNever:
+      return false;
+    default:
+      return seen < threads;
+  }
+}
+
 // Runs fn(begin, end) over [0, n) in chunks of at least `grain` items, on the calling thread
-// and on XLA's intra-op pool. The caller claims chunks too and only waits for chunks already
-// running, so a busy or missing pool can never deadlock it; tasks that start after the work
-// is done find nothing to claim and never touch fn.
+// and, where SharesWithPool, on XLA's intra-op pool. The caller claims chunks too and only
+// waits for chunks already running, so a busy or missing pool can never deadlock it; tasks
+// that start after the work is done find nothing to claim and never touch fn.
 template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t grain, const Fn& fn) {
+void ParallelFor(const CpuWorkers& workers, int64_t n, int64_t grain, const Fn& fn) {
+  ffi::ThreadPool pool = workers.pool;
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((n + grain - 1) / grain,
                                                                 4 * pool.num_threads()));
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
   if (n <= 0) return;
+  if (helpers > 0 && !SharesWithPool(workers)) {
+    PoolHelpers().inline_calls.fetch_add(1, std::memory_order_relaxed);
+    helpers = 0;
+  }
   if (helpers <= 0) {
     fn(int64_t(0), n);
     return;
   }
+  PoolHelpers().shared_calls.fetch_add(1, std::memory_order_relaxed);
   struct Progress {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};

@@ -338,8 +338,8 @@ template <typename T>
 void DequantizeBlockAvx512(const uint8_t*, float, T*) {}
 #endif
 
-ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_ue8m0,
-                        AnyOut x_fp8, AnyOut scales) {
+ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, int32_t device, Any x, bool round_scale,
+                        bool use_ue8m0, AnyOut x_fp8, AnyOut scales) {
   int64_t T, H;
   RowsAndWidth(x, &T, &H);
   if (auto err = CheckFp8Shapes(H, use_ue8m0, round_scale); err.failure()) return err;
@@ -356,7 +356,8 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
   return DispatchFloat(x.element_type(), "x", [&](auto tag) {
     using T_ = decltype(tag);
     const T_* src = static_cast<const T_*>(x.untyped_data());
-    ParallelFor(pool, T, GrainItems(H * int64_t(sizeof(T_))), [&](int64_t begin, int64_t end) {
+    const int64_t grain = GrainItems(H * int64_t(sizeof(T_)));
+    ParallelFor({pool, device}, T, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> row_scales(use_ue8m0 ? G : 0);  // UE8M0: scale_inv before packing
       for (int64_t t = begin; t < end; ++t) {
         float* scale_inv = use_ue8m0 ? row_scales.data() : f32_scales + t * G;
@@ -373,8 +374,8 @@ ffi::Error CastToFp8Cpu(ffi::ThreadPool pool, Any x, bool round_scale, bool use_
   });
 }
 
-ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8m0,
-                       AnyOut out) {
+ffi::Error CastBackCpu(ffi::ThreadPool pool, int32_t device, Any x_fp8, Any scales,
+                       bool use_ue8m0, AnyOut out) {
   int64_t T, H;
   if (auto err = CheckCastBackArgs(x_fp8, scales, use_ue8m0, &T, &H); err.failure()) return err;
   if (auto err = CheckCastBackResult(x_fp8, out); err.failure()) return err;
@@ -388,7 +389,8 @@ ffi::Error CastBackCpu(ffi::ThreadPool pool, Any x_fp8, Any scales, bool use_ue8
     using T_ = decltype(tag);
     T_* dst = static_cast<T_*>(out->untyped_data());
     AdviseHugePages(dst, T * H * int64_t(sizeof(T_)));
-    ParallelFor(pool, T, GrainItems(H * int64_t(sizeof(T_))), [&](int64_t begin, int64_t end) {
+    const int64_t grain = GrainItems(H * int64_t(sizeof(T_)));
+    ParallelFor({pool, device}, T, grain, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t g = 0; g < G; ++g) {
           const float s = use_ue8m0 ? Ue8m0Scale(ue8m0[t * ue8m0_row_bytes + g])
@@ -415,6 +417,7 @@ const char* CpuFp8Loops() { return UseAvx512() ? "avx512" : "portable"; }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCastToFp8Cpu, jax_ep::CastToFp8Cpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::Any>()        // x [T, H]
                                   .Attr<bool>("round_scale")
                                   .Attr<bool>("use_ue8m0")
@@ -424,6 +427,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCastToFp8Cpu, jax_ep::CastToFp8Cpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpCastBackCpu, jax_ep::CastBackCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::Any>()        // x_fp8 [T, H]
                                   .Arg<jax_ep::Any>()        // scales
                                   .Attr<bool>("use_ue8m0")

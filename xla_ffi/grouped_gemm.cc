@@ -244,9 +244,9 @@ float* PackedPanelScratch() {
 // Runs task(group, j0, cols, packed) for every (group, column panel) pair on the pool; each
 // chunk fences its streaming stores before ParallelFor counts it done.
 template <typename Task>
-void ForEachPanel(ffi::ThreadPool& pool, int64_t G, int64_t width, const Task& task) {
+void ForEachPanel(const CpuWorkers& workers, int64_t G, int64_t width, const Task& task) {
   const int64_t panels = (width + kPanel - 1) / kPanel;
-  ParallelFor(pool, G * panels, 1, [&](int64_t begin, int64_t end) {
+  ParallelFor(workers, G * panels, 1, [&](int64_t begin, int64_t end) {
     float* packed = PackedPanelScratch();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t j0 = (t % panels) * kPanel;
@@ -260,9 +260,9 @@ void ForEachPanel(ffi::ThreadPool& pool, int64_t G, int64_t width, const Task& t
 // row strides depth and width; b_of(g): group g's [depth, width] matrix as a View). Rows
 // outside the groups are not written.
 template <typename MatrixOf>
-void GroupedProduct(ffi::ThreadPool& pool, const Groups& groups, const float* a, int64_t depth,
-                    const MatrixOf& b_of, int64_t width, float* c) {
-  ForEachPanel(pool, groups.size(), width, [&](int64_t g, int64_t j0, int64_t cols,
+void GroupedProduct(const CpuWorkers& workers, const Groups& groups, const float* a,
+                    int64_t depth, const MatrixOf& b_of, int64_t width, float* c) {
+  ForEachPanel(workers, groups.size(), width, [&](int64_t g, int64_t j0, int64_t cols,
                                                float* packed) {
     const int64_t rows = groups.ends[g] - groups.starts[g];
     if (rows == 0) return;
@@ -274,11 +274,11 @@ void GroupedProduct(ffi::ThreadPool& pool, const Groups& groups, const float* a,
 // c[g] [depth, width] = a_g^T @ b_g over the rows of each group g (a [., depth] and b
 // [., width] row-major); 0 for an empty group. An output of kStreamingStoreBytes or more
 // (the weights' gradient of many experts) is streamed where a group's rows are one block.
-void GroupedWeightGrad(ffi::ThreadPool& pool, const Groups& groups, const float* a,
+void GroupedWeightGrad(const CpuWorkers& workers, const Groups& groups, const float* a,
                        int64_t depth, const float* b, int64_t width, float* c) {
   const bool stream =
       groups.size() * depth * width * int64_t(sizeof(float)) >= kStreamingStoreBytes;
-  ForEachPanel(pool, groups.size(), width, [&](int64_t g, int64_t j0, int64_t cols,
+  ForEachPanel(workers, groups.size(), width, [&](int64_t g, int64_t j0, int64_t cols,
                                                float* packed) {
     const int64_t s = groups.starts[g];
     PanelProduct(View{a + s * depth, 1, depth}, View{b + s * width, width, 1}, depth,
@@ -309,8 +309,8 @@ ffi::Error CheckShape(const char* name, const Dims& dims, std::initializer_list<
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedGemmCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_sizes,
-                          bool transpose_rhs, F32Out out) {
+ffi::Error GroupedGemmCpu(ffi::ThreadPool pool, int32_t device, F32 lhs, F32 rhs,
+                          I32 group_sizes, bool transpose_rhs, F32Out out) {
   if (auto err = CheckRank(lhs, 2, "lhs"); err.failure()) return err;
   if (auto err = CheckRank(rhs, 3, "rhs"); err.failure()) return err;
   const int64_t M = lhs.dimensions()[0], K = lhs.dimensions()[1], G = rhs.dimensions()[0];
@@ -330,14 +330,14 @@ ffi::Error GroupedGemmCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_size
   AdviseHugePages(c, M * N * int64_t(sizeof(float)));
   std::fill(c + groups.rows() * N, c + M * N, 0.0f);
   const float* b = rhs.typed_data();
-  GroupedProduct(pool, groups, lhs.typed_data(), K, [&](int64_t g) {
+  GroupedProduct({pool, device}, groups, lhs.typed_data(), K, [&](int64_t g) {
     return transpose_rhs ? GroupMatrix(b, N, K, g, true) : GroupMatrix(b, K, N, g, false);
   }, N, c);
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedGemmDwCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_sizes,
-                            F32Out out) {
+ffi::Error GroupedGemmDwCpu(ffi::ThreadPool pool, int32_t device, F32 lhs, F32 rhs,
+                            I32 group_sizes, F32Out out) {
   if (auto err = CheckRank(lhs, 2, "lhs"); err.failure()) return err;
   if (auto err = CheckRank(rhs, 2, "rhs"); err.failure()) return err;
   if (auto err = CheckRank(group_sizes, 1, "group_sizes"); err.failure()) return err;
@@ -349,7 +349,8 @@ ffi::Error GroupedGemmDwCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_si
   if (auto err = CheckShape("out", out->dimensions(), {G, K, N}); err.failure()) return err;
   const Groups groups = MakeGroups(group_sizes.typed_data(), G, M);
   AdviseHugePages(out->typed_data(), G * K * N * int64_t(sizeof(float)));
-  GroupedWeightGrad(pool, groups, lhs.typed_data(), K, rhs.typed_data(), N, out->typed_data());
+  GroupedWeightGrad({pool, device}, groups, lhs.typed_data(), K, rhs.typed_data(), N,
+                    out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -359,6 +360,7 @@ ffi::Error GroupedGemmDwCpu(ffi::ThreadPool pool, F32 lhs, F32 rhs, I32 group_si
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmCpu, jax_ep::GroupedGemmCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::F32>()  // lhs [M, K]
                                   .Arg<jax_ep::F32>()  // rhs [G, K, N] or [G, N, K]
                                   .Arg<jax_ep::I32>()  // group_sizes [G]
@@ -368,6 +370,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmCpu, jax_ep::GroupedGemmCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGroupedGemmDwCpu, jax_ep::GroupedGemmDwCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::F32>()  // lhs [M, K]
                                   .Arg<jax_ep::F32>()  // rhs [M, N]
                                   .Arg<jax_ep::I32>()  // group_sizes [G]

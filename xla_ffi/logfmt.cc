@@ -144,26 +144,26 @@ void DecodeRow(const uint8_t* slot, int64_t H, T* out) {
   }
 }
 
-ffi::Error LogfmtEncodeCpu(ffi::ThreadPool pool, Any x, AnyOut wire) {
+ffi::Error LogfmtEncodeCpu(ffi::ThreadPool pool, int32_t device, Any x, AnyOut wire) {
   int64_t N, H;
   if (auto err = CheckLogfmtEncode(x, wire, &N, &H); err.failure()) return err;
   const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
   uint8_t* dst = static_cast<uint8_t*>(wire->untyped_data());
   const int64_t S = LogfmtSlotBytes(H);
-  ParallelFor(pool, N, GrainItems(S), [&](int64_t begin, int64_t end) {
+  ParallelFor({pool, device}, N, GrainItems(S), [&](int64_t begin, int64_t end) {
     IeeeDenormals ieee;
     for (int64_t t = begin; t < end; ++t) EncodeRow(src + t * H, H, dst + t * S);
   });
   return ffi::Error::Success();
 }
 
-ffi::Error LogfmtDecodeCpu(ffi::ThreadPool pool, Any wire, AnyOut out) {
+ffi::Error LogfmtDecodeCpu(ffi::ThreadPool pool, int32_t device, Any wire, AnyOut out) {
   int64_t N, H;
   if (auto err = CheckLogfmtDecode(wire, out, &N, &H); err.failure()) return err;
   const uint8_t* src = static_cast<const uint8_t*>(wire.untyped_data());
   const int64_t S = LogfmtSlotBytes(H);
   auto run = [&](auto* dst) {
-    ParallelFor(pool, N, GrainItems(S), [&](int64_t begin, int64_t end) {
+    ParallelFor({pool, device}, N, GrainItems(S), [&](int64_t begin, int64_t end) {
       IeeeDenormals ieee;
       for (int64_t t = begin; t < end; ++t) DecodeRow(src + t * S, H, dst + t * H);
     });
@@ -182,11 +182,13 @@ ffi::Error LogfmtDecodeCpu(ffi::ThreadPool pool, Any wire, AnyOut out) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLogfmtEncodeCpu, jax_ep::LogfmtEncodeCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::Any>()        // x bf16 [N, H]
                                   .Ret<jax_ep::Any>());      // wire u8[N, 2H + H/32]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpLogfmtDecodeCpu, jax_ep::LogfmtDecodeCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::Any>()        // wire u8[N, 2H + H/32]
                                   .Ret<jax_ep::Any>());      // out [N, H] f32 | bf16

@@ -421,7 +421,8 @@ class Rendezvous {
 // thread taking part, once there are kParallelGrainBytes of rows per task; small exchanges on
 // this thread alone); then completes every device's future: the calling device's here, the
 // others' each on its own thread.
-void RunExchange(ffi::ThreadPool& pool, Meeting& meeting, int64_t P, int32_t caller) {
+void RunExchange(const CpuWorkers& workers, Meeting& meeting, int64_t P) {
+  const int32_t caller = workers.device;
   const Sides& sides = meeting.sides;
   std::vector<Completion> done(sides.size());
   const std::string first_error = FirstSideError(sides);
@@ -429,7 +430,7 @@ void RunExchange(ffi::ThreadPool& pool, Meeting& meeting, int64_t P, int32_t cal
   for (const auto& side : sides) bytes += side->out_rows * side->row_bytes;
   const int64_t n = int64_t(sides.size());
   const int64_t grain = std::max<int64_t>(1, kParallelGrainBytes * n / std::max<int64_t>(bytes, 1));
-  ParallelFor(pool, n, grain, [&](int64_t begin, int64_t end) {
+  ParallelFor(workers, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const CpuSide& me = *sides[i];
       done[i].promise = me.done;
@@ -491,7 +492,7 @@ ffi::Future PeerExchangeCpu(ffi::ThreadPool pool, ffi::RunId run_id, int32_t dev
                                            int(num_devices), std::chrono::milliseconds(timeout_ms),
                                            &late);
   if (!late.error.empty()) late.Run();
-  if (meeting) RunExchange(pool, *meeting, num_ranks, device);
+  if (meeting) RunExchange({pool, device}, *meeting, num_ranks);
   return future;
 }
 

@@ -100,11 +100,11 @@ void ReduceRow(const T* src, int64_t H, const int64_t* row_of, int64_t count,
   for (int64_t h = h0; h < H; ++h) out[h] = Fp32Io<T>::Store(tail[h - h0]);
 }
 
-void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
+void GatherRowsBytes(const CpuWorkers& workers, const uint8_t* x, int64_t num_src,
                      int64_t row_bytes, const int32_t* idx, int64_t num_rows, uint8_t* out) {
   AdviseHugePages(out, num_rows * row_bytes);
   const bool streaming = num_rows * row_bytes >= kStreamingStoreBytes;
-  ParallelFor(pool, num_rows, GrainItems(row_bytes), [&](int64_t begin, int64_t end) {
+  ParallelFor(workers, num_rows, GrainItems(row_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t s = idx[r];
       const uint8_t* src = s >= 0 && s < num_src ? x + s * row_bytes : nullptr;
@@ -121,8 +121,8 @@ void GatherRowsBytes(ffi::ThreadPool& pool, const uint8_t* x, int64_t num_src,
 
 namespace {
 
-ffi::Error MultihotCpu(ffi::ThreadPool pool, I32 topk_idx, F32 topk_probs, int64_t num_experts,
-                       PredOut routing_map, F32Out probs) {
+ffi::Error MultihotCpu(ffi::ThreadPool pool, int32_t device, I32 topk_idx, F32 topk_probs,
+                       int64_t num_experts, PredOut routing_map, F32Out probs) {
   int64_t T, K;
   if (auto err = CheckMultihotArgs(topk_idx, topk_probs, num_experts, routing_map, probs, &T, &K);
       err.failure())
@@ -134,7 +134,7 @@ ffi::Error MultihotCpu(ffi::ThreadPool pool, I32 topk_idx, F32 topk_probs, int64
   bool* map = routing_map->typed_data();
   float* dense = probs->typed_data();
   const int64_t row_bytes = E * int64_t(sizeof(bool) + sizeof(float));
-  ParallelFor(pool, T, GrainItems(row_bytes), [&](int64_t begin, int64_t end) {
+  ParallelFor({pool, device}, T, GrainItems(row_bytes), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {  // clear a row, then scatter its slots while cached
       std::fill(map + t * E, map + (t + 1) * E, false);
       std::fill(dense + t * E, dense + (t + 1) * E, 0.0f);
@@ -149,9 +149,10 @@ ffi::Error MultihotCpu(ffi::ThreadPool pool, I32 topk_idx, F32 topk_probs, int64
   return ffi::Error::Success();
 }
 
-ffi::Error PermuteCpu(ffi::ThreadPool pool, Any tokens, Pred routing_map, F32 probs, int64_t pad_multiple,
-                      bool drop_and_pad, AnyOut permuted, F32Out permuted_probs,
-                      I32Out sorted_indices, I32Out tokens_per_expert, I32Out num_dropped) {
+ffi::Error PermuteCpu(ffi::ThreadPool pool, int32_t device, Any tokens, Pred routing_map,
+                      F32 probs, int64_t pad_multiple, bool drop_and_pad, AnyOut permuted,
+                      F32Out permuted_probs, I32Out sorted_indices, I32Out tokens_per_expert,
+                      I32Out num_dropped) {
   int64_t T, E, row_bytes;
   bool has_probs;
   if (auto err = CheckPermuteArgs(tokens, routing_map, probs, pad_multiple, &T, &E, &row_bytes,
@@ -167,24 +168,26 @@ ffi::Error PermuteCpu(ffi::ThreadPool pool, Any tokens, Pred routing_map, F32 pr
   PlanPermute(routing_map.typed_data(), has_probs ? probs.typed_data() : nullptr, T, E, N,
               pad_multiple, drop_and_pad, order, permuted_probs->typed_data(),
               tokens_per_expert->typed_data(), num_dropped->typed_data());
-  GatherRowsBytes(pool, static_cast<const uint8_t*>(tokens.untyped_data()), T, row_bytes,
-                  order, N, static_cast<uint8_t*>(permuted->untyped_data()));
+  GatherRowsBytes({pool, device}, static_cast<const uint8_t*>(tokens.untyped_data()), T,
+                  row_bytes, order, N, static_cast<uint8_t*>(permuted->untyped_data()));
   return ffi::Error::Success();
 }
 
-ffi::Error GatherRowsCpu(ffi::ThreadPool pool, Any x, I32 row_idx, AnyOut out) {
+ffi::Error GatherRowsCpu(ffi::ThreadPool pool, int32_t device, Any x, I32 row_idx, AnyOut out) {
   int64_t rows, width;
   RowsAndWidth(x, &rows, &width);
   int64_t row_bytes = 0;
   if (auto err = RowBytes(x.element_type(), width, "x", &row_bytes); err.failure()) return err;
   const int64_t num_rows = row_idx.element_count();
   if (auto err = CheckGatherRowsResult(x, row_bytes, num_rows, out); err.failure()) return err;
-  GatherRowsBytes(pool, static_cast<const uint8_t*>(x.untyped_data()), rows, row_bytes,
-                  row_idx.typed_data(), num_rows, static_cast<uint8_t*>(out->untyped_data()));
+  GatherRowsBytes({pool, device}, static_cast<const uint8_t*>(x.untyped_data()), rows,
+                  row_bytes, row_idx.typed_data(), num_rows,
+                  static_cast<uint8_t*>(out->untyped_data()));
   return ffi::Error::Success();
 }
 
-ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, F32 probs, AnyOut out) {
+ffi::Error UnpermuteCpu(ffi::ThreadPool pool, int32_t device, Any permuted, I32 sorted_indices,
+                        F32 probs, AnyOut out) {
   int64_t N, H;
   RowsAndWidth(permuted, &N, &H);
   int64_t T;
@@ -219,7 +222,7 @@ ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, 
     AdviseHugePages(dst, T * H * int64_t(sizeof(T_)));
     const int64_t row_bytes = H * int64_t(sizeof(T_));
     const bool streaming = T * row_bytes >= kStreamingStoreBytes;
-    ParallelFor(pool, T, GrainItems(row_bytes), [&](int64_t begin, int64_t end) {
+    ParallelFor({pool, device}, T, GrainItems(row_bytes), [&](int64_t begin, int64_t end) {
       std::vector<T_> staged(streaming ? H : 0);  // the output row before its streaming store
       for (int64_t t = begin; t < end; ++t) {
         const int64_t* row_of = rows_of_token.data() + offset[t];
@@ -244,6 +247,7 @@ ffi::Error UnpermuteCpu(ffi::ThreadPool pool, Any permuted, I32 sorted_indices, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpIndicesToMultihotCpu, jax_ep::MultihotCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::I32>()        // topk_idx [T, K]
                                   .Arg<jax_ep::F32>()        // topk_probs [T, K]
                                   .Attr<int64_t>("num_experts")
@@ -253,6 +257,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpIndicesToMultihotCpu, jax_ep::MultihotCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPermuteCpu, jax_ep::PermuteCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::Any>()        // tokens [T, H]
                                   .Arg<jax_ep::Pred>()       // routing_map [T, E]
                                   .Arg<jax_ep::F32>()        // probs [T, E] or [0]
@@ -267,6 +272,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpPermuteCpu, jax_ep::PermuteCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGatherRowsCpu, jax_ep::GatherRowsCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::Any>()        // x [S, ...]
                                   .Arg<jax_ep::I32>()        // row_idx [N]
                                   .Ret<jax_ep::Any>());      // out [N, ...]
@@ -274,6 +280,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpGatherRowsCpu, jax_ep::GatherRowsCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpUnpermuteCpu, jax_ep::UnpermuteCpu,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
                                   .Arg<jax_ep::Any>()        // permuted [N, H]
                                   .Arg<jax_ep::I32>()        // sorted_indices [N]
                                   .Arg<jax_ep::F32>()        // probs [N] or [0]
