@@ -13,6 +13,7 @@ import pytest
 from ep_utils import (AXIS, assert_param_grads_close, ep_mesh, layer_vs_dense, random_routing,
                       randomize_biases, run_ep)
 from flax import nnx
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -806,6 +807,42 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
         assert_param_grads_close(grads[0], want_grads[0], rtol=1e-5,
                                  atol=5e-5 if fell_back else 1e-6)
     assert "buffer_overflow" not in want_aux
+
+
+def _conds(jaxpr):
+    """(enclosing jaxpr, eqn) for each cond equation in jaxpr and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            yield jaxpr, eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    yield from _conds(sub.jaxpr)
+                elif isinstance(sub, jcore.Jaxpr):
+                    yield from _conds(sub)
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_bounded_forward_cond_waits_for_its_flag_and_inputs_only(backend):
+    # The fallback's cond is the forward's only one; its operands past the branch index are
+    # the inputs of bounded_forward's step (tokens, probs, ids, the two expert weights), none
+    # computed in it: a cond taking the bounded path's output (to pass it on) made XLA:CPU
+    # hold the step at that point (5-7% of the hybridep E = 8 step).
+    mesh = _mesh()
+    cfg = jax_ep.TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2,
+                                       moe_flex_dispatcher_backend=backend,
+                                       moe_permute_fusion=True, dropless_buffer_factor=2.0)
+    layer = shard_params(MoELayer(cfg, 16, 32, rngs=nnx.Rngs(0), mesh=mesh), mesh)
+    graphdef, state = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(0), (16, 8, 16))
+    with jax.set_mesh(mesh):
+        closed = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x)[0])(state, x)
+    (outer, eqn), = _conds(closed.jaxpr)
+    produced = {v for e in outer.eqns for v in e.outvars}
+    operands = eqn.invars[1:]
+    assert [v.aval.shape for v in operands] == [(16, 16), (16, 2), (16, 2), (2, 16, 64),
+                                                 (2, 32, 16)]
+    assert all(v in outer.invars and v not in produced for v in operands)
 
 
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])

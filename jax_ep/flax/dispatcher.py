@@ -641,11 +641,18 @@ class MoEFlexTokenDispatcher(nnx.Module):
                     jax.tree.map(lambda d, w: d.astype(w.dtype), d_params, params))
 
         def choose(y, dropped, hidden, probs, indices, params):
-            """The bounded path's y, or the fallback's where any device dropped."""
+            """The bounded path's y, or the fallback's where any device dropped. The cond takes
+            the flag and the inputs, not y (its other branch gives zeros and a select picks):
+            XLA:CPU runs it once the flag is known, beside the rest of the bounded path; a
+            cond that waited for y to pass it on cost the hybridep E = 8 step 5-7% (bench_moe,
+            against the ragged_buffer_factor twin, benchmarks/RESULTS.md session 32)."""
             # named as the counts are: a remat policy saving "ep_counts" keeps the branch taken
             overflow = checkpoint_name(jax.lax.psum(dropped, axes) > 0, transport.COUNTS_NAME)
-            y, dropped = jax.lax.cond(overflow, fallback, lambda *_: (y, dropped),
-                                      hidden, probs, indices, params)
+            y_fallback, dropped_fallback = jax.lax.cond(
+                overflow, fallback, lambda *_: (jnp.zeros_like(y), jnp.zeros_like(dropped)),
+                hidden, probs, indices, params)
+            y = jnp.where(overflow, y_fallback, y)
+            dropped = jnp.where(overflow, dropped_fallback, dropped)
             return (y, overflow.astype(jnp.int32), dropped), overflow
 
         @jax.custom_vjp
