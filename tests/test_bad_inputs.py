@@ -817,6 +817,13 @@ def _helper_cases():
         # S: transposed ids read as 2 tokens of 4 slots
         "capacity_drop transposed ids": (lambda: router.capacity_drop(
             jnp.ones((K, T)), ids.T, cfg), r"ids: expected integer expert ids \[T, "),
+        # S: ids >= E (and -1) passed through as routed
+        "capacity_drop ids E": (lambda: router.capacity_drop(
+            jnp.ones((T, K)), ids.at[0, 1].set(E), cfg),
+            r"ids: expected expert ids in \[0, 8\), got 8"),
+        "capacity_drop ids -1": (lambda: router.capacity_drop(
+            jnp.ones((T, K)), ids.at[2, 0].set(-1), cfg),
+            r"ids: expected expert ids in \[0, 8\), got -1"),
         # S: k = 0 and k = True
         "qb_dual_update k 0": (lambda: router.qb_dual_update(logits, 0, jnp.zeros(E)),
                                "k: expected an int > 0"),

@@ -391,7 +391,8 @@ def route(logits, cfg: MoEConfig, expert_bias=None, training=True):
 def capacity_drop(probs, ids, cfg: MoEConfig):
     """moe_expert_capacity_factor with moe_token_drop_policy on one device's T tokens: each
     expert keeps at most ceil(T*K/E * factor) of its (token, slot)s. probs [T,K], ids i32[T,K]
-    -> (probs with dropped slots 0, ids with dropped slots -1, dropped i32[E] per expert)."""
+    -> (probs with dropped slots 0, ids with dropped slots -1, dropped i32[E] per expert).
+    Concrete ids outside [0, E) are refused (traced ones are not read)."""
     _check_config(cfg)
     _checks.check_rank(ids, 2, "ids")
     if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] != cfg.moe_router_topk:
@@ -400,6 +401,7 @@ def capacity_drop(probs, ids, cfg: MoEConfig):
     _checks.check_shape(probs, ids.shape, "probs")
     _checks.check_float_weights(probs, "probs")
     E = cfg.num_moe_experts
+    _check_concrete_ids(ids, E, "ids")
     if cfg.moe_expert_capacity_factor is None:
         return probs, ids, jnp.zeros((E,), jnp.int32)
     capacity = deepep.expert_capacity(ids.shape[0], cfg.moe_router_topk, E,
