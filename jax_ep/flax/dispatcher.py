@@ -641,13 +641,20 @@ class MoEFlexTokenDispatcher(nnx.Module):
                     jax.tree.map(lambda d, w: d.astype(w.dtype), d_params, params))
 
         def choose(y, dropped, hidden, probs, indices, params):
-            """The bounded path's y, or the fallback's where any device dropped. The cond takes
-            the flag and the inputs, not y (its other branch gives zeros and a select picks):
-            XLA:CPU runs it once the flag is known, beside the rest of the bounded path; a
-            cond that waited for y to pass it on cost the hybridep E = 8 step 5-7% (bench_moe,
-            against the ragged_buffer_factor twin, benchmarks/RESULTS.md session 32)."""
+            """The bounded path's y, or the fallback's where any device dropped. Two forms of
+            the same choice, each the faster one of its backend on XLA:CPU (E = 8 step of 8
+            devices on 2 cores, against the ragged_buffer_factor twin in one process, five
+            runs, benchmarks/RESULTS.md session 32): HybridEP's cond takes the flag and the
+            inputs only (its other branch gives zeros, a select picks y), so it runs once the
+            flag is known (1.07-1.09x the twin, 1.09-1.13x with y through the cond); the
+            deepep family's cond takes y and passes it on (0.93-0.98x, 0.99-1.02x the other
+            way)."""
             # named as the counts are: a remat policy saving "ep_counts" keeps the branch taken
             overflow = checkpoint_name(jax.lax.psum(dropped, axes) > 0, transport.COUNTS_NAME)
+            if self.backend != "hybridep":
+                y, dropped = jax.lax.cond(overflow, fallback, lambda *_: (y, dropped),
+                                          hidden, probs, indices, params)
+                return (y, overflow.astype(jnp.int32), dropped), overflow
             y_fallback, dropped_fallback = jax.lax.cond(
                 overflow, fallback, lambda *_: (jnp.zeros_like(y), jnp.zeros_like(dropped)),
                 hidden, probs, indices, params)
