@@ -20,7 +20,7 @@ LAYER1="tests/test_layout.py tests/test_permute.py tests/test_fp8.py tests/test_
 PY312_FILES="tests/test_ffi_contract.py tests/test_cuda_emu.py tests/test_ragged_transport.py
   tests/test_compiled_program.py tests/test_internode.py tests/test_flax.py tests/test_training.py
   tests/test_buffer.py tests/test_checkpoint.py tests/test_peer_transport.py
-  tests/test_remat_names.py tests/test_replicated_inputs.py
+  tests/test_remat_names.py tests/test_replicated_inputs.py tests/test_cpu_pool.py
   tests/test_grouped_matmul.py::test_grouped_matmul_inside_shard_map_with_replicated_weights
   tests/test_grouped_matmul.py::test_grouped_matmul_gradients_under_vmap_with_batched_group_sizes
   tests/test_grouped_matmul.py::test_swiglu_per_device_groups_in_shard_map_and_under_vmap
