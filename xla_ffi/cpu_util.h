@@ -155,7 +155,7 @@ inline ffi::Error DispatchFloat(ffi::DataType dtype, const char* name, Fn&& fn) 
 // least as many devices as the pool has threads
 // (--xla_force_host_platform_device_count at or past the cores), the devices' own programs
 // keep every core busy and a shared chunk only queues behind them and spins (measured: the
-// E = 8 layer step of 8 devices on 2 cores 4-10% faster with every chunk on its caller;
+// E = 8 layer step of 8 devices on 2 cores 3-10% faster with every chunk on its caller;
 // benchmarks/RESULTS.md, session 32). kAuto shares while the handlers have run for fewer
 // distinct devices than the pool has threads.
 enum class PoolHelperMode : int { kAuto = 0, kAlways = 1, kNever = 2 };
