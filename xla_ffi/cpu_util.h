@@ -198,12 +198,14 @@ inline int32_t NoteDevice(int32_t device) {
   return state.devices_seen.load(std::memory_order_relaxed);
 }
 
-// Records the call's device and says whether ParallelFor may hand chunks to the pool.
-inline bool SharesWithPool(const CpuWorkers& workers) {
+// Records the call's device and says whether ParallelFor may hand chunks to a pool of
+// `threads` threads.
+inline bool SharesWithPool(int32_t device, int64_t threads) {
   PoolHelperState& state = PoolHelpers();
-  const int32_t seen = NoteDevice(workers.device);
-  const int64_t threads = workers.pool.num_threads();
-  state.pool_threads.store(threads, std::memory_order_relaxed);
+  const int32_t seen = NoteDevice(device);
+  if (state.pool_threads.load(std::memory_order_relaxed) != threads) {
+    state.pool_threads.store(threads, std::memory_order_relaxed);
+  }
   switch (PoolHelperMode(state.mode.load(std::memory_order_relaxed))) {
     case PoolHelperMode::kAlways:
       return true;
@@ -221,11 +223,12 @@ inline bool SharesWithPool(const CpuWorkers& workers) {
 template <typename Fn>
 void ParallelFor(const CpuWorkers& workers, int64_t n, int64_t grain, const Fn& fn) {
   ffi::ThreadPool pool = workers.pool;
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((n + grain - 1) / grain,
-                                                                4 * pool.num_threads()));
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
+  const int64_t threads = pool.num_threads();
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>((n + grain - 1) / grain, 4 * threads));
+  int64_t helpers = std::min<int64_t>(threads, chunks - 1);
   if (n <= 0) return;
-  if (helpers > 0 && !SharesWithPool(workers)) {
+  if (helpers > 0 && !SharesWithPool(workers.device, threads)) {
     PoolHelpers().inline_calls.fetch_add(1, std::memory_order_relaxed);
     helpers = 0;
   }

@@ -6,7 +6,6 @@ moe_utils names where it has them. The MoE layer sums the pieces over the mesh
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
