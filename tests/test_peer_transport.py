@@ -608,8 +608,9 @@ def test_many_executions_in_flight_meet_by_run_or_fail_within_the_bound(monkeypa
     # 64 calls of a one-exchange program dispatched before any is waited for: each execution's
     # devices meet by its run id, so every result is its own input's exchange. XLA:CPU may not
     # run every device's part of an execution while the others hold its threads (measured: 32
-    # in flight complete, 64 often do not; XLA's own psum stalls the same way): then the
-    # meeting fails after the bound, naming that cause. Never a hang, never crossed rows.
+    # in flight always complete; of 64, 2-3 meetings often never fill; XLA's own psum stalls
+    # the same way): such a meeting fails after the bound, naming that cause. Never a hang,
+    # never crossed rows.
     monkeypatch.setenv(transport.PEER_TIMEOUT_ENV, "1")
     mesh = ep_mesh(NUM_RANKS)
 
