@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -188,3 +189,17 @@ def randomize_biases(*layers, scale=0.5):
         for seed, name in enumerate(("router_bias", "b_gate_up", "b_down")):
             v = getattr(layer, name)
             v[...] = jax.random.normal(jax.random.key(40 + seed), v.shape) * scale
+
+
+def nested_eqns(jaxpr):
+    """(enclosing jaxpr, eqn) for every equation of jaxpr and of the jaxprs inside its
+    equations (cond branches, scan / while bodies, custom_vjp and shard_map bodies), outermost
+    first."""
+    for eqn in jaxpr.eqns:
+        yield jaxpr, eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    yield from nested_eqns(sub.jaxpr)
+                elif isinstance(sub, jcore.Jaxpr):
+                    yield from nested_eqns(sub)

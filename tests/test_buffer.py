@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ep_utils import AXIS, deepep_layout, ep_mesh, random_routing, run_ep
+from ep_utils import AXIS, deepep_layout, ep_mesh, nested_eqns, random_routing, run_ep
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -780,17 +780,8 @@ def test_low_latency_logfmt_combine_equals_functional_api():
 
 def _all_to_all_bytes(jaxpr):
     """Bytes of the operands and results of every all_to_all in a (nested) jaxpr."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "all_to_all":
-            for v in list(eqn.invars) + list(eqn.outvars):
-                total += v.aval.size * v.aval.dtype.itemsize
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    total += _all_to_all_bytes(inner)
-    return total
+    return sum(v.aval.size * v.aval.dtype.itemsize for _, eqn in nested_eqns(jaxpr)
+               if eqn.primitive.name == "all_to_all" for v in [*eqn.invars, *eqn.outvars])
 
 
 def test_low_latency_rdma_size_hint_is_deepeps():

@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from ep_utils import (AXIS, assert_param_grads_close, ep_mesh, layer_vs_dense, random_routing,
-                      randomize_biases, run_ep)
+from ep_utils import (AXIS, assert_param_grads_close, ep_mesh, layer_vs_dense, nested_eqns,
+                      random_routing, randomize_biases, run_ep)
 from flax import nnx
-from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -809,19 +808,6 @@ def test_dropless_buffer_factor_drops_nothing_and_falls_back_when_routing_overfl
     assert "buffer_overflow" not in want_aux
 
 
-def _conds(jaxpr):
-    """(enclosing jaxpr, eqn) for each cond equation in jaxpr and the jaxprs inside it."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
-            yield jaxpr, eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    yield from _conds(sub.jaxpr)
-                elif isinstance(sub, jcore.Jaxpr):
-                    yield from _conds(sub)
-
-
 @pytest.mark.parametrize("backend", ["deepep", "uccl_ep", "hybridep"])
 def test_bounded_forward_cond_takes_what_its_backend_was_measured_fastest_with(backend):
     # The fallback's cond is the forward's only one. HybridEP's takes the inputs of
@@ -838,7 +824,7 @@ def test_bounded_forward_cond_takes_what_its_backend_was_measured_fastest_with(b
     x = jax.random.normal(jax.random.key(0), (16, 8, 16))
     with jax.set_mesh(mesh):
         closed = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x)[0])(state, x)
-    (outer, eqn), = _conds(closed.jaxpr)
+    (outer, eqn), = [(j, e) for j, e in nested_eqns(closed.jaxpr) if e.primitive.name == "cond"]
     produced = {v for e in outer.eqns for v in e.outvars}
     inputs = [v for v in eqn.invars[1:] if v in outer.invars and v not in produced]
     computed = [v.aval.shape for v in eqn.invars[1:] if v in produced]

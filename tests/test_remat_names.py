@@ -13,13 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import deepep
-from ep_utils import AXIS, ep_mesh, random_routing
+from ep_utils import AXIS, ep_mesh, nested_eqns, random_routing
 
 NAMES = ("ep_counts", "ep_dispatch", "ep_combine")
 COLLECTIVES = ("all_to_all", "all_gather", "ragged_all_to_all", "psum", "psum_invariant",
@@ -29,18 +28,12 @@ T, H, K, E = 6, 512, 2, 8  # H: FP8 (128) and LogFMT (512) need its multiples
 
 def _collectives(jaxpr, counts):
     """Collective equations (and peer exchange custom calls) in jaxpr and its sub-jaxprs."""
-    for eqn in jaxpr.eqns:
+    for _, eqn in nested_eqns(jaxpr):
         name = eqn.primitive.name
         if name in COLLECTIVES:
             counts[name] += 1
         elif name == "ffi_call" and "peer" in str(eqn.params.get("target_name")):
             counts["peer"] += 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(sub, jcore.ClosedJaxpr):
-                    _collectives(sub.jaxpr, counts)
-                elif isinstance(sub, jcore.Jaxpr):
-                    _collectives(sub, counts)
     return counts
 
 

@@ -646,20 +646,20 @@ class MoEFlexTokenDispatcher(nnx.Module):
             devices on 2 cores, against the ragged_buffer_factor twin in one process, five
             runs, benchmarks/RESULTS.md session 32): HybridEP's cond takes the flag and the
             inputs only (its other branch gives zeros, a select picks y), so it runs once the
-            flag is known (1.07-1.09x the twin, 1.09-1.13x with y through the cond); the
-            deepep family's cond takes y and passes it on (0.93-0.98x, 0.99-1.02x the other
+            flag is known (1.06-1.11x the twin, 1.09-1.13x with y through the cond); the
+            deepep family's cond takes y and passes it on (0.93-0.98x, 0.99-1.04x the other
             way)."""
             # named as the counts are: a remat policy saving "ep_counts" keeps the branch taken
             overflow = checkpoint_name(jax.lax.psum(dropped, axes) > 0, transport.COUNTS_NAME)
             if self.backend != "hybridep":
                 y, dropped = jax.lax.cond(overflow, fallback, lambda *_: (y, dropped),
                                           hidden, probs, indices, params)
-                return (y, overflow.astype(jnp.int32), dropped), overflow
-            y_fallback, dropped_fallback = jax.lax.cond(
-                overflow, fallback, lambda *_: (jnp.zeros_like(y), jnp.zeros_like(dropped)),
-                hidden, probs, indices, params)
-            y = jnp.where(overflow, y_fallback, y)
-            dropped = jnp.where(overflow, dropped_fallback, dropped)
+            else:
+                y_fallback, dropped_fallback = jax.lax.cond(
+                    overflow, fallback, lambda *_: (jnp.zeros_like(y), jnp.zeros_like(dropped)),
+                    hidden, probs, indices, params)
+                y = jnp.where(overflow, y_fallback, y)
+                dropped = jnp.where(overflow, dropped_fallback, dropped)
             return (y, overflow.astype(jnp.int32), dropped), overflow
 
         @jax.custom_vjp
